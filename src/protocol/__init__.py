@@ -1,0 +1,31 @@
+"""The contracts: parameters, outputs, errors, messages, the wire codec and EngineClient.
+
+Nothing in this package imports torch or trio.
+"""
+
+from .errors import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineStartupError,
+    LegatoError,
+    PromptTooLongError,
+    ValidationError,
+)
+from .outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
+from .params import PoolingParams, RequestOutputKind, SamplingParams
+
+__all__ = [
+    "CompletionOutput",
+    "EngineDeadError",
+    "EngineGenerateError",
+    "EngineStartupError",
+    "LegatoError",
+    "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "PromptTooLongError",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "ValidationError",
+]

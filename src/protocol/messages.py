@@ -1,0 +1,267 @@
+"""Messages between actors and processes, batched per step, never per token.
+
+Plain dataclasses; ``wire.py`` encodes each one explicitly for process
+boundaries. Field types are part of the contract: the codec checks them.
+
+The flow of one engine step:
+
+    EngineRequest ──► scheduler ──SchedulerOutput──► model runner
+    model runner ──ModelRunnerOutput──► scheduler ──EngineCoreOutputs──► detokenizer
+
+Never imports torch or trio.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped. ``str()`` gives the OpenAI / vLLM spelling."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the caller, a pause(mode="abort") or a disconnect
+    ERROR = 3  # this request failed; the engine itself is healthy
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass
+class EngineRequest:
+    """A rendered, validated request as the scheduler admits it.
+
+    For n>1 the engine fans a parent request out into n children whose
+    ``parent_id`` is the caller's id and whose ``index`` is 0..n-1.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    eos_token_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    parent_id: str | None = None
+    index: int = 0
+
+
+# ------------------------------------------------------- scheduler -> runner
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen (or must rebuild after preemption).
+
+    ``output_token_ids`` is non-empty only for a request resumed after a
+    preemption: the tokens it had already generated, recomputed as prompt.
+    ``block_ids`` is the request's whole block table so far.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """What changed for a request the runner already holds.
+
+    ``new_token_ids`` are the sampled tokens the scheduler accepted since the
+    request was last scheduled (the runner appends them to its own copy);
+    ``new_block_ids`` are appended to its block table.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: which requests compute how many tokens.
+
+    ``num_scheduled_tokens[id]`` tokens are computed for each scheduled request,
+    starting at its ``num_computed_tokens``. A request whose scheduled tokens
+    reach the end of its known tokens gets one sampled token back; a partial
+    prefill chunk gets none. ``finished_req_ids`` and ``preempted_req_ids``
+    tell the runner which per-request state to drop.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ------------------------------------------------------- runner -> scheduler
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token first, then the top-k.
+
+    ``ranks[i]`` is the 1-based rank of ``token_ids[i]`` in the full distribution.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens per scheduled request for one step.
+
+    ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: one token, or none for a
+    partial prefill chunk. ``logprobs`` (requests that asked) holds one entry
+    per sampled token; ``prompt_logprobs`` holds one entry per prompt position
+    computed this step (None for the first prompt token).
+    """
+
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+# ------------------------------------------------- scheduler -> detokenizer
+
+
+@dataclass
+class SchedulerStats:
+    """Per-step figures for metrics and the log line."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up this step
+    prefix_cache_hits: int = 0  # tokens found this step
+    num_preempted: int = 0  # preemptions this step
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+@dataclass
+class EngineCoreOutput:
+    """What happened to one request in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # set with FinishReason.ERROR
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Every request's news from one step."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    scheduler_stats: SchedulerStats | None = None
+
+
+# ----------------------------------------------------------------- control
+
+
+class PauseMode(enum.IntEnum):
+    ABORT = 0  # finish every in-flight request with reason abort
+    WAIT = 1  # admit nothing new, let in-flight requests finish
+    KEEP = 2  # freeze everything until resume
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class PauseGeneration:
+    mode: PauseMode
+
+
+@dataclass
+class ResumeGeneration:
+    pass
+
+
+@dataclass
+class Sleep:
+    level: int = 1  # 1: drop the KV cache; 2: also drop the weights
+
+
+@dataclass
+class WakeUp:
+    tags: list[str] | None = None  # None: everything; else subset of "weights", "kv_cache"
+
+
+@dataclass
+class ResetPrefixCache:
+    reset_running_requests: bool = False
+
+
+@dataclass
+class Profile:
+    start: bool  # True: start a trace; False: stop and write it
+    trace_dir: str | None = None
+
+
+@dataclass
+class HealthPing:
+    seq: int
+    sent_time: float
+
+
+@dataclass
+class HealthPong:
+    seq: int
+    sent_time: float
+
+
+@dataclass
+class UtilityCall:
+    """Call a named method on the worker(s); answered by UtilityResult."""
+
+    call_id: int
+    method: str
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: str | None = None  # set when the call raised; the message of the error

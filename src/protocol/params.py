@@ -1,0 +1,229 @@
+"""Request parameters: SamplingParams, PoolingParams and RequestOutputKind.
+
+Fields, names and defaults follow vLLM's ``SamplingParams`` so code written
+against vLLM carries over. Every rule is checked at construction and a
+violation raises ``ValueError`` naming the field.
+
+Never imports torch or trio.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """How a stream reports progress."""
+
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # a single output, when the request finishes
+
+
+def _fail(field_name: str, message: str) -> ValueError:
+    return ValueError(f"{field_name}: {message}")
+
+
+def _check_token_ids(field_name: str, ids: Sequence[int]) -> list[int]:
+    out: list[int] = []
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise _fail(field_name, f"token ids must be integers, got {token_id!r}")
+        if token_id < 0:
+            raise _fail(field_name, f"token ids must be non-negative, got {token_id}")
+        out.append(token_id)
+    return out
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion(s). Mirrors vLLM's fields.
+
+    ``max_tokens=None`` means "up to the model's context limit". ``stop`` may be
+    a string or a list of strings and is stored as a list. ``best_of`` and
+    ``logits_processors`` are accepted only at their defaults: this engine does
+    not implement them and says so instead of silently ignoring them.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: list[Callable[..., Any]] | None = None
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    extra_args: dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is not None:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise _fail("output_kind", f"unknown output kind {self.output_kind!r}") from None
+        if 0 <= self.temperature < _SAMPLING_EPS:
+            # Greedy: the truncation knobs have no effect; normalise them as vLLM does.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.validate()
+
+    @property
+    def sampling_type_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return set(self.stop_token_ids or ())
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that breaks a rule."""
+        _int("n", self.n, minimum=1)
+        if self.best_of is not None and self.best_of != self.n:
+            raise _fail("best_of", "is not supported (use n); only best_of == n is accepted")
+        _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _num("repetition_penalty", self.repetition_penalty, None, None)
+        if self.repetition_penalty <= 0.0:
+            raise _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        _num("temperature", self.temperature, 0.0, None)
+        _num("top_p", self.top_p, None, None)
+        if not 0.0 < self.top_p <= 1.0:
+            raise _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k, minimum=-1)
+        _num("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _int("seed", self.seed, minimum=None)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, minimum=1)
+        _int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _fail(
+                "min_tokens",
+                f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, minimum=-1)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, minimum=-1)
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
+        if self.stop is not None:
+            for s in self.stop:
+                if not isinstance(s, str) or not s:
+                    raise _fail("stop", f"stop strings must be non-empty strings, got {s!r}")
+        if self.stop and not self.detokenize:
+            raise _fail("stop", "stop strings need detokenize=True")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise _fail("allowed_token_ids", "must not be empty")
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.logit_bias is not None:
+            _check_token_ids("logit_bias", list(self.logit_bias))
+            for bias in self.logit_bias.values():
+                if bias != bias or abs(bias) == float("inf"):
+                    raise _fail("logit_bias", f"biases must be finite, got {bias}")
+        if self.bad_words is not None:
+            for word in self.bad_words:
+                if not isinstance(word, str) or not word:
+                    raise _fail("bad_words", f"must be non-empty strings, got {word!r}")
+        if self.logits_processors is not None:
+            for proc in self.logits_processors:
+                if not callable(proc):
+                    raise _fail("logits_processors", f"must be callables, got {proc!r}")
+            if self.logits_processors:
+                raise _fail(
+                    "logits_processors",
+                    "per-request logits processors are not supported by this engine",
+                )
+
+    def validate_against_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id named in the params is outside the vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
+            for token_id in ids:
+                if token_id >= vocab_size:
+                    raise _fail(name, f"token id {token_id} is outside the vocabulary ({vocab_size})")
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields replaced (validated again)."""
+        values = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        values.update(changes)
+        for key in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            if isinstance(values[key], list):
+                values[key] = list(values[key])
+        if isinstance(values["logit_bias"], dict):
+            values["logit_bias"] = dict(values["logit_bias"])
+        return SamplingParams(**values)
+
+
+@dataclass
+class PoolingParams:
+    """Parameters for ``encode`` (pooling) requests."""
+
+    task: str = "embed"
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.task not in ("embed", "classify", "score", "encode"):
+            raise _fail("task", f"unknown pooling task {self.task!r}")
+        if self.dimensions is not None:
+            _int("dimensions", self.dimensions, minimum=1)
+
+
+def _int(name: str, value: object, *, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise _fail(name, f"must be >= {minimum}, got {value}")
+
+
+def _num(name: str, value: object, low: float | None, high: float | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(name, f"must be a number, got {value!r}")
+    if value != value:
+        raise _fail(name, "must not be NaN")
+    if low is not None and value < low:
+        raise _fail(name, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise _fail(name, f"must be <= {high}, got {value}")
