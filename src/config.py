@@ -1,0 +1,94 @@
+"""EngineConfig: the one frozen configuration object passed down to every part.
+
+Names follow vLLM's engine arguments wherever vLLM has the concept. Fields the
+engine can only know after loading the model (``max_model_len``,
+``num_kv_blocks``) may be None here; the engine resolves them once the model
+runner reports, with :meth:`EngineConfig.resolved`, before the scheduler starts.
+
+Never imports torch or trio.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF checkpoint dir; None = the embedded toy model
+    tokenizer: str | None = None  # tokenizer dir if not the model dir
+    dtype: DType = "auto"
+    device: Device = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # vLLM: num_gpu_blocks_override
+    kv_cache_memory: int | None = None  # bytes, when no block count is given
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    executor: Literal["process", "inproc"] = "process"
+    enforce_eager: bool = False
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    disable_log_stats: bool = False
+    log_stats_interval: float = 10.0
+    profile_dir: str | None = None
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: unknown dtype {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: unknown device {self.device!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: unknown policy {self.scheduling_policy!r}")
+        if self.executor not in ("process", "inproc"):
+            raise ValueError(f"executor: unknown executor {self.executor!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r}")
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout: must exceed heartbeat_interval > 0")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    "max_num_batched_tokens: must be >= max_model_len without chunked prefill"
+                )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from engine keyword arguments; an unknown name is a clear TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    def resolved(self, *, max_model_len: int, num_kv_blocks: int) -> EngineConfig:
+        """A copy with the values learnt from the loaded model filled in."""
+        return dataclasses.replace(self, max_model_len=max_model_len, num_kv_blocks=num_kv_blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
