@@ -265,3 +265,36 @@ class UtilityResult:
     call_id: int
     result: Any = None
     error: str | None = None  # set when the call raised; the message of the error
+
+
+# ------------------------------------------------------ executor <-> worker
+
+
+@dataclass
+class WorkerInit:
+    """First frame to a worker process: what to load."""
+
+    config: dict[str, Any]  # EngineConfig.to_dict(), with model resolved to a path
+    inject_fault: dict[str, Any] | None = None  # chaos testing: see legato.testing.chaos
+
+
+@dataclass
+class WorkerReady:
+    """The worker's answer to WorkerInit once the model is loaded."""
+
+    pid: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+
+
+@dataclass
+class WorkerError:
+    """The worker could not do what a frame asked; ``fatal`` means it will exit."""
+
+    message: str
+    error_type: str
+    fatal: bool = False

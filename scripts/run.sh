@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run legato's main job on the embedded toy model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec "${LEGATO_VENV:-.venv}/bin/legato" "${@:-demo}"

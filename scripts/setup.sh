@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create .venv and install legato with its test extras. Idempotent and fast when
+# nothing changed: a stamp records the hash of the files that decide the install.
+#
+# torch is installed first: on a machine without CUDA the local CPU wheel
+# (torch==2.13.0), pinned by constraints/cpu.txt so nothing later pulls the CUDA
+# build. With an NVIDIA GPU, pip's default torch is used.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${LEGATO_VENV:-.venv}
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    TORCH_SPEC="torch"
+    CONSTRAINTS=()
+else
+    TORCH_SPEC="torch==2.13.0"
+    CONSTRAINTS=(-c constraints/cpu.txt)
+fi
+
+STAMP="$VENV/.legato-setup-stamp"
+WANT=$(cat pyproject.toml constraints/cpu.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)-$TORCH_SPEC
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+    exit 0
+fi
+
+echo "legato setup: creating $VENV and installing (one-time, ~1 min)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q "$TORCH_SPEC" "${CONSTRAINTS[@]}" 2>&1 | { grep -v "is ignored" >&2 || true; }
+"$VENV/bin/python" -m pip install -q "${CONSTRAINTS[@]}" -e ".[test]" 2>&1 | { grep -v "is ignored" >&2 || true; }
+"$VENV/bin/python" -c "import legato, torch" # fail loudly if the install did not work
+echo "$WANT" > "$STAMP"
