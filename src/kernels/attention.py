@@ -1,0 +1,572 @@
+"""Paged attention in Triton: flash-decoding for decode, online-softmax tiles for prefill.
+
+Same contract as :func:`legato.kernels.reference.paged_attention` (flat batch,
+``query_start_loc`` / ``seq_lens``, causal, GQA, paged KV cache
+``[num_blocks, block_size, num_kv_heads, head_dim]``). :func:`paged_attention`
+dispatches: every sequence with query length <= 1 goes to the decode kernels
+(:func:`paged_attention_decode`), anything else to the prefill kernel
+(:func:`paged_attention_prefill`), which handles mixed batches of prefills,
+chunked prefills after a cached prefix, and decodes.
+
+Both kernels are GQA-aware: one program handles all query heads that share a
+kv head, so every K/V tile is read once per group. Scores use ``exp2`` with
+``scale * log2(e)`` folded in; softmax state and accumulators are fp32.
+Products run on ``tl.dot``: in the cache dtype (fp16/bf16) with fp32
+accumulation on a GPU, in fp32 (``ieee``) for fp32 caches and for bf16 under
+the interpreter, whose bf16 arithmetic is broken. ``head_dim`` is padded to a
+power of two with masks (so 80, 96 ... work); it must be at least 16.
+
+Imports triton at module import: import this module only through
+:func:`legato.kernels.get_kernels` or after ``TRITON_INTERPRET`` is decided.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_interpreting
+
+__all__ = ["paged_attention", "paged_attention_decode", "paged_attention_prefill"]
+
+_LOG2E = 1.4426950408889634
+_DECODE_BLOCK_N = 64  # KV tokens per decode tile
+_MIN_SPLIT_TOKENS = 128  # a decode split is never shorter than this (unless forced)
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 8
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the attention products must run in fp32 rather than in ``dtype``."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and triton_interpreting())
+
+
+def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError("query must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]")
+    if key_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError("head_dim mismatch or num_heads not a multiple of num_kv_heads")
+    if head_dim < 16:
+        raise ValueError("the Triton attention kernels need head_dim >= 16")
+    if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
+        raise ValueError("the head dimension must be contiguous in query and caches")
+
+
+# --------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    split_tokens,
+    num_splits,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+):
+    """Decode, pass 1: one (sequence, kv head, context split) per program.
+
+    Grid ``(num_seqs, num_kv_heads, num_splits)``. The program loads the
+    ``GROUP`` query heads of its kv head as a ``[BLOCK_G, BLOCK_D]`` tile (rows
+    padded to >= 16 for ``tl.dot``), walks its split ``[s*split_tokens,
+    min((s+1)*split_tokens, seq_len))`` in ``BLOCK_N``-token tiles gathered
+    through the block table, and keeps an online softmax. With one split it
+    writes the normalised output; otherwise the unnormalised ``acc`` and its
+    ``(max, sum)`` in the log2 domain go to the partial buffers
+    ``[num_seqs, num_heads, num_splits(, head_dim)]`` for the reduce pass.
+    Sequences whose query length is not 1 are skipped.
+    """
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = split * split_tokens
+    if (q_end - q_row == 1) & (lo < seq_len):
+        hi = tl.minimum(lo + split_tokens, seq_len)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + offs_g
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        q_mask = g_mask[:, None] & d_mask[None, :]
+        q = tl.load(
+            q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        else:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(lo, hi, BLOCK_N):
+            tokens = start + offs_n
+            n_mask = tokens < hi
+            blocks = tl.load(table_row + tokens // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = tokens % PAGE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_offs = blocks * stride_kb + in_page * stride_kt + kvh * stride_kh
+            k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_offs = blocks * stride_vb + in_page * stride_vt + kvh * stride_vh
+            v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        if SINGLE_SPLIT:
+            out = acc / l_i[:, None]
+            o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+            tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+            tl.store(part_m_ptr + part, m_i, mask=g_mask)
+            tl.store(part_l_ptr + part, l_i, mask=g_mask)
+            acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(acc_ptrs, acc, mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    split_tokens,
+    num_splits,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Decode, pass 2: merge the splits of one (sequence, query head) per program.
+
+    Grid ``(num_seqs, num_heads)``. Reads the ``cdiv(seq_len, split_tokens)``
+    non-empty partials as a ``[BLOCK_S, BLOCK_D]`` tile, rescales each by
+    ``exp2(m_s - max)`` and writes ``sum(acc_s * w_s) / sum(l_s * w_s)``.
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq)
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    if q_end - q_row == 1:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        used = (seq_len + split_tokens - 1) // split_tokens
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_mask = offs_s < used
+        d_mask = offs_d < HEAD_DIM
+        part = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s
+        m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(s_mask, tl.exp2(m - m_max), 0.0)
+        denom = tl.sum(l_s * w, axis=0)
+        acc = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        out = tl.sum(acc * w[:, None], axis=0) / denom
+        o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _plan_splits(
+    num_seqs: int, num_kv_heads: int, max_ctx: int, device: torch.device
+) -> tuple[int, int]:
+    """``(num_splits, split_tokens)`` so that the grid fills the device about twice over."""
+    target_programs = 2 * _multiprocessor_count(device)
+    wanted = triton.cdiv(target_programs, max(1, num_seqs * num_kv_heads))
+    splits = max(1, min(wanted, triton.cdiv(max_ctx, _MIN_SPLIT_TOKENS)))
+    split_tokens = triton.cdiv(triton.cdiv(max_ctx, splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    return triton.cdiv(max_ctx, split_tokens), split_tokens
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    split_tokens: int | None = None,
+) -> torch.Tensor:
+    """Paged attention for a batch where every sequence has query length 1 (or 0).
+
+    Same contract as the reference. ``max_seq_len`` (host-side upper bound of
+    ``seq_lens``; default ``block_tables.shape[1] * block_size``) sizes the
+    context splits; ``split_tokens`` forces the split length (rounded up to the
+    64-token tile), mainly for tests. Sequences with query length other than 1
+    are left unwritten. Never syncs with the device.
+    """
+    _check_inputs(query, key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    _, page, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    max_ctx = max(1, max_seq_len if max_seq_len is not None else block_tables.shape[1] * page)
+    if split_tokens is None:
+        num_splits, split_tokens = _plan_splits(num_seqs, num_kv_heads, max_ctx, query.device)
+    else:
+        split_tokens = triton.cdiv(split_tokens, _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+        num_splits = triton.cdiv(max_ctx, split_tokens)
+    single = num_splits == 1
+    part_shape = (num_seqs, num_heads, num_splits) if not single else (1,)
+    part_m = torch.empty(part_shape, dtype=torch.float32, device=query.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=query.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        split_tokens,
+        num_splits,
+        num_heads,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=_DECODE_BLOCK_N,
+        PAGE=page,
+        DOT_FP32=_dot_in_fp32(key_cache.dtype),
+        SINGLE_SPLIT=single,
+        num_warps=4,
+        num_stages=2,
+    )
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            seq_lens,
+            query_start_loc,
+            split_tokens,
+            num_splits,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- prefill
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, program, BLOCK_Q: tl.constexpr):
+    """The sequence whose query-tile range ``[qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1)`` holds ``program``."""
+    left: tl.int32 = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= program:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Causal paged attention for one (query tile, kv head) per program.
+
+    Grid ``(T // BLOCK_Q + num_seqs, num_kv_heads)``: sequence ``i`` owns the
+    query tiles ``qsl[i] // BLOCK_Q + i ...``, found by binary search over
+    ``query_start_loc`` (no host sync); surplus programs exit. A tile is
+    ``BLOCK_Q`` consecutive query tokens times the ``GROUP`` query heads of the
+    kv head, packed as ``BLOCK_M = BLOCK_Q * GROUP`` (padded) rows, so each
+    ``[BLOCK_N, BLOCK_D]`` K/V tile gathered through the block table serves the
+    whole group. KV tiles run from position 0 to the tile's last query
+    position; the causal mask ``key_pos <= query_pos`` covers both the cached
+    prefix and the new tokens.
+    """
+    program = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, program, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = program - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        first_pos = seq_len - q_len
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        tok = q_tile * BLOCK_Q + offs_m // GROUP
+        heads = kvh * GROUP + offs_m % GROUP
+        row_mask = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+        d_mask = offs_d < HEAD_DIM
+        q_mask = row_mask[:, None] & d_mask[None, :]
+        rows = (q_start + tok).to(tl.int64)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        else:
+            q = q.to(k_cache_ptr.dtype.element_ty)
+        q_pos = first_pos + tok
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_end = tl.minimum(seq_len, first_pos + (q_tile + 1) * BLOCK_Q)
+        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        for start in range(0, kv_end, BLOCK_N):
+            keys = start + offs_n
+            n_mask = keys < kv_end
+            blocks = tl.load(table_row + keys // PAGE, mask=n_mask, other=0).to(tl.int64)
+            in_page = keys % PAGE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k_offs = blocks * stride_kb + in_page * stride_kt + kvh * stride_kh
+            k = tl.load(k_cache_ptr + k_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            visible = (keys[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            # Key 0 is visible to every row, so m_new is finite from the first tile on.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v_offs = blocks * stride_vb + in_page * stride_vt + kvh * stride_vh
+            v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Paged attention for any flat batch (prefill, chunked prefill, decode, mixed).
+
+    Same contract as the reference. ``block_m`` rows per program (query tokens
+    times the GQA group, raised to a power of two >= the group) and ``block_n``
+    KV tokens per tile are tuning knobs (powers of two >= 16). Never syncs.
+    """
+    _check_inputs(query, key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    _, page, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    block_m = max(16, block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PAGE=page,
+        DOT_FP32=_dot_in_fp32(key_cache.dtype),
+        num_warps=4 if head_dim <= 64 else 8,
+        num_stages=2,
+    )
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention; the reference's contract, on the Triton kernels.
+
+    ``max_query_len`` (host-side upper bound of the per-sequence query lengths)
+    picks the kernel: 1 means decode. Without it the lengths are read back
+    from the device (one sync) unless ``T`` exceeds ``num_seqs``, which proves
+    a prefill. ``max_seq_len`` is passed on to the decode planner.
+    """
+    if max_query_len is not None:
+        decode = max_query_len <= 1
+    elif query.shape[0] > seq_lens.shape[0]:
+        decode = False
+    else:
+        decode = seq_lens.shape[0] == 0 or int(torch.diff(query_start_loc).max().item()) <= 1
+    if decode:
+        return paged_attention_decode(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            max_seq_len=max_seq_len,
+        )
+    return paged_attention_prefill(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+    )
