@@ -1,0 +1,213 @@
+"""The scheduler actor: the engine's step loop around the scheduler policy.
+
+Each step it drains its inbox (new requests, aborts, control), asks the
+``Scheduler`` for a plan, hands the plan to the executor, applies the runner's
+output and sends the step's ``EngineCoreOutputs`` to the detokenizer. When
+there is nothing to compute it waits on its inbox; it never spins.
+
+Aborts and stop-string finishes that arrive while a step is running take
+effect before the next step is planned, so an aborted request's KV blocks are
+free within one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+import trio
+
+from ..protocol import messages as m
+from .executor import Executor
+from .scheduler import Scheduler
+from .stats import StepStats
+
+logger = logging.getLogger("legato.engine")
+
+
+@dataclass
+class AddRequests:
+    requests: list[m.EngineRequest]
+
+
+@dataclass
+class FinishRequests:
+    """Requests the detokenizer finished (a stop string): free them, report nothing."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class Control:
+    """A control message with its answer slot; ``reply`` is called with the result."""
+
+    message: object
+    reply: Callable[[object], None]
+
+
+CoreMessage = AddRequests | m.AbortRequests | FinishRequests | Control
+
+
+@dataclass
+class _PendingWait:
+    reply: Callable[[object], None]
+
+
+@dataclass
+class EngineCore:
+    """State of the scheduler actor; ``run`` is the actor."""
+
+    scheduler: Scheduler
+    executor: Executor
+    outputs: trio.MemorySendChannel[m.EngineCoreOutputs]
+    stats: trio.MemorySendChannel[StepStats] | None = None
+    sleeping: bool = False
+    _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
+    _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
+    _waiters: list[_PendingWait] = field(default_factory=list)
+    _seen: set[str] = field(default_factory=set)
+    _arrivals: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
+
+    def submit(self, message: CoreMessage) -> None:
+        """Queue a message for the loop. Never blocks; safe from any trio task."""
+        self._inbox_send.send_nowait(message)
+
+    async def call(self, message: object) -> object:
+        """Send a control message and wait for its answer. A checkpoint."""
+        done = trio.Event()
+        box: list[object] = []
+
+        def reply(value: object) -> None:
+            box.append(value)
+            done.set()
+
+        self.submit(Control(message, reply))
+        await done.wait()
+        result = box[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def run(self) -> None:
+        """The actor loop. Runs until cancelled; any exception kills the engine."""
+        while True:
+            if not self._has_work():
+                self._handle(await self._inbox.receive())
+            while True:
+                try:
+                    message = self._inbox.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                self._handle(message)
+            if self._has_work():
+                await self._step()
+            self._answer_waiters()
+            await trio.lowlevel.checkpoint()
+
+    def _has_work(self) -> bool:
+        return not self.sleeping and self.scheduler.has_unfinished_requests()
+
+    async def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan.total_num_scheduled_tokens == 0 and not plan.finished_req_ids:
+            # Nothing can run (frozen, or waiting on blocks only an abort can free):
+            # wait for news instead of spinning.
+            self._handle(await self._inbox.receive())
+            return
+        now = time.monotonic()
+        queue_times = []
+        for new in plan.new_requests:
+            if new.request_id not in self._seen:
+                self._seen.add(new.request_id)
+                arrival = self._arrivals.pop(new.request_id, None)
+                if arrival is not None:
+                    queue_times.append(now - arrival)
+        runner_out = await self.executor.execute(plan)
+        core_out = self.scheduler.update_from_output(plan, runner_out)
+        self._forget_finished(core_out.outputs)
+        self.outputs.send_nowait(core_out)
+        if self.stats is not None:
+            s = core_out.scheduler_stats
+            self.stats.send_nowait(
+                StepStats(
+                    timestamp=time.monotonic(),
+                    scheduler=s,
+                    num_prompt_tokens=s.num_prefill_tokens if s is not None else 0,
+                    queue_time=queue_times,
+                )
+            )
+
+    def _forget_finished(self, outputs: list[m.EngineCoreOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._seen.discard(out.request_id)
+                self._arrivals.pop(out.request_id, None)
+
+    def _emit(self, outputs: list[m.EngineCoreOutput]) -> None:
+        if outputs:
+            self._forget_finished(outputs)
+            stats = self.scheduler.make_stats()
+            self.outputs.send_nowait(m.EngineCoreOutputs(outputs, time.monotonic(), stats))
+
+    def _handle(self, message: CoreMessage) -> None:
+        if isinstance(message, AddRequests):
+            for request in message.requests:
+                self._arrivals[request.request_id] = request.arrival_time
+                self.scheduler.add_request(request)
+        elif isinstance(message, m.AbortRequests):
+            self._emit(self.scheduler.abort(message.request_ids))
+        elif isinstance(message, FinishRequests):
+            self.scheduler.finish_requests(message.request_ids, m.FinishReason.STOP)
+            for request_id in message.request_ids:
+                self._seen.discard(request_id)
+                self._arrivals.pop(request_id, None)
+        elif isinstance(message, Control):
+            self._control(message)
+        else:  # pragma: no cover - a programming error
+            raise TypeError(f"unexpected message {message!r}")
+
+    def _control(self, control: Control) -> None:
+        message = control.message
+        if isinstance(message, m.PauseGeneration):
+            self._emit(self.scheduler.pause(message.mode))
+            if message.mode == m.PauseMode.WAIT:
+                self._waiters.append(_PendingWait(control.reply))
+                return
+            control.reply(None)
+        elif isinstance(message, m.ResumeGeneration):
+            self.scheduler.resume()
+            control.reply(None)
+        elif isinstance(message, m.ResetPrefixCache):
+            control.reply(self.scheduler.reset_prefix_cache(message.reset_running_requests))
+        elif isinstance(message, m.HealthPing):
+            control.reply(m.HealthPong(message.seq, message.sent_time))
+        elif isinstance(message, m.Sleep):
+            # Nothing may run on a worker without its KV cache: finish everything first.
+            self.abort_all()
+            self.scheduler.reset_prefix_cache(True)
+            self.sleeping = True
+            control.reply(None)
+        elif isinstance(message, m.WakeUp):
+            self.sleeping = False
+            control.reply(None)
+        else:
+            control.reply(TypeError(f"unknown control message {type(message).__name__}"))
+
+    def _answer_waiters(self) -> None:
+        if self._waiters and not self.scheduler.has_unfinished_requests():
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                waiter.reply(None)
+
+    def abort_all(self) -> list[m.EngineCoreOutput]:
+        """Finish every request with reason abort (used by sleep)."""
+        outputs = self.scheduler.pause(m.PauseMode.ABORT)
+        self.scheduler.resume()
+        self._emit(outputs)
+        return outputs
+

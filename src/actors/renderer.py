@@ -1,0 +1,251 @@
+"""The renderer: prompt (text | chat messages | token ids) -> validated engine requests.
+
+``Renderer`` is plain synchronous code (also used by ``RenderOnlyClient``,
+which has no model). Every rule it enforces raises ``ValidationError`` (a
+ValueError) naming the field, and fails only that request. ``run_renderer`` is
+the actor loop around it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..protocol.errors import EngineGenerateError, PromptTooLongError, ValidationError
+from ..protocol.messages import EngineRequest
+from ..protocol.params import SamplingParams
+
+PromptType = str | Mapping[str, Any] | Sequence[int]
+
+
+@dataclass
+class RenderedPrompt:
+    """A prompt as text (when known) and token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+def load_tokenizer(path: str) -> Any:
+    """The Hugging Face tokenizer in ``path`` (local only, never the hub)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class Renderer:
+    """Turns caller prompts into ``EngineRequest``s for one model.
+
+    ``max_model_len`` and ``vocab_size`` come from the loaded model; without a
+    model (render-only) pass the tokenizer's figures.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        max_logprobs: int = 20,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.max_logprobs = max_logprobs
+
+    # ------------------------------------------------------------ prompts
+
+    def render_prompt(self, prompt: PromptType) -> RenderedPrompt:
+        """Tokenize text or check token ids. Raises ValidationError."""
+        if isinstance(prompt, str):
+            return RenderedPrompt(prompt, self.encode(prompt))
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return RenderedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
+            if "prompt" in prompt:
+                text = prompt["prompt"]
+                if not isinstance(text, str):
+                    raise ValidationError("prompt", f"must be a string, got {type(text).__name__}")
+                return RenderedPrompt(text, self.encode(text))
+            raise ValidationError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            return RenderedPrompt(None, self._check_ids(prompt))
+        raise ValidationError("prompt", f"unsupported prompt type {type(prompt).__name__}")
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        """Chat messages rendered with the tokenizer's chat template."""
+        if not messages:
+            raise ValidationError("messages", "must not be empty")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise ValidationError(f"messages[{i}]", "each message needs a string 'role'")
+            content = message.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise ValidationError(f"messages[{i}].content", "must be a string or a list of parts")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [dict(msg) for msg in messages],
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+        except ValidationError:
+            raise
+        except Exception as exc:
+            raise ValidationError("messages", f"chat template failed: {exc}") from exc
+        return str(text)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return [int(i) for i in ids]
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        ids = self._check_ids(token_ids, allow_empty=True)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def _check_ids(self, ids: object, *, allow_empty: bool = False) -> list[int]:
+        if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+            raise ValidationError("prompt_token_ids", "must be a list of integers")
+        out: list[int] = []
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValidationError("prompt_token_ids", f"must be integers, got {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValidationError(
+                    "prompt_token_ids", f"token id {token_id} is outside the vocabulary ({self.vocab_size})"
+                )
+            out.append(token_id)
+        if not out and not allow_empty:
+            raise ValidationError("prompt", "must not be empty")
+        return out
+
+    # ----------------------------------------------------------- requests
+
+    def make_requests(
+        self,
+        request_id: str,
+        rendered: RenderedPrompt,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_name: str | None = None,
+    ) -> list[EngineRequest]:
+        """Validate against the model and fan out n>1 into children.
+
+        A single request keeps the caller's id; children are ``f"{i}_{id}"``
+        with ``parent_id`` set, and seed ``seed + i`` when a seed is given.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValidationError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+        token_ids = rendered.token_ids
+        if not token_ids:
+            raise ValidationError("prompt", "must not be empty")
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        try:
+            params.validate_against_vocab(self.vocab_size)
+        except ValueError as exc:
+            field = str(exc).split(":", 1)[0]
+            raise ValidationError(field, str(exc).split(": ", 1)[-1]) from None
+        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is not None and value > self.max_logprobs:
+                raise ValidationError(name, f"at most {self.max_logprobs} are supported, got {value}")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise PromptTooLongError(
+                "prompt",
+                f"{len(token_ids)} prompt tokens leave no room within max_model_len={self.max_model_len}",
+            )
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
+        elif len(token_ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                "max_tokens",
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len={self.max_model_len}",
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.n == 1:
+            return [
+                EngineRequest(
+                    request_id, token_ids, params, arrival, priority, self.eos_token_id, lora_name
+                )
+            ]
+        children = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            child = params.clone(n=1, best_of=None, seed=seed)
+            children.append(
+                EngineRequest(
+                    f"{index}_{request_id}",
+                    token_ids,
+                    child,
+                    arrival,
+                    priority,
+                    self.eos_token_id,
+                    lora_name,
+                    parent_id=request_id,
+                    index=index,
+                )
+            )
+        return children
+
+
+@dataclass
+class RenderJob:
+    """One ``generate`` call waiting to be rendered.
+
+    ``accept`` registers the request with the output side and hands it on;
+    ``reject`` fails that request alone. Both are called synchronously.
+    """
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    accept: Callable[[RenderedPrompt, list[EngineRequest]], None]
+    reject: Callable[[BaseException], None]
+
+
+async def run_renderer(renderer: Renderer, inbox: trio.MemoryReceiveChannel[RenderJob]) -> None:
+    """The renderer actor: render each job in arrival order until the inbox closes.
+
+    A job whose prompt or params are invalid is rejected alone with the
+    ValueError; any other failure while rendering one prompt (the tokenizer
+    raising on it, say) rejects that job alone with EngineGenerateError. The
+    engine keeps serving in both cases.
+    """
+    async for job in inbox:
+        try:
+            rendered = renderer.render_prompt(job.prompt)
+            requests = renderer.make_requests(
+                job.request_id,
+                rendered,
+                job.params,
+                priority=job.priority,
+                arrival_time=job.arrival_time,
+            )
+        except ValueError as exc:
+            job.reject(exc)
+            continue
+        except Exception as exc:
+            error = EngineGenerateError(job.request_id, f"rendering failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            job.reject(error)
+            continue
+        job.accept(rendered, requests)
+        await trio.lowlevel.checkpoint()
