@@ -13,6 +13,7 @@ from .errors import (
 )
 from .outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from .params import PoolingParams, RequestOutputKind, SamplingParams
+from .wire import WireError, decode, encode
 
 __all__ = [
     "CompletionOutput",
@@ -28,4 +29,7 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "ValidationError",
+    "WireError",
+    "decode",
+    "encode",
 ]

@@ -91,13 +91,13 @@ class SamplingParams:
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            self.logit_bias = dict(self.logit_bias)
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
             except ValueError:
                 raise _fail("output_kind", f"unknown output kind {self.output_kind!r}") from None
-        if 0 <= self.temperature < _SAMPLING_EPS:
+        if isinstance(self.temperature, int | float) and 0 <= self.temperature < _SAMPLING_EPS:
             # Greedy: the truncation knobs have no effect; normalise them as vLLM does.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.validate()
@@ -157,8 +157,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             _check_token_ids("logit_bias", list(self.logit_bias))
             for bias in self.logit_bias.values():
-                if bias != bias or abs(bias) == float("inf"):
+                _num("logit_bias", bias, None, None)
+                if abs(bias) == float("inf"):
                     raise _fail("logit_bias", f"biases must be finite, got {bias}")
+            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
         if self.bad_words is not None:
             for word in self.bad_words:
                 if not isinstance(word, str) or not word:
