@@ -1,0 +1,200 @@
+"""SamplingParams and PoolingParams: vLLM's defaults, every validation rule, the normalisations."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from legato.protocol.params import PoolingParams, RequestOutputKind, SamplingParams
+
+NAN = math.nan
+INF = math.inf
+
+
+def test_defaults_match_vllm() -> None:
+    p = SamplingParams()
+    assert (p.n, p.best_of) == (1, None)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 1.0, 0, 0.0)
+    assert (p.seed, p.stop, p.stop_token_ids, p.bad_words) == (None, None, None, None)
+    assert (p.include_stop_str_in_output, p.ignore_eos) == (False, False)
+    assert (p.max_tokens, p.min_tokens) == (16, 0)
+    assert (p.logprobs, p.prompt_logprobs) == (None, None)
+    assert (p.detokenize, p.skip_special_tokens, p.spaces_between_special_tokens) == (
+        True,
+        True,
+        True,
+    )
+    assert (p.logits_processors, p.truncate_prompt_tokens) == (None, None)
+    assert p.output_kind is RequestOutputKind.CUMULATIVE
+    assert (p.allowed_token_ids, p.logit_bias, p.extra_args) == (None, None, None)
+    assert not p.sampling_type_greedy
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("n", {"n": 0}),
+        ("n", {"n": True}),
+        ("n", {"n": 2.0}),
+        ("best_of", {"best_of": 2}),
+        ("best_of", {"n": 2, "best_of": 3}),
+        ("presence_penalty", {"presence_penalty": -2.1}),
+        ("presence_penalty", {"presence_penalty": 2.1}),
+        ("presence_penalty", {"presence_penalty": NAN}),
+        ("frequency_penalty", {"frequency_penalty": -2.1}),
+        ("frequency_penalty", {"frequency_penalty": 2.1}),
+        ("frequency_penalty", {"frequency_penalty": NAN}),
+        ("repetition_penalty", {"repetition_penalty": 0.0}),
+        ("repetition_penalty", {"repetition_penalty": -1.0}),
+        ("repetition_penalty", {"repetition_penalty": NAN}),
+        ("temperature", {"temperature": -0.1}),
+        ("temperature", {"temperature": NAN}),
+        ("temperature", {"temperature": "hot"}),
+        ("top_p", {"top_p": 0.0}),
+        ("top_p", {"top_p": 1.01}),
+        ("top_p", {"top_p": NAN}),
+        ("top_k", {"top_k": -2}),
+        ("top_k", {"top_k": 1.5}),
+        ("min_p", {"min_p": -0.1}),
+        ("min_p", {"min_p": 1.1}),
+        ("min_p", {"min_p": NAN}),
+        ("seed", {"seed": 1.5}),
+        ("max_tokens", {"max_tokens": 0}),
+        ("max_tokens", {"max_tokens": True}),
+        ("min_tokens", {"min_tokens": -1}),
+        ("min_tokens", {"min_tokens": 17}),  # > max_tokens=16
+        ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
+        ("logprobs", {"logprobs": -2}),
+        ("prompt_logprobs", {"prompt_logprobs": -2}),
+        ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+        ("stop", {"stop": ""}),
+        ("stop", {"stop": ["ok", ""]}),
+        ("stop", {"stop": [3]}),
+        ("stop", {"stop": ["x"], "detokenize": False}),
+        ("stop_token_ids", {"stop_token_ids": [-1]}),
+        ("stop_token_ids", {"stop_token_ids": [1.0]}),
+        ("stop_token_ids", {"stop_token_ids": [True]}),
+        ("stop_token_ids", {"stop_token_ids": ["2"]}),
+        ("allowed_token_ids", {"allowed_token_ids": []}),
+        ("allowed_token_ids", {"allowed_token_ids": [-3]}),
+        ("allowed_token_ids", {"allowed_token_ids": [2.5]}),
+        ("allowed_token_ids", {"allowed_token_ids": [False]}),
+        ("logit_bias", {"logit_bias": {-1: 1.0}}),
+        ("logit_bias", {"logit_bias": {1.5: 1.0}}),
+        ("logit_bias", {"logit_bias": {True: 1.0}}),
+        ("logit_bias", {"logit_bias": {"50256": 1.0}}),
+        ("logit_bias", {"logit_bias": {3: NAN}}),
+        ("logit_bias", {"logit_bias": {3: INF}}),
+        ("logit_bias", {"logit_bias": {3: "big"}}),
+        ("bad_words", {"bad_words": [""]}),
+        ("logits_processors", {"logits_processors": ["not callable"]}),
+        ("logits_processors", {"logits_processors": [lambda ids, logits: logits]}),
+        ("output_kind", {"output_kind": 7}),
+        ("output_kind", {"output_kind": "delta"}),
+    ],
+)
+def test_each_rule_names_its_field(field: str, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"n": 3, "best_of": 3},
+        {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+        {"repetition_penalty": 0.01},
+        {"top_p": 1e-3},
+        {"top_k": -1},
+        {"min_p": 1.0},
+        {"max_tokens": None, "min_tokens": 10_000},
+        {"min_tokens": 16},
+        {"logprobs": -1, "prompt_logprobs": 0},
+        {"logits_processors": []},
+        {"stop_token_ids": [], "allowed_token_ids": [0]},
+        {"logit_bias": {0: -100, 7: 100.0}},
+        {"temperature": 100.0, "seed": -(2**63)},
+    ],
+)
+def test_edges_that_are_allowed(kwargs: dict[str, Any]) -> None:
+    SamplingParams(**kwargs)
+
+
+def test_stop_string_becomes_a_list() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]  # type: ignore[arg-type]
+
+
+def test_sequences_are_copied_into_lists() -> None:
+    ids = [5, 6]
+    params = SamplingParams(stop_token_ids=ids, allowed_token_ids=(1, 2), bad_words=("x",))  # type: ignore[arg-type]
+    assert params.stop_token_ids == [5, 6] and params.stop_token_ids is not ids
+    assert params.allowed_token_ids == [1, 2]
+    assert params.bad_words == ["x"]
+    assert params.all_stop_token_ids == {5, 6}
+
+
+def test_logit_bias_values_become_floats() -> None:
+    params = SamplingParams(logit_bias={3: 2})
+    assert params.logit_bias == {3: 2.0}
+    assert type(params.logit_bias[3]) is float
+
+
+def test_greedy_resets_truncation_knobs() -> None:
+    params = SamplingParams(temperature=0.0, top_p=0.5, top_k=10, min_p=0.2)
+    assert (params.top_p, params.top_k, params.min_p) == (1.0, 0, 0.0)
+    assert params.sampling_type_greedy
+    sampled = SamplingParams(temperature=0.5, top_p=0.5, top_k=10, min_p=0.2)
+    assert (sampled.top_p, sampled.top_k, sampled.min_p) == (0.5, 10, 0.2)
+
+
+def test_greedy_hides_otherwise_invalid_truncation_knobs_as_vllm_does() -> None:
+    assert SamplingParams(temperature=0.0, top_p=0.0).top_p == 1.0
+
+
+def test_output_kind_from_int() -> None:
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA  # type: ignore[arg-type]
+    assert (
+        SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind
+        is RequestOutputKind.FINAL_ONLY
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("stop_token_ids", {"stop_token_ids": [1, 100]}),
+        ("allowed_token_ids", {"allowed_token_ids": [100]}),
+        ("logit_bias", {"logit_bias": {100: 1.0}}),
+    ],
+)
+def test_validate_against_vocab(field: str, kwargs: dict[str, Any]) -> None:
+    params = SamplingParams(**kwargs)
+    params.validate_against_vocab(101)
+    with pytest.raises(
+        ValueError, match=rf"^{field}: token id 100 is outside the vocabulary \(100\)"
+    ):
+        params.validate_against_vocab(100)
+
+
+def test_clone_validates_and_copies() -> None:
+    params = SamplingParams(stop=["x"], stop_token_ids=[1], logit_bias={1: 1.0})
+    copy = params.clone(temperature=0.5)
+    assert copy.temperature == 0.5 and copy.stop == ["x"]
+    assert copy.stop is not params.stop and copy.logit_bias is not params.logit_bias
+    with pytest.raises(ValueError, match="^top_p: "):
+        params.clone(top_p=2.0)
+
+
+def test_pooling_params() -> None:
+    assert PoolingParams() == PoolingParams(task="embed", dimensions=None, normalize=True)
+    for task in ("embed", "classify", "score", "encode"):
+        PoolingParams(task=task)
+    with pytest.raises(ValueError, match="^task: unknown pooling task 'generate'"):
+        PoolingParams(task="generate")
+    with pytest.raises(ValueError, match="^dimensions: "):
+        PoolingParams(dimensions=0)
+    with pytest.raises(ValueError, match="^dimensions: "):
+        PoolingParams(dimensions=True)
