@@ -28,10 +28,10 @@ from .protocol import wire
 
 def read_frame(stream: BinaryIO) -> object | None:
     """One decoded frame, or None at a clean end of stream. Blocks."""
-    header = stream.read(wire.FRAME_HEADER_SIZE)
+    header = stream.read(wire.HEADER_SIZE)
     if not header:
         return None
-    if len(header) < wire.FRAME_HEADER_SIZE:
+    if len(header) < wire.HEADER_SIZE:
         raise wire.WireError("truncated frame header")
     size = wire.read_frame_length(header)
     payload = stream.read(size)
@@ -88,11 +88,11 @@ def call_utility(runner: Any, call: m.UtilityCall) -> m.UtilityResult:
     if call.method.startswith("_") or not callable(getattr(runner, call.method, None)):
         return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
     try:
-        result = getattr(runner, call.method)(*call.args, **call.kwargs)
-        wire.check_plain(result)
+        answer = m.UtilityResult(call.call_id, result=getattr(runner, call.method)(*call.args, **call.kwargs))
+        wire.encode(answer)  # the result must be plain msgpack data
     except Exception as exc:
         return m.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
-    return m.UtilityResult(call.call_id, result=result)
+    return answer
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> int:

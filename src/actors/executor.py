@@ -76,13 +76,13 @@ class _FrameReader:
 
     async def read(self) -> object | None:
         """The next frame, or None at end of stream."""
-        if not await self._fill(wire.FRAME_HEADER_SIZE):
+        if not await self._fill(wire.HEADER_SIZE):
             return None
-        size = wire.read_frame_length(bytes(self._buffer[: wire.FRAME_HEADER_SIZE]))
-        if not await self._fill(wire.FRAME_HEADER_SIZE + size):
+        size = wire.read_frame_length(bytes(self._buffer[: wire.HEADER_SIZE]))
+        if not await self._fill(wire.HEADER_SIZE + size):
             return None
-        payload = bytes(self._buffer[wire.FRAME_HEADER_SIZE : wire.FRAME_HEADER_SIZE + size])
-        del self._buffer[: wire.FRAME_HEADER_SIZE + size]
+        payload = bytes(self._buffer[wire.HEADER_SIZE : wire.HEADER_SIZE + size])
+        del self._buffer[: wire.HEADER_SIZE + size]
         return wire.decode(payload)
 
 

@@ -1,0 +1,541 @@
+"""The EngineClient facade over the actors: ``open_engine``, ``AsyncEngine``, ``RequestStream``.
+
+``open_engine`` is an async context manager: it loads the model (in a worker
+process by default), starts the actors in a nursery of its own under a
+``Supervisor``, yields an ``AsyncEngine``, and on exit shuts everything down and
+reaps the worker. The engine's death never cancels the caller's tasks; the
+caller learns of it from the calls it makes (``EngineDeadError``).
+
+A request's life, as the caller sees it::
+
+    async with engine.generate(prompt, params, "r1") as stream:   # the safe form
+        async for output in stream:
+            ...
+
+Leaving the ``async with``, cancelling the surrounding scope, ``aclose()`` or
+breaking out of ``async for`` aborts the request: its KV blocks are freed
+within one engine step and nothing more is computed for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any
+
+import trio
+
+from .actors.detokenizer import OutputProcessor
+from .actors.engine_core import AddRequests, EngineCore, FinishRequests
+from .actors.executor import Executor, make_executor
+from .actors.heartbeat import run_heartbeat
+from .actors.output_slot import OutputSlot
+from .actors.renderer import PromptType, RenderedPrompt, Renderer, RenderJob, load_tokenizer, run_renderer
+from .actors.scheduler import Scheduler
+from .actors.stats import StatsCollector, StepStats, run_stats
+from .actors.supervisor import Supervisor
+from .config import EngineConfig
+from .protocol import messages as m
+from .protocol.client import EngineClient
+from .protocol.errors import EngineDeadError
+from .protocol.outputs import PoolingRequestOutput, RequestOutput
+from .protocol.params import PoolingParams, SamplingParams
+
+logger = logging.getLogger("legato.engine")
+
+_PAUSE_MODES = {"abort": m.PauseMode.ABORT, "wait": m.PauseMode.WAIT, "keep": m.PauseMode.KEEP}
+
+
+def resolve_model(config: EngineConfig) -> EngineConfig:
+    """Fill in the embedded toy model when no model is given; check the directory exists."""
+    import dataclasses
+
+    if config.model is None:
+        from .toy_model import default_toy_model_dir
+
+        return dataclasses.replace(config, model=str(default_toy_model_dir()))
+    if not os.path.isdir(config.model):
+        raise ValueError(f"model: {config.model!r} is not a local model directory")
+    return config
+
+
+class RequestStream:
+    """One request's outputs: an async iterator that is also an async context manager.
+
+    The request is submitted on ``__aenter__`` or the first ``__anext__``.
+    ``__anext__`` is a checkpoint; if the caller is cancelled while waiting,
+    the request is aborted and ``Cancelled`` propagates (cancellation is never
+    an error). ``aclose()`` and leaving the ``async with`` abort an unfinished
+    request; so does dropping the stream unfinished (``break``), as a fallback.
+    A dead engine raises ``EngineDeadError`` (cause chained) from ``__anext__``.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+    ) -> None:
+        self._engine = engine
+        self._prompt = prompt
+        self._params = params
+        self.request_id = request_id
+        self._priority = priority
+        self._slot = OutputSlot()
+        self._submitted = False
+        self._done = False
+        self._token = trio.lowlevel.current_trio_token()
+
+    async def __aenter__(self) -> RequestStream:
+        await self._submit()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        if not self._submitted:
+            await self._submit()
+        try:
+            output = await self._slot.get()
+        except trio.Cancelled:
+            self._abandon()
+            raise
+        except BaseException:
+            self._finish()
+            raise
+        if output.finished:
+            self._finish()
+        return output
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running. Idempotent; a checkpoint."""
+        self._abandon()
+        await trio.lowlevel.checkpoint()
+
+    async def _submit(self) -> None:
+        if self._submitted:
+            return
+        self._submitted = True
+        try:
+            await self._engine._submit(self)
+        except BaseException:
+            self._done = True
+            raise
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self.request_id)
+
+    def _abandon(self) -> None:
+        if self._submitted and not self._done:
+            self._done = True
+            self._engine._abort_quietly(self.request_id)
+
+    def __del__(self) -> None:
+        # Fallback for `break` out of `async for` without `async with`: CPython frees
+        # the stream at once. run_sync_soon is safe from any thread and from GC.
+        if self._submitted and not self._done:
+            self._done = True
+            try:
+                self._token.run_sync_soon(self._engine._abort_quietly, self.request_id)
+            except trio.RunFinishedError:
+                pass
+
+
+class AsyncEngine(EngineClient):
+    """The engine as a trio-native ``EngineClient``. Build it with ``open_engine``."""
+
+    def __init__(self, config: EngineConfig, nursery: trio.Nursery, *, faults: dict[str, Any] | None = None):
+        self.config = config
+        self._nursery = nursery
+        self._faults = faults or {}
+        self.supervisor = Supervisor()
+        self.executor: Executor = make_executor(config, inject_fault=self._faults.get("worker"))
+        self.stats = StatsCollector(model_name=self.model_name)
+        self._slots: dict[str, OutputSlot] = {}
+        self._children: dict[str, list[str]] = {}
+        self._aborted_before_accept: set[str] = set()
+        self._paused = False
+        self._sleeping = False
+        self._resumed = trio.Event()
+        self._resumed.set()
+        self._stopped = False
+        self._profiling = False
+        self.supervisor.on_death(self._on_death)
+
+    # ------------------------------------------------------------ start-up
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model or "legato-toy"
+
+    async def _start(self) -> None:
+        config = self.config
+        tokenizer_path = config.tokenizer or config.model
+        assert tokenizer_path is not None
+        tokenizer = await trio.to_thread.run_sync(load_tokenizer, tokenizer_path)
+        ready: m.WorkerReady = await self._nursery.start(
+            functools.partial(self.supervisor.run_actor, uses_task_status=True),
+            "executor",
+            self.executor.run,
+        )
+        self.ready = ready
+        self.config = config = config.resolved(
+            max_model_len=ready.max_model_len, num_kv_blocks=ready.num_kv_blocks
+        )
+        self.renderer = Renderer(
+            tokenizer,
+            max_model_len=ready.max_model_len,
+            vocab_size=ready.vocab_size,
+            eos_token_id=ready.eos_token_ids[0] if ready.eos_token_ids else None,
+            max_logprobs=config.max_logprobs,
+        )
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config)
+        self.processor = OutputProcessor(tokenizer)
+        outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
+        stats_send, stats_recv = trio.open_memory_channel[StepStats](math.inf)
+        self._render_send, render_recv = trio.open_memory_channel[RenderJob](math.inf)
+        self._stats_send = stats_send
+        self.core = EngineCore(self.scheduler, self.executor, outputs_send, stats_send)
+        start = self._nursery.start_soon
+        run = self.supervisor.run_actor
+        start(run, "scheduler", self.core.run)
+        start(run, "detokenizer", self._run_detokenizer, outputs_recv)
+        start(run, "renderer", run_renderer, self.renderer, render_recv)
+        stats_actor = functools.partial(
+            run_stats, log_interval=config.log_stats_interval, log_enabled=not config.disable_log_stats
+        )
+        start(run, "stats", stats_actor, self.stats, stats_recv)
+        probes = [("scheduler loop", self._ping_core), ("model worker", self.executor.ping)]
+        heartbeat = functools.partial(
+            run_heartbeat, interval=config.heartbeat_interval, timeout=config.heartbeat_timeout
+        )
+        start(run, "heartbeat", heartbeat, probes)
+        await trio.lowlevel.checkpoint()
+
+    async def _ping_core(self) -> None:
+        await self.core.call(m.HealthPing(seq=0, sent_time=time.monotonic()))
+
+    async def _run_detokenizer(self, inbox: trio.MemoryReceiveChannel[m.EngineCoreOutputs]) -> None:
+        async for outputs in inbox:
+            step = self.processor.process_outputs(outputs)
+            if step.requests_to_abort:
+                self.core.submit(FinishRequests(list(step.requests_to_abort)))
+            self._stats_send.send_nowait(step.stats)
+            await trio.lowlevel.checkpoint()
+
+    # ------------------------------------------------------------- requests
+
+    def _check_alive(self) -> None:
+        if self.supervisor.dead_error is not None:
+            raise self.supervisor.dead_error
+        if self._stopped:
+            raise EngineDeadError("the engine has been shut down")
+
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_text: str | None = None,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+    ) -> RequestStream:
+        """Stream the request's outputs (see ``RequestStream``).
+
+        Not a coroutine: returns the stream at once; the request is submitted
+        when the stream is entered or first iterated. A dead engine raises
+        ``EngineDeadError`` then; a duplicate live ``request_id`` raises
+        ValueError; while paused or asleep, submission waits for resume.
+        """
+        if lora_request is not None:
+            raise NotImplementedError("LoRA adapters are not supported yet")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        return RequestStream(self, prompt, params, str(request_id), priority)
+
+    async def _submit(self, stream: RequestStream) -> None:
+        self._check_alive()
+        while not self._resumed.is_set():
+            await self._resumed.wait()
+            self._check_alive()
+        request_id = stream.request_id
+        if request_id in self._slots:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        self._slots[request_id] = stream._slot
+
+        def accept(rendered: RenderedPrompt, requests: list[m.EngineRequest]) -> None:
+            if self._slots.get(request_id) is not stream._slot:
+                return  # abandoned before it was rendered
+            self.processor.add_request(request_id, rendered, requests, stream._slot)
+            self._children[request_id] = [r.request_id for r in requests]
+            self.core.submit(AddRequests(requests))
+            if request_id in self._aborted_before_accept:
+                self._aborted_before_accept.discard(request_id)
+                self.core.submit(m.AbortRequests(self._children[request_id]))
+
+        def reject(error: BaseException) -> None:
+            if self._slots.get(request_id) is stream._slot:
+                stream._slot.put_error(error)
+
+        self._render_send.send_nowait(
+            RenderJob(request_id, stream._prompt, stream._params, stream._priority, time.monotonic(), accept, reject)
+        )
+        await trio.lowlevel.checkpoint()
+
+    def _release(self, request_id: str) -> None:
+        self._slots.pop(request_id, None)
+        self._children.pop(request_id, None)
+        self._aborted_before_accept.discard(request_id)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        """The consumer left: abort in the scheduler, forget the request. Never blocks."""
+        children = self._children.get(request_id)
+        self._release(request_id)
+        if self.supervisor.dead_error is not None or self._stopped:
+            return
+        self.processor.abort_requests([request_id])
+        if children:
+            self.core.submit(m.AbortRequests(children))
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests: each stream ends with a last output whose finish_reason is "abort".
+
+        Unknown or finished ids are ignored. A checkpoint.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._check_alive()
+        children: list[str] = []
+        for rid in ids:
+            if rid not in self._slots:
+                continue
+            if rid in self._children:
+                children.extend(self._children[rid])
+            else:
+                self._aborted_before_accept.add(rid)
+        if children:
+            self.core.submit(m.AbortRequests(children))
+        await trio.lowlevel.checkpoint()
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        raise NotImplementedError("encode: this engine serves the 'generate' task only")
+
+    # -------------------------------------------------------------- health
+
+    def _on_death(self, error: EngineDeadError) -> None:
+        for slot in list(self._slots.values()):
+            slot.put_error(error)
+        self._resumed.set()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped and self.supervisor.dead_error is None
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped or self.supervisor.dead_error is not None
+
+    @property
+    def errored(self) -> bool:
+        return self.supervisor.dead_error is not None
+
+    @property
+    def dead_error(self) -> BaseException:
+        if self.supervisor.dead_error is not None:
+            return self.supervisor.dead_error
+        return EngineDeadError("the engine is not dead (dead_error read while running)")
+
+    async def check_health(self) -> None:
+        """Raise the engine's EngineDeadError if it is dead; return otherwise. A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        self._check_alive()
+
+    async def do_log_stats(self) -> None:
+        logger.info(self.stats.log_line(window=self.config.log_stats_interval))
+        await trio.lowlevel.checkpoint()
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    # ---------------------------------------------------------- lifecycle
+
+    async def pause_generation(self, *, mode: str = "abort", **_: Any) -> None:
+        """Stop generating. New ``generate`` calls wait until resume. Idempotent.
+
+        "abort": in-flight requests end with reason "abort"; "wait": returns
+        once they have finished; "keep": they freeze and continue on resume.
+        """
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"mode: must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
+        self._check_alive()
+        self._paused = True
+        self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
+        await self.core.call(m.PauseGeneration(_PAUSE_MODES[mode]))
+
+    async def resume_generation(self) -> None:
+        self._check_alive()
+        await self.core.call(m.ResumeGeneration())
+        self._paused = False
+        if not self._sleeping:
+            self._resumed.set()
+
+    async def is_paused(self) -> bool:
+        return self._paused
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 2: also the weights). In-flight requests are aborted;
+        new ones wait until ``wake_up``."""
+        if level not in (1, 2):
+            raise ValueError(f"level: must be 1 or 2, got {level!r}")
+        self._check_alive()
+        if self._sleeping:
+            return
+        self._sleeping = True
+        self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
+        await self.core.call(m.Sleep(level))
+        await self.executor.call("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._check_alive()
+        if not self._sleeping:
+            return
+        await self.executor.call("wake_up", tags)
+        if tags is None or "kv_cache" in tags:
+            await self.core.call(m.WakeUp(tags))
+            self._sleeping = False
+            if not self._paused:
+                self._resumed.set()
+
+    async def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, **_: Any) -> bool:
+        self._check_alive()
+        return bool(await self.core.call(m.ResetPrefixCache(reset_running_requests)))
+
+    async def reset_mm_cache(self) -> None:
+        await trio.lowlevel.checkpoint()  # no multimodal inputs yet: nothing to reset
+
+    async def reset_encoder_cache(self) -> None:
+        await trio.lowlevel.checkpoint()  # no encoder cache yet: nothing to reset
+
+    async def start_profile(self) -> None:
+        self._check_alive()
+        trace_dir = self.config.profile_dir or os.path.join(os.getcwd(), "legato-profile")
+        await self.executor.call("start_profile", trace_dir)
+        self._profiling = True
+
+    async def stop_profile(self) -> None:
+        self._check_alive()
+        path = await self.executor.call("stop_profile")
+        self._profiling = False
+        logger.info("profiler trace written to %s", path)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        raise NotImplementedError("add_lora: LoRA adapters are not supported yet")
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker (there is one) and return their results."""
+        self._check_alive()
+        with trio.fail_after(timeout) if timeout is not None else _null_scope():
+            return [await self.executor.call(method, *args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        """Stop the engine: open streams end with EngineDeadError, the worker is reaped.
+
+        Synchronous and idempotent; the actors finish within the nursery's exit.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
+        self.supervisor.stopping = True
+        error = EngineDeadError("the engine has been shut down")
+        for slot in list(self._slots.values()):
+            slot.put_error(error)
+        self._resumed.set()
+        self.executor.begin_shutdown()
+        self.supervisor.cancel_all()
+
+    # ------------------------------------------------------------ testing
+
+    def inject_fault(self, actor: str, error: BaseException | None = None) -> None:
+        """Chaos hook: make ``actor`` fail at its next checkpoint (see legato.testing.chaos)."""
+        self.supervisor.inject(actor, error)
+
+    @property
+    def num_kv_blocks_used(self) -> int:
+        return int(self.scheduler.make_stats().num_blocks_used)
+
+
+class _null_scope:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@asynccontextmanager
+async def open_engine(
+    model: str | None = None, *, faults: dict[str, Any] | None = None, **engine_args: Any
+) -> AsyncIterator[AsyncEngine]:
+    """Start an engine for ``model`` (None: the embedded toy model) and yield it.
+
+    ``engine_args`` are EngineConfig's fields (vLLM's names). Start-up
+    failures (a bad model directory, weights that fail to load) raise here.
+    On exit every request is ended, the actors stop and the worker is reaped.
+    ``faults`` is for chaos testing only (``legato.testing.chaos``).
+    """
+    config = EngineConfig.from_kwargs(model=model, **engine_args)
+    config = await trio.to_thread.run_sync(resolve_model, config)
+    async with trio.open_nursery() as nursery:
+        engine = AsyncEngine(config, nursery, faults=faults)
+        try:
+            await engine._start()
+            yield engine
+        finally:
+            engine.shutdown()

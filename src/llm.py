@@ -1,0 +1,247 @@
+"""Offline inference: ``LLM`` (batch generate) and ``LLMEngine`` (add_request / step).
+
+``LLM`` is synchronous and runs the async engine underneath: a background
+thread owns a trio run with an open engine (worker process included), so the
+model loads once and every ``generate`` call reuses it. ``LLMEngine`` is the
+step-wise engine of vLLM: the same renderer, scheduler, model runner and
+detokenizer, driven synchronously in this thread, one ``step()`` at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from .actors.detokenizer import OutputProcessor
+from .actors.output_slot import OutputSlot
+from .actors.renderer import PromptType, Renderer, load_tokenizer
+from .actors.scheduler import Scheduler
+from .config import EngineConfig
+from .protocol import messages as m
+from .protocol.outputs import RequestOutput
+from .protocol.params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Generate for many prompts at once, synchronously.
+
+    ``LLM(model=None, **engine_args)`` starts the engine (None: the embedded toy
+    model). Call ``shutdown()`` (or use it as a context manager) to stop it.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self._calls: trio.MemorySendChannel[tuple[Callable[..., Any], tuple[Any, ...], Any]] | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._main, args=(model, engine_args), name="legato-llm", daemon=True
+        )
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    def _main(self, model: str | None, engine_args: dict[str, Any]) -> None:
+        from .engine import open_engine
+
+        async def serve() -> None:
+            try:
+                async with open_engine(model, **engine_args) as engine:
+                    self.engine = engine
+                    self._stop = trio.Event()
+                    self._token = trio.lowlevel.current_trio_token()
+                    self._ready.set()
+                    await self._stop.wait()
+            except BaseException as exc:
+                if not self._ready.is_set():
+                    self._startup_error = exc
+                    self._ready.set()
+                    return
+                raise
+
+        trio.run(serve)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in the prompts' order.
+
+        A progress bar is shown for more than 16 prompts unless ``use_tqdm=False``.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("sampling_params: need one per prompt, or a single one")
+        show = len(prompt_list) > 16 if use_tqdm is None else use_tqdm
+        return trio.from_thread.run(self._generate_all, prompt_list, params_list, show, trio_token=self._token)
+
+    async def _generate_all(
+        self, prompts: list[PromptType], params: list[SamplingParams], show_progress: bool
+    ) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        batch = f"llm-{time.monotonic_ns()}"
+        bar = tqdm(total=len(prompts), desc="generating", disable=not show_progress)
+
+        async def one(i: int) -> None:
+            final = params[i].clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            async with self.engine.generate(prompts[i], final, f"{batch}-{i}") as stream:
+                async for out in stream:
+                    results[i] = out
+            bar.update(1)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def shutdown(self) -> None:
+        """Stop the engine and its thread. Idempotent."""
+        if self._token is not None and self._thread.is_alive():
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str) or isinstance(prompts, dict):
+        return [prompts]
+    items = list(prompts)  # type: ignore[arg-type]
+    if items and all(isinstance(x, int) for x in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+class LLMEngine:
+    """vLLM's step-wise engine: ``add_request``, ``step``, ``abort_request``.
+
+    Everything runs in the calling thread; the model runs in this process.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from .engine import resolve_model
+        from .models.runner import ModelRunner
+
+        config = resolve_model(config)
+        self.runner = ModelRunner(config)
+        self.config = config.resolved(
+            max_model_len=self.runner.max_model_len, num_kv_blocks=self.runner.num_kv_blocks
+        )
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model or "")
+        eos = list(self.runner.eos_token_ids)
+        self.renderer = Renderer(
+            self.tokenizer,
+            max_model_len=self.config.max_model_len or 0,
+            vocab_size=self.runner.vocab_size,
+            eos_token_id=eos[0] if eos else None,
+            max_logprobs=config.max_logprobs,
+        )
+        self.scheduler = Scheduler(self.config)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._slots: dict[str, OutputSlot] = {}
+        self._children: dict[str, list[str]] = {}
+        self._stats = m.SchedulerStats()
+
+    @classmethod
+    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Render and queue a request. Raises ValueError for bad input or a live duplicate id."""
+        if request_id in self._slots:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        rendered = self.renderer.render_prompt(prompt)
+        requests = self.renderer.make_requests(
+            request_id, rendered, params or SamplingParams(), priority=priority, arrival_time=arrival_time
+        )
+        slot = OutputSlot()
+        self.processor.add_request(request_id, rendered, requests, slot)
+        self._slots[request_id] = slot
+        self._children[request_id] = [r.request_id for r in requests]
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        children = [c for rid in ids for c in self._children.get(rid, [])]
+        self.processor.process_outputs(
+            m.EngineCoreOutputs(self.scheduler.abort(children), time.monotonic(), None)
+        )
+        for rid in ids:
+            self._slots.pop(rid, None)
+            self._children.pop(rid, None)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs it produced (finished ones included)."""
+        plan = self.scheduler.schedule()
+        if plan.total_num_scheduled_tokens > 0 or plan.finished_req_ids:
+            runner_out = self.runner.execute(plan)
+            core_out = self.scheduler.update_from_output(plan, runner_out)
+            if core_out.scheduler_stats is not None:
+                self._stats = core_out.scheduler_stats
+            step = self.processor.process_outputs(core_out)
+            if step.requests_to_abort:
+                self.scheduler.finish_requests(list(step.requests_to_abort), m.FinishReason.STOP)
+        results = []
+        for rid, slot in list(self._slots.items()):
+            out = slot.get_nowait()
+            if out is None:
+                continue
+            results.append(out)
+            if out.finished:
+                del self._slots[rid]
+                self._children.pop(rid, None)
+        return results
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._slots) or self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._slots)
+
+    def get_metrics(self) -> dict[str, float]:
+        s = self._stats
+        return {
+            "num_requests_running": s.num_running,
+            "num_requests_waiting": s.num_waiting,
+            "kv_cache_usage": s.kv_cache_usage,
+            "kv_cache_blocks_used": s.num_blocks_used,
+        }
