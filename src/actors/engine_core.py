@@ -199,7 +199,7 @@ class EngineCore:
             control.reply(TypeError(f"unknown control message {type(message).__name__}"))
 
     def _answer_waiters(self) -> None:
-        if self._waiters and not self.scheduler.has_unfinished_requests():
+        if self._waiters and not self.scheduler.has_in_flight_requests():
             waiters, self._waiters = self._waiters, []
             for waiter in waiters:
                 waiter.reply(None)
