@@ -1,0 +1,121 @@
+"""Request: the scheduler's per-request state, one plain object per live request.
+
+The scheduler (policy) moves a :class:`Request` between its queues and the
+KV-cache manager (resource) hangs the request's blocks off its id; both read
+the token lists kept here. Pure Python, driven synchronously: never imports
+torch or trio.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ..protocol.messages import EngineRequest, FinishReason
+from ..protocol.params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is: waiting (never started or preempted), running, finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Request:
+    """One request's tokens, progress and limits as the scheduler tracks them.
+
+    ``all_token_ids`` is the prompt followed by every accepted output token;
+    ``num_computed_tokens`` of them have their KV in the cache (it is reset to 0
+    by a preemption). ``block_hashes[i]`` is the chained prefix hash of full
+    block ``i`` of ``all_token_ids``; the KV-cache manager fills it lazily.
+    ``num_tokens_sent`` is how many of ``all_token_ids`` the model runner knows.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "arrival_time",
+        "priority",
+        "eos_token_id",
+        "ignore_eos",
+        "min_tokens",
+        "max_tokens",
+        "stop_token_ids",
+        "cache_extra_keys",
+        "all_token_ids",
+        "output_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_tokens_sent",
+        "num_preemptions",
+        "block_hashes",
+        "status",
+        "finish_reason",
+        "stop_reason",
+        "sort_key",
+        "scheduled_step",
+    )
+
+    def __init__(self, request: EngineRequest, seq: int) -> None:
+        """Wrap an admitted request; ``seq`` breaks ties between equal arrival times."""
+        params: SamplingParams = request.sampling_params
+        self.request_id: str = request.request_id
+        self.prompt_token_ids: list[int] = list(request.prompt_token_ids)
+        self.sampling_params: SamplingParams = params
+        self.arrival_time: float = request.arrival_time
+        self.priority: int = request.priority
+        self.eos_token_id: int | None = request.eos_token_id
+        self.ignore_eos: bool = params.ignore_eos
+        self.min_tokens: int = params.min_tokens
+        self.max_tokens: int | None = params.max_tokens  # None: up to max_model_len
+        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids or ())
+        # Anything besides the tokens that decides whether cached KV may be reused.
+        self.cache_extra_keys: tuple[str | None, str | None] | None = (
+            (request.lora_name, request.cache_salt)
+            if request.lora_name is not None or request.cache_salt is not None
+            else None
+        )
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens: int = len(self.prompt_token_ids)
+        self.num_computed_tokens: int = 0
+        self.num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 before
+        self.num_tokens_sent: int = 0
+        self.num_preemptions: int = 0
+        self.block_hashes: list[bytes] = []
+        self.status: RequestStatus = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        # Priority order: lower value first, then earlier arrival, then admission order.
+        self.sort_key: tuple[int, float, int] = (request.priority, request.arrival_time, seq)
+        self.scheduled_step: int = -1  # step_id of the last schedule() that included it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def started(self) -> bool:
+        """True once the request has been scheduled at least once (it is in flight)."""
+        return self.num_cached_tokens >= 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
