@@ -3,6 +3,7 @@
 Nothing in this package imports torch or trio.
 """
 
+from .client import EngineClient, LoRARequest, PromptType, TextPrompt, TokensPrompt
 from .errors import (
     EngineDeadError,
     EngineGenerateError,
@@ -17,17 +18,22 @@ from .wire import WireError, decode, encode
 
 __all__ = [
     "CompletionOutput",
+    "EngineClient",
     "EngineDeadError",
     "EngineGenerateError",
     "EngineStartupError",
     "LegatoError",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "PoolingRequestOutput",
     "PromptTooLongError",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "ValidationError",
     "WireError",
     "decode",
