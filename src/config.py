@@ -35,6 +35,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     executor: Literal["process", "inproc"] = "process"
+    # "null": the null-model runner (legato.testing.null_model), which answers every
+    # step instantly with a fixed token; it measures the control plane, nothing else.
+    runner: Literal["model", "null"] = "model"
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     heartbeat_interval: float = 1.0
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy: unknown policy {self.scheduling_policy!r}")
         if self.executor not in ("process", "inproc"):
             raise ValueError(f"executor: unknown executor {self.executor!r}")
+        if self.runner not in ("model", "null"):
+            raise ValueError(f"runner: unknown runner {self.runner!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r}")
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:

@@ -68,7 +68,12 @@ def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
 
     if faults.fail_load:
         raise RuntimeError("injected fault: weight loading failed")
-    return ModelRunner(EngineConfig(**init.config))
+    config = EngineConfig(**init.config)
+    if config.runner == "null":
+        from .testing.null_model import NullModelRunner
+
+        return NullModelRunner(config)
+    return ModelRunner(config)
 
 
 def _ready(runner: Any) -> m.WorkerReady:

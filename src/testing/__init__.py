@@ -1,1 +1,1 @@
-"""legato.testing."""
+"""Testing aids shipped with legato: chaos hooks and the null-model runner."""

@@ -1,0 +1,62 @@
+"""The null-model runner: answers every step at once with a fixed token.
+
+Selected with ``runner="null"``. It has the ModelRunner's interface and no
+model, so a benchmark through it measures the control plane alone: renderer,
+scheduler, executor frames, detokenizer and streams. It is never a stand-in
+for a real model anywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..config import EngineConfig
+from ..protocol import messages as m
+
+
+class NullModelRunner:
+    """ModelRunner's interface; ``execute`` samples ``token_id`` for every ready request."""
+
+    def __init__(self, config: EngineConfig, *, token_id: int | None = None) -> None:
+        vocab_size = 32000
+        if config.model is not None:
+            with open(os.path.join(config.model, "config.json")) as f:
+                vocab_size = int(json.load(f).get("vocab_size", vocab_size))
+        self.vocab_size = vocab_size
+        self.num_kv_blocks = config.num_kv_blocks or 65536
+        self.max_model_len = config.max_model_len or 4096
+        self.eos_token_ids: list[int] = []
+        self.dtype = "float32"
+        self.device = "cpu"
+        # Token id 300 is an ordinary byte-pair in the toy tokenizer; any id works.
+        self.token_id = min(300, vocab_size - 1) if token_id is None else token_id
+        self._known: dict[str, int] = {}  # request id -> tokens known to the runner
+
+    def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
+        for rid in step.finished_req_ids + step.preempted_req_ids:
+            self._known.pop(rid, None)
+        computed: dict[str, int] = {}
+        for new in step.new_requests:
+            self._known[new.request_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            computed[new.request_id] = new.num_computed_tokens
+        for cached in step.cached_requests:
+            self._known[cached.request_id] = self._known.get(cached.request_id, 0) + len(
+                cached.new_token_ids
+            )
+            computed[cached.request_id] = cached.num_computed_tokens
+        req_ids = list(step.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            reaches_end = computed.get(rid, 0) + step.num_scheduled_tokens[rid] >= self._known[rid]
+            sampled.append([self.token_id] if reaches_end else [])
+        return m.ModelRunnerOutput(step.step_id, req_ids, sampled)
+
+    def sleep(self, level: int = 1) -> None:
+        return None
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    def reset_kv_cache(self) -> None:
+        return None
