@@ -125,6 +125,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
     }
 )
 _TAGS: Final[dict[type, int]] = {cls: tag for tag, cls in WIRE_TYPES.items()}
+_HEADER: Final = struct.Struct(">I")  # the length before each frame on a byte stream
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -216,8 +217,10 @@ def decode(
 
 def frame_header(size: int, *, max_size: int = MAX_FRAME_SIZE) -> bytes:
     """The 4-byte big-endian length that goes before a frame of ``size`` bytes on a stream."""
-    if not 0 <= size <= min(max_size, 0xFFFF_FFFF):
-        raise WireError(f"frame of {size} bytes is over the limit of {max_size}")
+    if size < 0:
+        raise WireError(f"frame size must not be negative, got {size}")
+    if size > min(max_size, 0xFFFF_FFFF):
+        raise WireError(f"frame of {size} bytes is over the limit of {min(max_size, 0xFFFF_FFFF)}")
     return _HEADER.pack(size)
 
 
@@ -235,9 +238,6 @@ def read_frame_length(
     if size > max_size:
         raise WireError(f"incoming frame of {size} bytes is over the limit of {max_size}")
     return int(size)
-
-
-_HEADER: Final = struct.Struct(">I")
 
 
 # ------------------------------------------------------------------ codecs
