@@ -13,3 +13,44 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     # Triton kernels run under the numpy interpreter on CPU-only machines.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# -- the toy model (legato.toy_model) ------------------------------------------
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+import pytest  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@pytest.fixture(scope="session", autouse=True)
+def legato_home_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """`$LEGATO_HOME` for the whole session: a fresh temp dir, never the user's cache.
+
+    Child processes (engine workers) inherit it, so they find the same toy model.
+    """
+    home = tmp_path_factory.mktemp("legato-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LEGATO_HOME", str(home))
+        yield home
+
+
+@pytest.fixture(scope="session")
+def toy_model_dir(legato_home_dir: Path) -> Path:
+    """The embedded default toy model (seed 0), built once per session into `legato_home_dir`."""
+    from legato.toy_model import default_toy_model_dir
+
+    return default_toy_model_dir()
+
+
+@pytest.fixture(scope="session")
+def toy_tokenizer(toy_model_dir: Path) -> PreTrainedTokenizerBase:
+    """The toy model's tokenizer, loaded with transformers (shared: do not mutate it)."""
+    from transformers import AutoTokenizer
+
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(toy_model_dir)
+    return tokenizer
