@@ -500,6 +500,11 @@ class AsyncEngine(EngineClient):
         self.executor.begin_shutdown()
         self.supervisor.cancel_all()
 
+    async def wait_until_idle(self) -> None:
+        """Return once the scheduler holds no request (every KV block free). A checkpoint."""
+        self._check_alive()
+        await self.core.wait_idle()
+
     # ------------------------------------------------------------ testing
 
     def inject_fault(self, actor: str, error: BaseException | None = None) -> None:

@@ -72,6 +72,24 @@ class EngineCore:
 
     def __post_init__(self) -> None:
         self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
+        self._idle = trio.Event()
+        self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is left in the scheduler (all KV blocks free).
+
+        A checkpoint; waits as long as requests keep running.
+        """
+        while True:
+            await self._idle.wait()
+            if not self.scheduler.has_unfinished_requests():
+                return
+
+    def _note_idle(self) -> None:
+        if not self.scheduler.has_unfinished_requests():
+            self._idle.set()
+        elif self._idle.is_set():
+            self._idle = trio.Event()
 
     def submit(self, message: CoreMessage) -> None:
         """Queue a message for the loop. Never blocks; safe from any trio task."""
@@ -97,6 +115,7 @@ class EngineCore:
         """The actor loop. Runs until cancelled; any exception kills the engine."""
         while True:
             if not self._has_work():
+                self._note_idle()
                 self._handle(await self._inbox.receive())
             while True:
                 try:
@@ -107,6 +126,7 @@ class EngineCore:
             if self._has_work():
                 await self._step()
             self._answer_waiters()
+            self._note_idle()
             await trio.lowlevel.checkpoint()
 
     def _has_work(self) -> bool:

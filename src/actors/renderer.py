@@ -107,6 +107,23 @@ class Renderer:
             raise ValidationError("messages", f"chat template failed: {exc}") from exc
         return str(text)
 
+    def render_chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> dict[str, Any]:
+        """Chat messages as a ready prompt ``{"prompt", "prompt_token_ids"}``.
+
+        The template writes its own special tokens (BOS included), so the text
+        is tokenized without adding more.
+        """
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        )
+        return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return [int(i) for i in ids]
