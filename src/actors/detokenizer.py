@@ -1,0 +1,700 @@
+"""Incremental detokenization, stop strings, output kinds and n>1 merging.
+
+The stage after the scheduler: ``OutputProcessor.process_outputs`` takes one
+step's ``EngineCoreOutputs`` and turns them into ``RequestOutput``s, put into
+each request's ``OutputSlot``. ``IncrementalDetokenizer`` turns one
+completion's token ids into text as they arrive; ``find_stop_string`` and
+``partial_stop_length`` are the stop-string rules.
+
+Plain synchronous classes: the actor loop that feeds them lives elsewhere.
+Never imports trio or torch (the slot type is only named for type checking).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Union
+
+from tokenizers import Tokenizer
+
+from ..protocol.errors import EngineGenerateError
+from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, TokenLogprobs
+from ..protocol.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from ..protocol.params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from .output_slot import OutputSlot
+
+AnyTokenizer = Union["PreTrainedTokenizerBase", Tokenizer]
+"""A transformers tokenizer, or a bare ``tokenizers.Tokenizer``."""
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for correct spacing
+_MAX_UNSETTLED_TOKENS = 16  # then text is emitted as decoded, U+FFFD and all
+
+
+def _make_decode(
+    tokenizer: AnyTokenizer, *, skip_special_tokens: bool, spaces_between_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    """``ids -> text``: the fast backend when there is one, else ``tokenizer.decode``.
+
+    The fast backend is what ``tokenizer.decode`` calls too, minus
+    ``clean_up_tokenization_spaces`` (which is not incremental) and the
+    slow-tokenizer-only ``spaces_between_special_tokens``.
+    """
+    backend = _backend(tokenizer)
+    if backend is not None:
+        fast = backend
+
+        def decode_fast(ids: list[int]) -> str:
+            return fast.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        return decode_fast
+    slow: Any = tokenizer
+
+    def decode_slow(ids: list[int]) -> str:
+        text: str = slow.decode(
+            ids,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+        return text
+
+    return decode_slow
+
+
+def _backend(tokenizer: AnyTokenizer) -> Tokenizer | None:
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+def _special_token_ids(tokenizer: AnyTokenizer) -> frozenset[int]:
+    """The ids that ``decode(..., skip_special_tokens=True)`` drops."""
+    backend = _backend(tokenizer)
+    if backend is not None:
+        added = backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
+class IncrementalDetokenizer:
+    """Turns one completion's token ids into text as they arrive.
+
+    ``update(ids)`` returns the text those tokens completed. A character split
+    across tokens appears once, in the update that completes it: an update
+    never returns a partial character (U+FFFD standing for bytes still to
+    come). ``flush()``, at the end, returns what is still held back except a
+    trailing incomplete character. For context-free decoders (byte-level BPE)
+    ``"".join(updates) + flush()`` equals ``decode(all_ids)`` with one
+    trailing U+FFFD removed, if it ends with one.
+
+    A few prompt tokens are decoded along with the output so that decoders
+    that depend on position (SentencePiece's leading space) space the first
+    output token correctly. Each token costs one or two decodes of a short
+    window (the tokens since the last complete character, and those before
+    it up to the previous one): O(1) per token, never a re-decode of the
+    whole output. Skipped special tokens never enter the window. After
+    ``_MAX_UNSETTLED_TOKENS`` tokens in a row that do not end on a complete
+    character (garbage bytes), the text is emitted as decoded, U+FFFD and all.
+    """
+
+    def __init__(
+        self,
+        tokenizer: AnyTokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self._decode = _make_decode(
+            tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+        # Skipped special tokens never enter the window: they decode to nothing.
+        self._skipped = _special_token_ids(tokenizer) if skip_special_tokens else frozenset()
+        # The window: tokens [0, _prefix_len) decode to _prefix_text, text already
+        # emitted (or prompt context); the rest await a complete character.
+        self._window = self._context(prompt_token_ids)
+        self._prefix_len = len(self._window)
+        self._prefix_text = self._decode(self._window) if self._window else ""
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The shortest prompt suffix of at least a few tokens that decodes cleanly, or []."""
+        n = len(prompt_token_ids)
+        for k in range(min(n, _CONTEXT_TOKENS), min(n, _CONTEXT_TOKENS + 20) + 1):
+            suffix = list(prompt_token_ids[n - k :])
+            if _REPLACEMENT not in self._decode(suffix):
+                return suffix
+        return []
+
+    def update(self, new_token_ids: Iterable[int]) -> str:
+        """Append tokens; return the text they completed (possibly "")."""
+        pieces: list[str] = []
+        for token_id in new_token_ids:
+            if token_id in self._skipped:
+                continue
+            self._window.append(token_id)
+            text = self._decode(self._window)
+            settled = len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT)
+            if settled or len(self._window) - self._prefix_len > _MAX_UNSETTLED_TOKENS:
+                pieces.append(text[len(self._prefix_text) :])
+                # The tokens just read become the next prefix.
+                self._window = self._window[self._prefix_len :]
+                self._prefix_len = len(self._window)
+                self._prefix_text = self._decode(self._window)
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        """At the end: the text still held back, minus a trailing incomplete character.
+
+        Tokens given to ``update`` afterwards are decoded without context.
+        """
+        text = self._decode(self._window)
+        if text.endswith(_REPLACEMENT):
+            text = text[:-1]
+        delta = text[len(self._prefix_text) :]
+        self._window, self._prefix_len, self._prefix_text = [], 0, ""
+        return delta
+
+
+def find_stop_string(text: str, new_from: int, stops: Sequence[str]) -> tuple[str, int] | None:
+    """The stop string in ``text`` that a reader would meet first, among matches ending after ``new_from``.
+
+    Returns ``(stop, start)``, or None. "First" is the match that ends
+    earliest (ties: the one that starts earliest), as if the text arrived one
+    character at a time. Only the new text and the ``len(stop) - 1``
+    characters before it are searched, so a stop spanning earlier text is found.
+    """
+    best: tuple[str, int] | None = None
+    best_end = 0
+    for stop in stops:
+        start = text.find(stop, max(0, new_from - len(stop) + 1))
+        if start < 0:
+            continue
+        end = start + len(stop)
+        if best is None or end < best_end or (end == best_end and start < best[1]):
+            best, best_end = (stop, start), end
+    return best
+
+
+def partial_stop_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+
+    Those characters may yet become a stop string, so a stream holds them back.
+    """
+    if not text:
+        return 0
+    last = text[-1]
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if stop[k - 1] == last and text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+# ------------------------------------------------------------- the processor
+
+
+@dataclass
+class FinishedRequestStats:
+    """One scheduler-level request (a child, for n>1) that ended, for the metrics."""
+
+    request_id: str
+    parent_id: str
+    finish_reason: FinishReason
+    arrival_time: float
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def e2e_latency(self) -> float:
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class ProcessedStep:
+    """What the engine must pass on after the detokenizer handled a step (or an abort).
+
+    ``requests_to_abort``: scheduler-level ids (children for n>1) that are
+    finished here (a stop string, an abort, a sibling's error) but still live
+    in the scheduler: abort them there. The rest is for the metrics.
+    """
+
+    requests_to_abort: list[str] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    num_generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The scheduler-level id of completion ``index`` of a request with n>1."""
+    return f"{index}_{parent_id}"
+
+
+@dataclass(eq=False)
+class _Completion:
+    """One completion's state: a child request for n>1, else the request itself."""
+
+    request_id: str
+    index: int
+    parent: _Request
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    released: int = 0  # characters of text made visible to the consumer
+    logprobs: SampleLogprobs | None = None  # everything so far; unused for DELTA
+    cumulative_logprob: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # This step's news, set by the processor and consumed when outputs are built.
+    has_news: bool = False  # new tokens, or finished, this step
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: SampleLogprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.parent.params.logprobs is not None
+
+    def release(self) -> None:
+        """Make the settled text visible: all of it once finished, else all but a partial stop."""
+        params = self.parent.params
+        visible = len(self.text)
+        if not self.finished and params.stop and not params.include_stop_str_in_output:
+            visible -= partial_stop_length(self.text, params.stop)
+        visible = max(visible, self.released)
+        self.new_text += self.text[self.released : visible]
+        self.released = visible
+
+    def clear_news(self) -> None:
+        self.has_news, self.new_text, self.new_token_ids, self.new_logprobs = False, "", [], None
+
+    def delta_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.new_text,
+            token_ids=self.new_token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.new_logprobs if self.new_logprobs or not self.wants_logprobs else [],
+            finish_reason=None if self.finish_reason is None else str(self.finish_reason),
+            stop_reason=self.stop_reason,
+        )
+
+    def cumulative_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text[: self.released],
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=None if self.finish_reason is None else str(self.finish_reason),
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass(eq=False)
+class _Request:
+    """A caller's request: one id, one slot, n completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    slot: OutputSlot
+    completions: list[_Completion] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def metrics(self, finished_time: float | None) -> RequestMetrics:
+        first = [c.first_token_time for c in self.completions if c.first_token_time is not None]
+        last = [c.last_token_time for c in self.completions if c.last_token_time is not None]
+        return RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_token_time=min(first, default=None),
+            last_token_time=max(last, default=None),
+            finished_time=finished_time,
+        )
+
+
+class OutputProcessor:
+    """Turns each step's ``EngineCoreOutputs`` into ``RequestOutput``s in the requests' slots.
+
+    Per request (caller's id) it keeps n completions, each with its own
+    ``IncrementalDetokenizer``, stop-string check and logprobs; for n>1 the
+    scheduler runs n children (ids from ``add_request``) whose outputs merge
+    under the caller's id. Outputs follow ``params.output_kind``:
+
+    - ``DELTA``: only what is new since the last output, and only the
+      completions that have news (new tokens or a finish);
+    - ``CUMULATIVE``: all n completions, each with everything so far;
+    - ``FINAL_ONLY``: one output, when every completion has finished.
+
+    ``finished=True`` is on the last output only. While a request has stop
+    strings (and ``include_stop_str_in_output`` is off), text that could be
+    the start of a stop string is held back until it is known not to be one
+    (or the request finishes), so no stop string ever reaches a stream.
+
+    Never blocks: slots merge what their consumers have not taken yet.
+    """
+
+    def __init__(self, tokenizer: AnyTokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _Request] = {}
+        self._completions: dict[str, _Completion] = {}  # by scheduler-level id
+        self._token_text_cache: dict[int, str] = {}
+        self._decode_token: Callable[[list[int]], str] | None = None
+        if tokenizer is not None:
+            self._decode_token = _make_decode(
+                tokenizer, skip_special_tokens=False, spaces_between_special_tokens=True
+            )
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float,
+        *,
+        slot: OutputSlot,
+        child_ids: Sequence[str] | None = None,
+    ) -> list[str]:
+        """Register a request; return the ids the scheduler runs it under.
+
+        n == 1: ``[request_id]``. n > 1: ``child_ids`` (n of them, in index
+        order), by default ``child_request_id(request_id, i)``. ``params`` are
+        the caller's (n, stop strings, output kind). Raises ValueError for a
+        live duplicate id, a slot of another output kind, or stop strings
+        without a tokenizer.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if slot.output_kind != params.output_kind:
+            raise ValueError(
+                f"output_kind: the slot merges as {slot.output_kind.name}, "
+                f"the request asks for {params.output_kind.name}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+        if params.n == 1:
+            ids = [request_id]
+        elif child_ids is None:
+            ids = [child_request_id(request_id, i) for i in range(params.n)]
+        else:
+            ids = list(child_ids)
+        if len(ids) != params.n:
+            raise ValueError(f"child_ids: expected {params.n} ids, got {len(ids)}")
+        if clash := [i for i in ids if i in self._completions]:
+            raise ValueError(f"request_id: {clash[0]!r} is already running")
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, arrival_time, slot)
+        for index, child_id in enumerate(ids):
+            detokenizer = None
+            if self.tokenizer is not None and params.detokenize:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                )
+            completion = _Completion(child_id, index, request, detokenizer)
+            if params.logprobs is not None:
+                completion.cumulative_logprob = 0.0
+                if params.output_kind != RequestOutputKind.DELTA:
+                    completion.logprobs = []
+            request.completions.append(completion)
+            self._completions[child_id] = completion
+        self._requests[request_id] = request
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # --------------------------------------------------------------- steps
+
+    def process_outputs(self, outputs: EngineCoreOutputs) -> ProcessedStep:
+        """Handle one step: detokenize, check stop strings, put outputs into slots.
+
+        Outputs for unknown or already finished ids (e.g. a stop string fired
+        before the scheduler's abort took effect) are ignored. A completion
+        with ``FinishReason.ERROR`` fails its whole request: the slot gets
+        ``EngineGenerateError`` and the siblings are aborted.
+        """
+        now = outputs.timestamp
+        step = ProcessedStep()
+        touched: dict[str, _Request] = {}
+        for core in outputs.outputs:
+            completion = self._completions.get(core.request_id)
+            if completion is None or completion.finished:
+                continue
+            request = completion.parent
+            if core.finish_reason == FinishReason.ERROR:
+                error = EngineGenerateError(request.request_id, core.error or "the request failed")
+                self._fail(request, error, now, step, failed_id=core.request_id)
+                touched.pop(request.request_id, None)
+                continue
+            self._update(completion, core, now, step)
+            touched[request.request_id] = request
+        for request in touched.values():
+            self._emit(request, now, step)
+        return step
+
+    def _update(
+        self, completion: _Completion, core: EngineCoreOutput, now: float, step: ProcessedStep
+    ) -> None:
+        request, params = completion.parent, completion.parent.params
+        new_ids = core.new_token_ids
+        if completion.num_cached_tokens is None:
+            completion.num_cached_tokens = core.num_cached_tokens
+        if new_ids:
+            if completion.first_token_time is None:
+                completion.first_token_time = now
+                step.time_to_first_token.append(now - request.arrival_time)
+            else:
+                assert completion.last_token_time is not None
+                step.inter_token_latency.append(now - completion.last_token_time)
+            completion.last_token_time = now
+            step.num_generation_tokens += len(new_ids)
+        completion.token_ids.extend(new_ids)
+        completion.new_token_ids.extend(new_ids)
+        self._add_logprobs(completion, core.new_logprobs)
+        if core.new_prompt_logprobs is not None and completion.index == 0:
+            self._add_prompt_logprobs(request, core.new_prompt_logprobs)
+        finish_reason, stop_reason = core.finish_reason, core.stop_reason
+
+        detokenizer = completion.detokenizer
+        if detokenizer is not None:
+            text_ids = new_ids
+            if (
+                finish_reason == FinishReason.STOP
+                and new_ids
+                and not params.include_stop_str_in_output
+            ):
+                text_ids = new_ids[:-1]  # the EOS / stop token's own text is not output
+            searched_from = len(completion.text)
+            completion.text += detokenizer.update(text_ids)
+            if finish_reason is not None:
+                completion.text += detokenizer.flush()
+            # As for stop token ids, min_tokens tokens come before the one that may stop.
+            if params.stop and len(completion.token_ids) > params.min_tokens:
+                match = find_stop_string(completion.text, searched_from, params.stop)
+                if match is not None:
+                    stop, start = match
+                    end = start + len(stop) if params.include_stop_str_in_output else start
+                    completion.text = completion.text[:end]
+                    if finish_reason is None:
+                        step.requests_to_abort.append(completion.request_id)
+                    finish_reason, stop_reason = FinishReason.STOP, stop
+        if finish_reason is not None:
+            self._finish(completion, finish_reason, stop_reason, now, step)
+        if new_ids:
+            completion.has_news = True
+        completion.release()
+
+    def _finish(
+        self,
+        completion: _Completion,
+        reason: FinishReason,
+        stop_reason: int | str | None,
+        now: float,
+        step: ProcessedStep,
+    ) -> None:
+        completion.finish_reason, completion.stop_reason = reason, stop_reason
+        completion.has_news = True
+        request = completion.parent
+        step.finished.append(
+            FinishedRequestStats(
+                request_id=completion.request_id,
+                parent_id=request.request_id,
+                finish_reason=reason,
+                arrival_time=request.arrival_time,
+                first_token_time=completion.first_token_time,
+                last_token_time=completion.last_token_time,
+                finished_time=now,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_generation_tokens=len(completion.token_ids),
+                num_cached_tokens=completion.num_cached_tokens or 0,
+            )
+        )
+
+    def _emit(self, request: _Request, now: float, step: ProcessedStep) -> None:
+        """Put this step's output for ``request`` into its slot; forget it once finished."""
+        finished = request.finished
+        kind = request.params.output_kind
+        news = [c for c in request.completions if c.has_news]
+        completions: list[CompletionOutput] = []
+        prompt_logprobs: PromptLogprobs | None = None
+        if kind == RequestOutputKind.DELTA:
+            completions = [c.delta_output() for c in news]
+            if news and not request.prompt_logprobs_sent:
+                prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        elif news and (kind == RequestOutputKind.CUMULATIVE or finished):
+            completions = [c.cumulative_output() for c in request.completions]
+            prompt_logprobs = request.prompt_logprobs
+        for c in news:
+            c.clear_news()
+        if completions:
+            request.slot.put(
+                RequestOutput(
+                    request_id=request.request_id,
+                    prompt=request.prompt,
+                    prompt_token_ids=request.prompt_token_ids,
+                    prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
+                    outputs=completions,
+                    finished=finished,
+                    num_cached_tokens=request.completions[0].num_cached_tokens,
+                    metrics=request.metrics(now if finished else None),
+                )
+            )
+        if finished:
+            self._forget(request)
+
+    def _forget(self, request: _Request) -> None:
+        self._requests.pop(request.request_id, None)
+        for c in request.completions:
+            self._completions.pop(c.request_id, None)
+
+    # ------------------------------------------------------------ logprobs
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self._decode_token is None:
+            return None
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self._token_text_cache[token_id] = self._decode_token([token_id])
+        return text
+
+    def _logprob_dict(self, entry: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
+        return {
+            token_id: Logprob(lp, rank, self._token_text(token_id) if decode else None)
+            for token_id, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
+        }
+
+    def _add_logprobs(self, completion: _Completion, entries: list[TokenLogprobs] | None) -> None:
+        if completion.cumulative_logprob is None or not entries:
+            return
+        decode = completion.parent.params.detokenize
+        new = [self._logprob_dict(e, decode) for e in entries]
+        completion.cumulative_logprob += sum(e.logprobs[0] for e in entries if e.logprobs)
+        if completion.new_logprobs is None:
+            completion.new_logprobs = []
+        completion.new_logprobs.extend(new)
+        if completion.logprobs is not None:
+            completion.logprobs.extend(new)
+
+    def _add_prompt_logprobs(self, request: _Request, entries: list[TokenLogprobs | None]) -> None:
+        if request.params.prompt_logprobs is None:
+            return
+        decode = request.params.detokenize
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = []
+        request.prompt_logprobs.extend(
+            None if e is None else self._logprob_dict(e, decode) for e in entries
+        )
+
+    # ------------------------------------------------------ aborts, errors
+
+    def abort_requests(
+        self, request_ids: Iterable[str], *, now: float | None = None
+    ) -> ProcessedStep:
+        """Finish requests (caller's ids) with reason "abort" and forget them.
+
+        Each slot gets a last output (``finished=True``, finish_reason
+        "abort", text held back for stop strings released; a character still
+        incomplete is dropped). Unknown or finished ids are
+        ignored. ``requests_to_abort`` lists the children still live in the
+        scheduler.
+        """
+        now = time.monotonic() if now is None else now
+        step = ProcessedStep()
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            for c in request.completions:
+                if c.finished:
+                    continue
+                step.requests_to_abort.append(c.request_id)
+                self._finish(c, FinishReason.ABORT, None, now, step)
+                c.release()
+            self._emit(request, now, step)
+        return step
+
+    def fail_request(
+        self, request_id: str, error: BaseException, *, now: float | None = None
+    ) -> ProcessedStep:
+        """Fail a request (caller's id): its slot gets ``error``, and it is forgotten.
+
+        Unknown or finished ids are ignored. ``requests_to_abort`` lists the
+        children still live in the scheduler.
+        """
+        now = time.monotonic() if now is None else now
+        step = ProcessedStep()
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._fail(request, error, now, step)
+        return step
+
+    def fail_all(self, error: BaseException, *, now: float | None = None) -> ProcessedStep:
+        """Fail every open request with ``error`` (e.g. the engine died) and forget them all."""
+        now = time.monotonic() if now is None else now
+        step = ProcessedStep()
+        for request in list(self._requests.values()):
+            self._fail(request, error, now, step)
+        return step
+
+    def _fail(
+        self,
+        request: _Request,
+        error: BaseException,
+        now: float,
+        step: ProcessedStep,
+        *,
+        failed_id: str | None = None,
+    ) -> None:
+        request.slot.put_error(error)
+        for c in request.completions:
+            if c.finished:
+                continue
+            if c.request_id != failed_id:
+                step.requests_to_abort.append(c.request_id)
+            self._finish(c, FinishReason.ERROR, None, now, step)
+        self._forget(request)

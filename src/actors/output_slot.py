@@ -1,0 +1,145 @@
+"""OutputSlot: where the detokenizer leaves one request's outputs for its consumer.
+
+The producer side (``put``, ``put_error``) is synchronous and never blocks, so
+one slow consumer never stalls the detokenizer or any other request: outputs
+the consumer has not taken yet are merged in the slot instead of queued. The
+consumer side (``get``) is a trio checkpoint. Like vLLM's
+``RequestOutputCollector``.
+
+Imports trio; never torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import trio
+
+from ..protocol.outputs import CompletionOutput, RequestOutput
+from ..protocol.params import RequestOutputKind
+
+
+class OutputSlot:
+    """A single-consumer mailbox for one request's ``RequestOutput``s.
+
+    ``put`` merges with the pending output the consumer has not taken yet:
+    for ``DELTA`` the pieces are concatenated per completion index (text,
+    token ids, logprobs) and the newest finish info, cumulative logprob and
+    metrics win; for ``CUMULATIVE`` and ``FINAL_ONLY`` the newer output
+    replaces the pending one (it already carries everything).
+
+    Errors take precedence: ``put_error`` drops any pending output, and every
+    later ``get`` / ``get_nowait`` raises that error (the first error put
+    wins; later outputs and errors are ignored). A failed request's partial
+    output is of no use, and a consumer must never miss the error.
+
+    ``put`` and ``put_error`` may be called outside a trio run (e.g. by a
+    synchronous engine polling ``get_nowait``) as long as no task waits in
+    ``get``.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        self.output_kind = output_kind
+        self._pending: list[RequestOutput] = []
+        self._error: BaseException | None = None
+        self._lot = trio.lowlevel.ParkingLot()
+        self._getting = False
+
+    def put(self, output: RequestOutput) -> None:
+        """Leave ``output`` for the consumer, merged with any pending one. Never blocks."""
+        if self._error is not None:
+            return
+        if self.output_kind == RequestOutputKind.DELTA:
+            self._pending.append(output)  # merged lazily, by the consumer's get
+        else:
+            self._pending = [output]
+        self._lot.unpark_all()
+
+    def put_error(self, exc: BaseException) -> None:
+        """Fail the consumer's next ``get`` (and every one after) with ``exc``. Never blocks."""
+        if self._error is not None:
+            return
+        self._error = exc
+        self._pending.clear()
+        self._lot.unpark_all()
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``get`` would return (or raise) without waiting."""
+        return bool(self._pending) or self._error is not None
+
+    def get_nowait(self) -> RequestOutput | None:
+        """Take the pending output (merged), or None if there is none; raise the error if one was put."""
+        if self._error is not None:
+            raise self._error
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        return merge_delta_outputs(pending) if len(pending) > 1 else pending[0]
+
+    async def get(self) -> RequestOutput:
+        """Wait for the next output and take it; raise the error if one was put.
+
+        Always a checkpoint. If cancelled, nothing is taken: the pending output
+        stays for the next call. Single consumer: a second task calling ``get``
+        while one waits raises ``trio.BusyResourceError``.
+        """
+        if self._getting:
+            raise trio.BusyResourceError("another task is already waiting on this OutputSlot")
+        self._getting = True
+        try:
+            if self.ready:
+                await trio.lowlevel.checkpoint()
+            while not self.ready:
+                await self._lot.park()
+        finally:
+            self._getting = False
+        output = self.get_nowait()
+        assert output is not None
+        return output
+
+
+def merge_delta_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """One DELTA output equivalent to ``outputs`` (oldest first) delivered in turn.
+
+    Completions are concatenated per index (sorted by index); the finish info,
+    cumulative logprob, ``finished`` and metrics of the newest win; prompt
+    logprobs come from the first output that carries them.
+    """
+    first, last = outputs[0], outputs[-1]
+    by_index: dict[int, list[CompletionOutput]] = {}
+    for output in outputs:
+        for completion in output.outputs:
+            by_index.setdefault(completion.index, []).append(completion)
+    return RequestOutput(
+        request_id=last.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        prompt_logprobs=next(
+            (o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None
+        ),
+        outputs=[_merge_completions(by_index[i]) for i in sorted(by_index)],
+        finished=last.finished,
+        num_cached_tokens=last.num_cached_tokens,
+        metrics=last.metrics,
+    )
+
+
+def _merge_completions(parts: list[CompletionOutput]) -> CompletionOutput:
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    has_logprobs = any(p.logprobs is not None for p in parts)
+    return CompletionOutput(
+        index=last.index,
+        text="".join(p.text for p in parts),
+        token_ids=list(itertools.chain.from_iterable(p.token_ids for p in parts)),
+        cumulative_logprob=last.cumulative_logprob,
+        logprobs=(
+            list(itertools.chain.from_iterable(p.logprobs or () for p in parts))
+            if has_logprobs
+            else None
+        ),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+    )
