@@ -477,14 +477,16 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Paged attention for any flat batch (prefill, chunked prefill, decode, mixed).
 
     Same contract as the reference. ``block_m`` rows per program (query tokens
     times the GQA group, raised to a power of two >= the group) and ``block_n``
-    KV tokens per tile are tuning knobs (powers of two >= 16). Never syncs.
+    KV tokens per tile are tuning knobs (powers of two >= 16); by default 64 and
+    64, or 32 and 32 (8 warps) for fp32 products on a GPU, which run on FMA
+    units and spill registers with larger tiles. Never syncs.
     """
     _check_inputs(query, key_cache, value_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -494,7 +496,10 @@ def paged_attention_prefill(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0 or num_tokens == 0:
         return out
-    block_m = max(16, block_m, triton.next_power_of_2(group))
+    dot_fp32 = _dot_in_fp32(key_cache.dtype)
+    default_tile = 32 if dot_fp32 and not triton_interpreting() else 64
+    block_n = block_n or default_tile
+    block_m = max(16, block_m or default_tile, triton.next_power_of_2(group))
     block_q = block_m // group
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         query,
@@ -524,8 +529,8 @@ def paged_attention_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PAGE=page,
-        DOT_FP32=_dot_in_fp32(key_cache.dtype),
-        num_warps=4 if head_dim <= 64 else 8,
+        DOT_FP32=dot_fp32,
+        num_warps=4 if head_dim <= 64 and not dot_fp32 else 8,
         num_stages=2,
     )
     return out

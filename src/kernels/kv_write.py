@@ -108,5 +108,5 @@ def write_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         PAGE=key_cache.shape[1],
-        num_warps=4 if block_h * block_d <= 2048 else 8,
+        num_warps=max(1, min(8, block_h * block_d // 256)),  # >= 8 elements per thread
     )

@@ -24,23 +24,40 @@ def _rotate_heads(
     stride_out_h,
     cos,
     sin,
-    first,
-    second,
-    half_mask,
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr,
 ):
-    """Rotate the ``[NUM_HEADS, head_dim]`` row of one token as a ``[BLOCK_H, BLOCK_HALF]`` tile pair."""
+    """Rotate the ``[NUM_HEADS, head_dim]`` row of one token, read and written contiguously.
+
+    Neox: the two halves are two ``[BLOCK_H, BLOCK_HALF]`` tiles. GPT-J: one
+    ``[BLOCK_H, 2 * BLOCK_HALF]`` tile de-interleaved in registers
+    (reshape + split, re-joined before the store), so loads stay vectorised.
+    """
     offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h[:, None] < NUM_HEADS) & half_mask[None, :]
+    h_mask = offs_h[:, None] < NUM_HEADS
     x_row = x_ptr + offs_h[:, None] * stride_h
-    x1 = tl.load(x_row + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
     out_row = out_ptr + offs_h[:, None] * stride_out_h
-    tl.store(out_row + first[None, :], out1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_row + second[None, :], out2.to(out_ptr.dtype.element_ty), mask=mask)
+    if IS_NEOX:
+        offs = tl.arange(0, BLOCK_HALF)[None, :]
+        mask = h_mask & (offs < HALF)
+        x1 = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        out1 = x1 * cos[None, :] - x2 * sin[None, :]
+        out2 = x2 * cos[None, :] + x1 * sin[None, :]
+        tl.store(out_row + offs, out1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row + HALF + offs, out2.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        mask = h_mask & (offs < 2 * HALF)
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_HALF, 2]))
+        out1 = x1 * cos[None, :] - x2 * sin[None, :]
+        out2 = x2 * cos[None, :] + x1 * sin[None, :]
+        out = tl.reshape(tl.join(out1, out2), [BLOCK_H, 2 * BLOCK_HALF])
+        tl.store(out_row + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -82,12 +99,6 @@ def _rotary_kernel(
     sin = tl.load(cos_sin_ptr + pos * stride_cache + HALF + offs, mask=half_mask, other=0.0)
     cos = cos.to(tl.float32)
     sin = sin.to(tl.float32)
-    if IS_NEOX:
-        first = offs
-        second = offs + HALF
-    else:
-        first = 2 * offs
-        second = 2 * offs + 1
     _rotate_heads(
         q_ptr + token * stride_qt,
         q_out_ptr + token * stride_qot,
@@ -95,11 +106,11 @@ def _rotary_kernel(
         stride_qoh,
         cos,
         sin,
-        first,
-        second,
-        half_mask,
         NUM_HEADS,
         BLOCK_HQ,
+        HALF,
+        BLOCK_HALF,
+        IS_NEOX,
     )
     _rotate_heads(
         k_ptr + token * stride_kt,
@@ -108,11 +119,11 @@ def _rotary_kernel(
         stride_koh,
         cos,
         sin,
-        first,
-        second,
-        half_mask,
         NUM_KV_HEADS,
         BLOCK_HK,
+        HALF,
+        BLOCK_HALF,
+        IS_NEOX,
     )
 
 

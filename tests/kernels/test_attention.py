@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
+
 from legato.kernels import attention, reference
-from paged_batch import build_paged_batch, tolerances
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -23,6 +26,8 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize(("group", "head_dim", "block_size", "dtype", "split"), DECODE_CASES)
 def test_decode_matches_reference(
+    paged_batch: Callable[..., Any],
+    tol: Callable[[torch.dtype], dict[str, float]],
     group: int,
     head_dim: int,
     block_size: int,
@@ -30,7 +35,7 @@ def test_decode_matches_reference(
     split: int | None,
 ) -> None:
     seq_lens = [1, 17, 150, 300, 233]
-    b = build_paged_batch(
+    b = paged_batch(
         seq_lens,
         [1] * len(seq_lens),
         num_heads=2 * group,
@@ -42,30 +47,28 @@ def test_decode_matches_reference(
     )
     out = attention.paged_attention_decode(*b.args(), b.scale, split_tokens=split)
     expected = reference.paged_attention(*b.args(), b.scale)
-    torch.testing.assert_close(out, expected, **tolerances(dtype))
+    torch.testing.assert_close(out, expected, **tol(dtype))
 
 
-def test_decode_split_planner_uses_several_splits() -> None:
+def test_decode_split_planner_uses_several_splits(
+    paged_batch: Callable[..., Any], tol: Callable[[torch.dtype], dict[str, float]]
+) -> None:
     """One long sequence: the automatic plan splits the context and the reduce pass merges it."""
-    b = build_paged_batch(
-        [290], [1], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=f32
-    )
+    b = paged_batch([290], [1], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=f32)
     num_splits, split_tokens = attention._plan_splits(1, 1, 290, b.query.device)
     assert num_splits > 1 and split_tokens % 64 == 0
     out = attention.paged_attention_decode(*b.args(), b.scale, max_seq_len=290)
-    torch.testing.assert_close(
-        out, reference.paged_attention(*b.args(), b.scale), **tolerances(f32)
-    )
+    torch.testing.assert_close(out, reference.paged_attention(*b.args(), b.scale), **tol(f32))
 
 
-def test_decode_skips_sequences_without_query() -> None:
-    b = build_paged_batch(
+def test_decode_skips_sequences_without_query(
+    paged_batch: Callable[..., Any], tol: Callable[[torch.dtype], dict[str, float]]
+) -> None:
+    b = paged_batch(
         [40, 90, 70], [1, 0, 1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=f32
     )
     out = attention.paged_attention_decode(*b.args(), b.scale, split_tokens=64)
-    torch.testing.assert_close(
-        out, reference.paged_attention(*b.args(), b.scale), **tolerances(f32)
-    )
+    torch.testing.assert_close(out, reference.paged_attention(*b.args(), b.scale), **tol(f32))
 
 
 # (seq_lens, query_lens, group, head_dim, block_size, dtype)
@@ -86,6 +89,8 @@ PREFILL_CASES = [
     ("seq_lens", "query_lens", "group", "head_dim", "block_size", "dtype"), PREFILL_CASES
 )
 def test_prefill_matches_reference(
+    paged_batch: Callable[..., Any],
+    tol: Callable[[torch.dtype], dict[str, float]],
     seq_lens: list[int],
     query_lens: list[int],
     group: int,
@@ -93,7 +98,7 @@ def test_prefill_matches_reference(
     block_size: int,
     dtype: torch.dtype,
 ) -> None:
-    b = build_paged_batch(
+    b = paged_batch(
         seq_lens,
         query_lens,
         num_heads=2 * group,
@@ -105,23 +110,25 @@ def test_prefill_matches_reference(
     )
     out = attention.paged_attention_prefill(*b.args(), b.scale)
     expected = reference.paged_attention(*b.args(), b.scale)
-    torch.testing.assert_close(out, expected, **tolerances(dtype))
+    torch.testing.assert_close(out, expected, **tol(dtype))
 
 
-def test_prefill_small_tiles_and_odd_group() -> None:
+def test_prefill_small_tiles_and_odd_group(
+    paged_batch: Callable[..., Any], tol: Callable[[torch.dtype], dict[str, float]]
+) -> None:
     """Group 3 leaves padding rows in each query tile; 16-row tiles give many tiles per prompt."""
-    b = build_paged_batch(
+    b = paged_batch(
         [70, 45], [50, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=f32
     )
     out = attention.paged_attention_prefill(*b.args(), b.scale, block_m=16, block_n=32)
-    torch.testing.assert_close(
-        out, reference.paged_attention(*b.args(), b.scale), **tolerances(f32)
-    )
+    torch.testing.assert_close(out, reference.paged_attention(*b.args(), b.scale), **tol(f32))
 
 
-def test_strided_query_view() -> None:
+def test_strided_query_view(
+    paged_batch: Callable[..., Any], tol: Callable[[torch.dtype], dict[str, float]]
+) -> None:
     """A query sliced out of a fused QKV projection (token stride != H * D) works as is."""
-    b = build_paged_batch(
+    b = paged_batch(
         [60, 20], [60, 1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=f32
     )
     fused = torch.randn(b.query.shape[0], 8 * 64, device=b.query.device)
@@ -130,40 +137,38 @@ def test_strided_query_view() -> None:
     assert not query.is_contiguous()
     args = (query, *b.args()[1:])
     out = attention.paged_attention(*args, b.scale)
-    torch.testing.assert_close(
-        out, reference.paged_attention(*b.args(), b.scale), **tolerances(f32)
-    )
+    torch.testing.assert_close(out, reference.paged_attention(*b.args(), b.scale), **tol(f32))
 
 
 @pytest.mark.parametrize("hint", [None, 1])
 def test_dispatch_decode(
+    paged_batch: Callable[..., Any],
+    tol: Callable[[torch.dtype], dict[str, float]],
     monkeypatch: pytest.MonkeyPatch,
     hint: int | None,
 ) -> None:
-    b = build_paged_batch(
+    b = paged_batch(
         [33, 80], [1, 1], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=f32
     )
     monkeypatch.setattr(attention, "paged_attention_prefill", _forbidden)
     out = attention.paged_attention(*b.args(), b.scale, max_query_len=hint)
-    torch.testing.assert_close(
-        out, reference.paged_attention(*b.args(), b.scale), **tolerances(f32)
-    )
+    torch.testing.assert_close(out, reference.paged_attention(*b.args(), b.scale), **tol(f32))
 
 
 @pytest.mark.parametrize("hint", [None, 5])
 def test_dispatch_mixed(
+    paged_batch: Callable[..., Any],
+    tol: Callable[[torch.dtype], dict[str, float]],
     monkeypatch: pytest.MonkeyPatch,
     hint: int | None,
 ) -> None:
     # T == num_seqs although one sequence has two new tokens: the lengths decide.
-    b = build_paged_batch(
+    b = paged_batch(
         [33, 80, 20], [2, 1, 0], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=f32
     )
     monkeypatch.setattr(attention, "paged_attention_decode", _forbidden)
     out = attention.paged_attention(*b.args(), b.scale, max_query_len=hint)
-    torch.testing.assert_close(
-        out, reference.paged_attention(*b.args(), b.scale), **tolerances(f32)
-    )
+    torch.testing.assert_close(out, reference.paged_attention(*b.args(), b.scale), **tol(f32))
 
 
 def _forbidden(*args: object, **kwargs: object) -> torch.Tensor:

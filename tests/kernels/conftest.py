@@ -1,16 +1,18 @@
-"""Helpers for the kernel tests: random paged batches with shuffled block tables, tolerances.
+"""Fixtures for the kernel tests: random paged batches with shuffled block tables, tolerances.
 
-A plain module (not a conftest) so tests can import it by a name no other test
-directory uses. The root conftest sets ``TRITON_INTERPRET=1`` on machines
-without CUDA before anything imports triton; kernels then run on CPU tensors.
-Shapes are kept small because the interpreter pays per program instance.
+Served as fixtures because pytest runs with ``--import-mode=importlib``, where
+test modules cannot import helpers from beside them. The root conftest sets
+``TRITON_INTERPRET=1`` on machines without CUDA before anything imports
+triton; kernels then run on CPU tensors. Shapes are kept small because the
+interpreter pays per program instance.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,3 +93,21 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.bfloat16:  # one bf16 ulp of difference in the final rounding
         return {"rtol": 1.6e-2, "atol": 1e-2}
     return {"rtol": 1e-3, "atol": 1e-3}
+
+
+@pytest.fixture
+def device() -> str:
+    """The device kernel tests run on: cuda when present, else cpu under the interpreter."""
+    return DEVICE
+
+
+@pytest.fixture
+def paged_batch() -> Callable[..., PagedBatch]:
+    """The :func:`build_paged_batch` factory."""
+    return build_paged_batch
+
+
+@pytest.fixture
+def tol() -> Callable[[torch.dtype], dict[str, float]]:
+    """The :func:`tolerances` lookup."""
+    return tolerances
