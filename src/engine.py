@@ -32,14 +32,14 @@ from typing import Any
 
 import trio
 
-from .actors.detokenizer import OutputProcessor
+from .actors.detokenizer import OutputProcessor, ProcessedStep
 from .actors.engine_core import AddRequests, EngineCore, FinishRequests
 from .actors.executor import Executor, make_executor
 from .actors.heartbeat import run_heartbeat
 from .actors.output_slot import OutputSlot
 from .actors.renderer import PromptType, RenderedPrompt, Renderer, RenderJob, load_tokenizer, run_renderer
 from .actors.scheduler import Scheduler
-from .actors.stats import StatsCollector, StepStats, run_stats
+from .actors.stats import FinishedRequest, StatsCollector, StepStats, run_stats
 from .actors.supervisor import Supervisor
 from .config import EngineConfig
 from .protocol import messages as m
@@ -90,7 +90,7 @@ class RequestStream:
         self._params = params
         self.request_id = request_id
         self._priority = priority
-        self._slot = OutputSlot()
+        self._slot = OutputSlot(params.output_kind)
         self._submitted = False
         self._done = False
         self._token = trio.lowlevel.current_trio_token()
@@ -173,9 +173,9 @@ class AsyncEngine(EngineClient):
         self.supervisor = Supervisor()
         self.executor: Executor = make_executor(config, inject_fault=self._faults.get("worker"))
         self.stats = StatsCollector(model_name=self.model_name)
-        self._slots: dict[str, OutputSlot] = {}
-        self._children: dict[str, list[str]] = {}
-        self._aborted_before_accept: set[str] = set()
+        self._slots: dict[str, OutputSlot] = {}  # every live request, by the caller's id
+        self._registered: set[str] = set()  # ... of which the detokenizer knows
+        self._abort_on_accept: set[str] = set()  # aborted while still being rendered
         self._paused = False
         self._sleeping = False
         self._resumed = trio.Event()
@@ -240,11 +240,26 @@ class AsyncEngine(EngineClient):
 
     async def _run_detokenizer(self, inbox: trio.MemoryReceiveChannel[m.EngineCoreOutputs]) -> None:
         async for outputs in inbox:
-            step = self.processor.process_outputs(outputs)
-            if step.requests_to_abort:
-                self.core.submit(FinishRequests(list(step.requests_to_abort)))
-            self._stats_send.send_nowait(step.stats)
+            self._after_processing(self.processor.process_outputs(outputs))
             await trio.lowlevel.checkpoint()
+
+    def _after_processing(self, step: ProcessedStep) -> None:
+        """Pass a detokenizer result on: scheduler-side aborts, and the metrics."""
+        if step.requests_to_abort:
+            self.core.submit(FinishRequests(list(step.requests_to_abort)))
+        finished = [
+            FinishedRequest(str(f.finish_reason), f.e2e_latency, f.num_prompt_tokens, f.num_generation_tokens)
+            for f in step.finished
+        ]
+        self._stats_send.send_nowait(
+            StepStats(
+                timestamp=time.monotonic(),
+                num_generation_tokens=step.num_generation_tokens,
+                time_to_first_token=step.time_to_first_token,
+                inter_token_latency=step.inter_token_latency,
+                finished=finished,
+            )
+        )
 
     # ------------------------------------------------------------- requests
 
@@ -288,59 +303,64 @@ class AsyncEngine(EngineClient):
         request_id = stream.request_id
         if request_id in self._slots:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        self._slots[request_id] = stream._slot
+        slot = stream._slot
+        self._slots[request_id] = slot
 
         def accept(rendered: RenderedPrompt, requests: list[m.EngineRequest]) -> None:
-            if self._slots.get(request_id) is not stream._slot:
-                return  # abandoned before it was rendered
-            self.processor.add_request(request_id, rendered, requests, stream._slot)
-            self._children[request_id] = [r.request_id for r in requests]
+            if self._slots.get(request_id) is not slot:
+                return  # abandoned while it was being rendered
+            self.processor.add_request(
+                request_id,
+                rendered.text,
+                requests[0].prompt_token_ids,
+                stream._params,
+                requests[0].arrival_time,
+                slot=slot,
+                child_ids=[r.request_id for r in requests],
+            )
+            self._registered.add(request_id)
             self.core.submit(AddRequests(requests))
-            if request_id in self._aborted_before_accept:
-                self._aborted_before_accept.discard(request_id)
-                self.core.submit(m.AbortRequests(self._children[request_id]))
+            if request_id in self._abort_on_accept:
+                self._abort_on_accept.discard(request_id)
+                self._after_processing(self.processor.abort_requests([request_id]))
 
         def reject(error: BaseException) -> None:
-            if self._slots.get(request_id) is stream._slot:
-                stream._slot.put_error(error)
+            if self._slots.get(request_id) is slot:
+                slot.put_error(error)
 
-        self._render_send.send_nowait(
-            RenderJob(request_id, stream._prompt, stream._params, stream._priority, time.monotonic(), accept, reject)
+        job = RenderJob(
+            request_id, stream._prompt, stream._params, stream._priority, time.monotonic(), accept, reject
         )
+        self._render_send.send_nowait(job)
         await trio.lowlevel.checkpoint()
 
     def _release(self, request_id: str) -> None:
         self._slots.pop(request_id, None)
-        self._children.pop(request_id, None)
-        self._aborted_before_accept.discard(request_id)
+        self._registered.discard(request_id)
+        self._abort_on_accept.discard(request_id)
 
     def _abort_quietly(self, request_id: str) -> None:
         """The consumer left: abort in the scheduler, forget the request. Never blocks."""
-        children = self._children.get(request_id)
         self._release(request_id)
         if self.supervisor.dead_error is not None or self._stopped:
             return
-        self.processor.abort_requests([request_id])
-        if children:
-            self.core.submit(m.AbortRequests(children))
+        self._after_processing(self.processor.abort_requests([request_id]))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests: each stream ends with a last output whose finish_reason is "abort".
 
-        Unknown or finished ids are ignored. A checkpoint.
+        Tokens generated so far are included. Unknown or finished ids are
+        ignored; on a dead engine there is nothing to abort and it returns. A
+        checkpoint.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._check_alive()
-        children: list[str] = []
-        for rid in ids:
-            if rid not in self._slots:
-                continue
-            if rid in self._children:
-                children.extend(self._children[rid])
-            else:
-                self._aborted_before_accept.add(rid)
-        if children:
-            self.core.submit(m.AbortRequests(children))
+        if self.supervisor.dead_error is None and not self._stopped:
+            self._after_processing(
+                self.processor.abort_requests([rid for rid in ids if rid in self._registered])
+            )
+            self._abort_on_accept.update(
+                rid for rid in ids if rid in self._slots and rid not in self._registered
+            )
         await trio.lowlevel.checkpoint()
 
     async def encode(
@@ -537,10 +557,18 @@ async def open_engine(
     """
     config = EngineConfig.from_kwargs(model=model, **engine_args)
     config = await trio.to_thread.run_sync(resolve_model, config)
-    async with trio.open_nursery() as nursery:
-        engine = AsyncEngine(config, nursery, faults=faults)
-        try:
-            await engine._start()
-            yield engine
-        finally:
-            engine.shutdown()
+    try:
+        async with trio.open_nursery() as nursery:
+            engine = AsyncEngine(config, nursery, faults=faults)
+            try:
+                await engine._start()
+                yield engine
+            finally:
+                engine.shutdown()
+    except BaseExceptionGroup as group:
+        # The actors never raise into this nursery, so a group here wraps one error
+        # from start-up or from the caller's own block: give it back unwrapped.
+        if len(group.exceptions) == 1:
+            inner = group.exceptions[0]
+            raise inner from inner.__cause__
+        raise

@@ -166,7 +166,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config)
         self.processor = OutputProcessor(self.tokenizer)
         self._slots: dict[str, OutputSlot] = {}
-        self._children: dict[str, list[str]] = {}
         self._stats = m.SchedulerStats()
 
     @classmethod
@@ -188,26 +187,30 @@ class LLMEngine:
         """Render and queue a request. Raises ValueError for bad input or a live duplicate id."""
         if request_id in self._slots:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        params = params or SamplingParams()
         rendered = self.renderer.render_prompt(prompt)
         requests = self.renderer.make_requests(
-            request_id, rendered, params or SamplingParams(), priority=priority, arrival_time=arrival_time
+            request_id, rendered, params, priority=priority, arrival_time=arrival_time
         )
-        slot = OutputSlot()
-        self.processor.add_request(request_id, rendered, requests, slot)
+        slot = OutputSlot(params.output_kind)
+        self.processor.add_request(
+            request_id,
+            rendered.text,
+            requests[0].prompt_token_ids,
+            params,
+            requests[0].arrival_time,
+            slot=slot,
+            child_ids=[r.request_id for r in requests],
+        )
         self._slots[request_id] = slot
-        self._children[request_id] = [r.request_id for r in requests]
         for request in requests:
             self.scheduler.add_request(request)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests; each one's last output (finish_reason "abort") comes from the next step()."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        children = [c for rid in ids for c in self._children.get(rid, [])]
-        self.processor.process_outputs(
-            m.EngineCoreOutputs(self.scheduler.abort(children), time.monotonic(), None)
-        )
-        for rid in ids:
-            self._slots.pop(rid, None)
-            self._children.pop(rid, None)
+        step = self.processor.abort_requests(ids)
+        self.scheduler.finish_requests(step.requests_to_abort, m.FinishReason.ABORT)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs it produced (finished ones included)."""
@@ -228,7 +231,6 @@ class LLMEngine:
             results.append(out)
             if out.finished:
                 del self._slots[rid]
-                self._children.pop(rid, None)
         return results
 
     def has_unfinished_requests(self) -> bool:

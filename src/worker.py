@@ -64,7 +64,6 @@ class _FaultPlan:
 
 def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
     from .config import EngineConfig
-    from .models.runner import ModelRunner
 
     if faults.fail_load:
         raise RuntimeError("injected fault: weight loading failed")
@@ -73,6 +72,8 @@ def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
         from .testing.null_model import NullModelRunner
 
         return NullModelRunner(config)
+    from .models.runner import ModelRunner
+
     return ModelRunner(config)
 
 
