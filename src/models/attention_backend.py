@@ -1,0 +1,230 @@
+"""The one dispatch point between the model code and its hot-path implementations.
+
+:func:`select_backend` picks, by ``EngineConfig.attention_backend`` and device:
+
+- ``"torch"`` — :mod:`legato.models.torch_ops`, vectorised plain torch (the CPU
+  path, checked against the references in the tests);
+- ``"triton"`` — the Triton kernels from :func:`legato.kernels.get_kernels`,
+  which keep the reference signatures (CUDA, or the interpreter);
+- ``"auto"`` — triton on CUDA when it can be imported, else torch;
+- ``"reference"`` (tests and debugging only) — :mod:`legato.kernels.reference`.
+
+A backend gives the model its elementwise ops (``rms_norm``,
+``fused_add_rms_norm``, ``silu_and_mul``) and, once per step,
+:meth:`begin_step` turns the step's :class:`AttentionMetadata` into a
+:class:`StepContext` whose ``rotary`` and ``attention`` every layer calls.
+
+Never imports trio.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..kernels import reference
+from . import torch_ops
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """One step's flat batch, built once by the runner and shared by every layer.
+
+    Sequences follow the reference layout (see ``legato.kernels.reference``);
+    the first ``num_decodes`` of them have exactly one query row. Host copies of
+    the lengths avoid device syncs.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens_host: list[int]
+    query_start_loc_host: list[int]
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+class StepContext(Protocol):
+    """What every layer calls during one step."""
+
+    def rotary(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``qk`` ``[T, H + Hkv, D]`` (queries then keys); returns ``(q, k)``."""
+        ...
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the layer's cache, attend; ``[T, H, D]``."""
+        ...
+
+
+class Backend(Protocol):
+    """Elementwise ops plus the per-step context factory."""
+
+    name: str
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    fused_add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+    def begin_step(
+        self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+    ) -> StepContext: ...
+
+
+# ------------------------------------------------------------------ torch
+
+
+class _TorchStep:
+    def __init__(
+        self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        self.cos, self.sin = torch_ops.rotary_tables(cos_sin_cache, meta.positions, dtype)
+        self.plan = torch_ops.plan_attention(
+            meta.block_tables,
+            meta.seq_lens_host,
+            meta.query_start_loc_host,
+            meta.slot_mapping,
+            meta.block_size,
+            dtype,
+            meta.num_decodes,
+        )
+
+    def rotary(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch_ops.rotate_neox(qk, self.cos, self.sin)
+        return out[:, :num_heads], out[:, num_heads:]
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return torch_ops.attend(query, key, value, key_cache, value_cache, self.plan, scale)
+
+
+class TorchBackend:
+    """Vectorised plain torch (:mod:`legato.models.torch_ops`)."""
+
+    name = "torch"
+    rms_norm = staticmethod(torch_ops.rms_norm)
+    fused_add_rms_norm = staticmethod(torch_ops.fused_add_rms_norm)
+    silu_and_mul = staticmethod(torch_ops.silu_and_mul)
+
+    def begin_step(
+        self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+    ) -> StepContext:
+        return _TorchStep(meta, cos_sin_cache, dtype)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+class _KernelStep:
+    def __init__(
+        self, kernels: Any, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, hints: bool
+    ) -> None:
+        self.kernels = kernels
+        self.meta = meta
+        self.cos_sin_cache = cos_sin_cache
+        self.hints: dict[str, int] = (
+            {"max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len} if hints else {}
+        )
+
+    def rotary(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        rotated: tuple[torch.Tensor, torch.Tensor] = self.kernels.apply_rotary(
+            q, k, self.meta.positions, self.cos_sin_cache, True
+        )
+        return rotated
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        meta = self.meta
+        self.kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        out: torch.Tensor = self.kernels.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            **self.hints,
+        )
+        return out
+
+
+class KernelBackend:
+    """Functions with the reference signatures: the references or the Triton kernels."""
+
+    def __init__(self, name: str, kernels: Any, *, hints: bool) -> None:
+        self.name = name
+        self.kernels = kernels
+        self.hints = hints  # whether paged_attention takes max_query_len / max_seq_len
+        self.rms_norm = kernels.rms_norm
+        self.fused_add_rms_norm = kernels.fused_add_rms_norm
+        self.silu_and_mul = kernels.silu_and_mul
+
+    def begin_step(
+        self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+    ) -> StepContext:
+        del dtype
+        return _KernelStep(self.kernels, meta, cos_sin_cache, self.hints)
+
+
+def _triton_backend() -> KernelBackend:
+    from .. import kernels
+
+    return KernelBackend("triton", kernels.get_kernels("triton"), hints=True)  # type: ignore[attr-defined]
+
+
+def select_backend(name: str, device: torch.device) -> Backend:
+    """The backend for ``name`` ("auto", "torch", "triton", "reference") on ``device``.
+
+    "triton" raises when the Triton kernels cannot be loaded; "auto" falls back
+    to torch with a log line.
+    """
+    if name == "torch":
+        return TorchBackend()
+    if name == "reference":
+        return KernelBackend("reference", reference, hints=False)
+    if name == "triton":
+        return _triton_backend()
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                return _triton_backend()
+            except (ImportError, AttributeError, RuntimeError) as exc:
+                logger.warning("triton kernels unavailable (%s); using the torch backend", exc)
+        return TorchBackend()
+    raise ValueError(
+        f"attention_backend: unknown backend {name!r}; expected auto, torch, triton or reference"
+    )

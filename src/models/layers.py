@@ -1,0 +1,188 @@
+"""Small model building blocks: linear, embedding, RMSNorm, rotary, MLP, attention.
+
+Each is a tiny ``nn.Module`` whose parameters are allocated empty (no random
+init) in the target dtype and device, to be filled by the loader. The maths
+goes through a :class:`~legato.models.attention_backend.Backend`, so the same
+modules run on the plain-torch path and on the Triton kernels.
+
+Never imports trio.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention_backend import Backend, StepContext
+from .config import RopeConfig
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``; ``W`` is ``[out_features, in_features]`` as in checkpoints."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``[vocab, hidden]``."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty(vocab, hidden, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with weight; ``forward(x, residual)`` is the fused add + norm."""
+
+    def __init__(
+        self, size: int, eps: float, backend: Backend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.weight = _empty(size, dtype=dtype, device=device)
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += x``; returns ``(norm(residual), residual)``."""
+        return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (fp32), with linear or llama3 scaling.
+
+    Mirrors transformers' rope initialisation step for step so fp32 matches it bit
+    for bit.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponent)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        if rope.original_max_position_embeddings is None:
+            raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(
+        f"rope scaling {rope.rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def rope_cos_sin_cache(
+    head_dim: int, rope: RopeConfig, max_positions: int, device: torch.device
+) -> torch.Tensor:
+    """``[max_positions, head_dim]`` fp32: cos in the first half of the columns, sin in the last."""
+    inv_freq = rope_inv_freq(head_dim, rope)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with fused gate/up projection: ``down(silu(gate) * up)``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, device)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged KV cache, fused qkv projection.
+
+    ``qk_norm`` adds per-head RMSNorm of queries and keys before rotary (Qwen3).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        eps: float,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        self.q_norm = RMSNorm(head_dim, eps, backend, dtype, device) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, backend, dtype, device) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        step: StepContext,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        qk, v = qkv[:, :heads], qkv[:, heads:]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
+            )
+        q, k = step.rotary(qk, self.num_heads)
+        out = step.attention(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

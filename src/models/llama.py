@@ -1,0 +1,199 @@
+"""The Llama-family decoder on the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+One class covers them all; the differences are flags in :class:`ModelConfig`
+(qkv bias for Qwen2, per-head q/k RMSNorm for Qwen3, rope scaling for Llama 3).
+Weight names follow the Hugging Face checkpoints; ``q/k/v_proj`` and
+``gate/up_proj`` load into fused ``qkv_proj`` and ``gate_up_proj``.
+
+Never imports trio or transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .attention_backend import AttentionMetadata, Backend, StepContext
+from .config import ModelConfig
+from .layers import MLP, Attention, Embedding, Linear, RMSNorm, rope_cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# checkpoint suffix -> (our parameter suffix, shard index) for the fused projections
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_FUSED_RE = re.compile(
+    r"^(model\.layers\.\d+\.)(" + "|".join(map(re.escape, _FUSED)) + r")\.(weight|bias)$"
+)
+_IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP, residual carried separately."""
+
+    def __init__(
+        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, backend, dtype, device)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.qkv_bias,
+            cfg.o_bias,
+            cfg.qk_norm,
+            eps,
+            backend,
+            dtype,
+            device,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, backend, dtype, device)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, backend, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        step: StepContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(hidden, residual)
+        hidden = self.self_attn(hidden, kv_cache, step)
+        hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(
+        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype, device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose attention reads and writes a paged KV cache.
+
+    ``forward`` returns the final hidden states ``[T, hidden]`` of a flat batch;
+    ``compute_logits`` applies the LM head to the rows that need logits.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backend = backend
+        self.dtype = dtype
+        self.model = LlamaModel(cfg, backend, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        self.register_buffer(
+            "cos_sin_cache",
+            rope_cos_sin_cache(cfg.head_dim, cfg.rope, max_positions, device),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for ``input_ids`` ``[T]`` at ``meta.positions``.
+
+        Writes each layer's new K/V into ``kv_caches`` at ``meta.slot_mapping``.
+        """
+        step = self.backend.begin_step(meta, self.cos_sin_cache, self.dtype)
+        hidden = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, kv_cache, step)
+        assert residual is not None
+        hidden, _ = self.model.norm.add_forward(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab]`` logits in the model dtype."""
+        return self.lm_head(hidden)
+
+    # ------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters.
+
+        Raises ``ValueError`` on an unknown name, a shape mismatch, or a
+        parameter no tensor filled (a tied LM head needs none).
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        shards = {
+            "self_attn.qkv_proj": [self.config.q_size, self.config.kv_size, self.config.kv_size],
+            "mlp.gate_up_proj": [self.config.intermediate_size] * 2,
+        }
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if _IGNORED_RE.search(name):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = name
+            offset = 0
+            match = _FUSED_RE.match(name)
+            if match:
+                prefix, suffix, kind = match.groups()
+                fused, shard = _FUSED[suffix]
+                sizes = shards[fused]
+                target = f"{prefix}{fused}.{kind}"
+                offset = sum(sizes[:shard])
+                rows = sizes[shard]
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
+            dest = param.data[offset : offset + rows] if match else param.data
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + (tensor.shape[0] if match else 1)
+        missing = []
+        for target, param in params.items():
+            if target == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            expected = param.shape[0] if any(f in target for f in shards) else 1
+            if filled.get(target, 0) != expected:
+                missing.append(target)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(sorted(missing))}")

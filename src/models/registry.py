@@ -1,0 +1,59 @@
+"""Which model class serves a checkpoint, from ``architectures`` in config.json.
+
+Each entry names our class and the flags that architecture implies beyond what
+its config.json spells out (Qwen2 always has a q/k/v bias, Qwen3 normalises q
+and k per head). An unsupported architecture is a clear error that lists the
+supported ones.
+
+Never imports trio or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Our model class for one HF architecture, with config overrides."""
+
+    model_class: type[nn.Module]
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(LlamaForCausalLM),
+    "MistralForCausalLM": ArchSpec(LlamaForCausalLM),
+    "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, {"qkv_bias": True, "o_bias": False}),
+    "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, {"qk_norm": True}),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def resolve_architecture(cfg: ModelConfig) -> tuple[type[LlamaForCausalLM], ModelConfig]:
+    """The model class for ``cfg`` and the config with the architecture's flags applied.
+
+    Raises ``ValueError`` naming the architecture and the supported ones.
+    """
+    spec = ARCHITECTURES.get(cfg.architecture)
+    if spec is None:
+        name = cfg.architecture or "(config.json names no architecture)"
+        raise ValueError(
+            f"unsupported model architecture {name}; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    if cfg.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+    model_class = spec.model_class
+    assert issubclass(model_class, LlamaForCausalLM)
+    return model_class, dataclasses.replace(cfg, **spec.overrides)

@@ -1,0 +1,438 @@
+"""ModelRunner: executes one scheduler step on a Llama-family model and samples.
+
+The runner owns the model, the paged KV cache and a copy of every scheduled
+request's state (:class:`~legato.models.input_batch.InputBatch`). Each
+:meth:`ModelRunner.execute` applies the step's deltas, lays the scheduled
+tokens out as one flat batch (decodes first), runs the forward with per-step
+metadata built once, and samples a token for every request whose scheduled
+tokens reach the end of its known tokens. It never decides policy: finishing,
+admission and block allocation are the scheduler's.
+
+Never imports trio. Sets no global torch state (threads, default dtype, grad mode).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import EngineConfig
+from ..protocol.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from .attention_backend import AttentionMetadata, select_backend
+from .config import load_model_config, resolve_device, resolve_dtype
+from .input_batch import InputBatch
+from .llama import KVCache, LlamaForCausalLM
+from .loader import iter_weights, load_model
+from .registry import resolve_architecture
+from .sampler import SamplingMetadata, sample, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_BUDGET = 1 << 30  # bytes for the KV cache on CPU when nothing says otherwise
+_CUDA_MEMORY_FRACTION = 0.9  # of the free GPU memory, after weights and activations
+
+
+def build_metadata(
+    starts: np.ndarray,
+    q_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+    """Flat-batch metadata for sequences computing ``q_lens`` tokens from ``starts``.
+
+    ``block_table`` ``[S, >= needed]`` holds each sequence's blocks. Sequences
+    with ``q_len == 1`` must come first. Returns the metadata plus, per token,
+    its sequence index and position (host arrays).
+    """
+    num_seqs = len(q_lens)
+    cu = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = np.arange(num_tokens, dtype=np.int64) + (starts - cu[:-1])[seq_of_token]
+    ends = starts + q_lens
+    max_seq_len = int(ends.max()) if num_seqs else 0
+    table = np.ascontiguousarray(block_table[:, : -(-max_seq_len // block_size)], dtype=np.int32)
+    slots = table[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
+        positions % block_size
+    )
+    num_decodes = int(np.count_nonzero(q_lens == 1))
+
+    def t(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        positions=t(positions),
+        slot_mapping=t(slots),
+        block_tables=t(table),
+        seq_lens=t(ends.astype(np.int32)),
+        query_start_loc=t(cu.astype(np.int32)),
+        seq_lens_host=ends.tolist(),
+        query_start_loc_host=cu.tolist(),
+        num_decodes=num_decodes,
+        max_query_len=int(q_lens.max()) if num_seqs else 0,
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+    )
+    return meta, seq_of_token, positions
+
+
+class ModelRunner:
+    """Loads ``config.model`` and runs scheduler steps on it.
+
+    Attributes (fixed after construction): ``num_kv_blocks``, ``max_model_len``
+    (the config's, else the checkpoint's ``max_position_embeddings``; capped by
+    the KV cache and any sliding window), ``block_size``, ``vocab_size``,
+    ``eos_token_id`` / ``eos_token_ids``, ``dtype``, ``device``.
+    """
+
+    def __init__(self, config: EngineConfig, *, attention_backend: str | None = None) -> None:
+        if config.model is None:
+            raise ValueError("model: ModelRunner needs a model directory (config.model)")
+        self.config = config
+        self.model_dir = Path(config.model)
+        self.device = resolve_device(config.device)
+        _, mcfg = resolve_architecture(load_model_config(self.model_dir))
+        self.model_config = mcfg
+        self.dtype = resolve_dtype(config.dtype, mcfg.config_dtype, self.device)
+        self.block_size = config.block_size
+        self.vocab_size = mcfg.vocab_size
+        self.eos_token_ids: list[int] = list(mcfg.eos_token_ids)
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.backend = select_backend(attention_backend or config.attention_backend, self.device)
+        wanted_len = config.max_model_len or mcfg.max_position_embeddings
+        if mcfg.sliding_window is not None and mcfg.sliding_window < wanted_len:
+            logger.info("max_model_len capped at the sliding window (%d)", mcfg.sliding_window)
+            wanted_len = mcfg.sliding_window
+        self.model: LlamaForCausalLM = load_model(
+            self.model_dir, mcfg, self.backend, self.dtype, self.device, wanted_len + 1
+        )
+        self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self.kv_block_bytes = (
+            2
+            * mcfg.num_layers
+            * self.block_size
+            * mcfg.num_kv_heads
+            * mcfg.head_dim
+            * self.dtype.itemsize
+        )
+        self.num_kv_blocks = self._count_kv_blocks(wanted_len)
+        self.max_model_len = min(wanted_len, self.num_kv_blocks * self.block_size)
+        self.kv_caches: list[KVCache] = self._allocate_kv_cache()
+        self.input_batch = InputBatch(
+            config.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            self.vocab_size,
+            self.eos_token_ids,
+            self.device,
+            config.seed,
+        )
+        self._weights_state = "loaded"  # "loaded" | "offloaded" | "dropped"
+
+    # ------------------------------------------------------------ sizing
+
+    def _count_kv_blocks(self, wanted_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            activations = int(self.profile_run()["activation_bytes"])
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * _CUDA_MEMORY_FRACTION) - activations
+        else:
+            needed = -(-wanted_len // self.block_size) * cfg.max_num_seqs * self.kv_block_bytes
+            budget = min(_CPU_KV_BUDGET, needed)
+        blocks = budget // self.kv_block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes cannot hold one KV block "
+                f"({self.kv_block_bytes} bytes)"
+            )
+        return int(blocks)
+
+    def _allocate_kv_cache(self) -> list[KVCache]:
+        mcfg = self.model_config
+        shape = (self.num_kv_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mcfg.num_layers)
+        ]
+
+    # ------------------------------------------------------------- steps
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply ``step``'s deltas, compute its scheduled tokens, sample.
+
+        Returns one entry per request in ``step.num_scheduled_tokens`` (its
+        order): a sampled token when the scheduled tokens reach the end of the
+        request's known tokens, else an empty list. Raises ``RuntimeError``
+        while asleep and ``ValueError`` / ``KeyError`` on an inconsistent step.
+        """
+        if self.sleeping:
+            raise RuntimeError("the model runner is asleep: call wake_up() first")
+        batch = self.input_batch
+        for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
+            batch.remove(req_id)
+        for new in step.new_requests:
+            batch.add(new)
+        for cached in step.cached_requests:
+            batch.update(cached)
+        req_ids = list(step.num_scheduled_tokens)
+        out = ModelRunnerOutput(
+            step_id=step.step_id, req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]
+        )
+        if not req_ids:
+            return out
+        rows_all = np.fromiter((batch.row(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        n_all = np.fromiter(step.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        order = np.flatnonzero(n_all == 1)
+        order = np.concatenate((order, np.flatnonzero(n_all > 1)))
+        if len(order) == 0:
+            return out
+        rows, q_lens = rows_all[order], n_all[order]
+        starts = batch.num_computed[rows]
+        ends = starts + q_lens
+        known = batch.num_tokens[rows]
+        self._check_step(req_ids, order, rows, ends, known)
+
+        meta, seq_of_token, positions = build_metadata(
+            starts, q_lens, batch.block_table[rows], self.block_size, self.device
+        )
+        input_ids = torch.from_numpy(
+            batch.token_ids[rows[seq_of_token], positions].astype(np.int64)
+        ).to(self.device)
+        hidden = self.model(input_ids, self.kv_caches, meta)
+
+        sampling = np.flatnonzero(ends == known)
+        if len(sampling):
+            last_rows = np.asarray(meta.query_start_loc_host[1:], dtype=np.int64)[sampling] - 1
+            logits = self.model.compute_logits(
+                hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
+            )
+            md: SamplingMetadata = batch.sampling_metadata(rows[sampling])
+            result = sample(logits, md)
+            tokens = result.sampled.tolist()
+            for j, i in enumerate(sampling.tolist()):
+                k = int(order[i])
+                out.sampled_token_ids[k] = [tokens[j]]
+                if j in result.logprobs:
+                    out.logprobs[req_ids[k]] = [result.logprobs[j]]
+        self._prompt_logprobs(out, req_ids, order, rows, starts, ends, meta, hidden)
+        batch.num_computed[rows] = ends
+        return out
+
+    def _check_step(
+        self,
+        req_ids: list[str],
+        order: np.ndarray,
+        rows: np.ndarray,
+        ends: np.ndarray,
+        known: np.ndarray,
+    ) -> None:
+        bad = np.flatnonzero(ends > known)
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"request {req_ids[int(order[i])]!r}: scheduled up to token {int(ends[i])} "
+                f"but only {int(known[i])} tokens are known"
+            )
+        short = np.flatnonzero(self.input_batch.num_blocks[rows] * self.block_size < ends)
+        if len(short):
+            i = int(short[0])
+            raise ValueError(
+                f"request {req_ids[int(order[i])]!r}: its blocks hold "
+                f"{int(self.input_batch.num_blocks[rows[i]]) * self.block_size} tokens, "
+                f"{int(ends[i])} scheduled"
+            )
+
+    def _prompt_logprobs(
+        self,
+        out: ModelRunnerOutput,
+        req_ids: list[str],
+        order: np.ndarray,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,
+    ) -> None:
+        """Prompt logprobs for the prompt tokens whose predecessors were computed this step.
+
+        A chunk computing positions ``s..e-1`` yields entries for prompt tokens
+        ``s+1..min(e, n-1)`` (None first when ``s == 0``), so the chunks of one
+        prefill together give exactly one entry per prompt token.
+        """
+        batch = self.input_batch
+        for i, row in enumerate(rows.tolist()):
+            st = batch.state(row)
+            n_prompt = st.num_prompt_tokens
+            start, end = int(starts[i]), int(ends[i])
+            if not st.want_prompt_logprobs or start >= n_prompt:
+                continue
+            entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+            last = min(end, n_prompt - 1)  # last target position
+            if last > start:
+                base = meta.query_start_loc_host[i]
+                idx = torch.arange(base, base + last - start, device=self.device)
+                targets = torch.from_numpy(
+                    batch.token_ids[row, start + 1 : last + 1].astype(np.int64)
+                ).to(self.device)
+                num = st.params.prompt_logprobs
+                assert num is not None
+                for chunk in range(0, len(idx), 512):
+                    logits = self.model.compute_logits(
+                        hidden.index_select(0, idx[chunk : chunk + 512])
+                    )
+                    entries.extend(token_logprobs(logits, targets[chunk : chunk + 512], num))
+            rid = req_ids[int(order[i])]
+            out.prompt_logprobs.setdefault(rid, []).extend(entries)
+            if end >= n_prompt:
+                st.want_prompt_logprobs = False
+
+    # ------------------------------------------------------ memory, sleep
+
+    @torch.inference_mode()
+    def profile_run(self) -> dict[str, Any]:
+        """A dummy forward + sample at ``max_num_batched_tokens``; returns figures.
+
+        Uses a scratch KV cache, so the real cache is untouched. Keys:
+        ``num_tokens``, ``num_seqs``, ``seconds``, ``weights_bytes``,
+        ``kv_cache_bytes``, ``kv_block_bytes``, ``activation_bytes`` (CUDA:
+        measured peak above the baseline; CPU: estimate from the shapes),
+        ``peak_memory_bytes`` (CUDA: allocator peak; CPU: process peak RSS).
+        """
+        cfg, mcfg = self.config, self.model_config
+        max_len = getattr(self, "max_model_len", None) or mcfg.max_position_embeddings
+        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+        per_seq = min(max_len, -(-cfg.max_num_batched_tokens // num_seqs))
+        q_lens = np.full(num_seqs, per_seq, dtype=np.int64)
+        blocks_per_seq = -(-per_seq // self.block_size)
+        table = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)
+        shape = (num_seqs * blocks_per_seq, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        is_cuda = self.device.type == "cuda"
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+        scratch = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mcfg.num_layers)
+        ]
+        starts = np.zeros(num_seqs, dtype=np.int64)
+        order = np.argsort(q_lens != 1, kind="stable")
+        meta, seq_of_token, _ = build_metadata(
+            starts[order], q_lens[order], table[order], self.block_size, self.device
+        )
+        ids = torch.zeros(len(seq_of_token), dtype=torch.long, device=self.device)
+        began = time.perf_counter()
+        hidden = self.model(ids, scratch, meta)
+        last = torch.tensor(meta.query_start_loc_host[1:], device=self.device) - 1
+        logits = self.model.compute_logits(hidden.index_select(0, last))
+        torch.softmax(logits.float(), dim=-1).argmax(dim=-1).tolist()
+        seconds = time.perf_counter() - began
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            activation = max(0, peak - baseline - scratch_bytes)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            width = max(mcfg.hidden_size * 4, 2 * mcfg.intermediate_size)
+            activation = len(seq_of_token) * width * 4 + num_seqs * mcfg.vocab_size * 4 * 3
+        del scratch, hidden, logits
+        return {
+            "num_tokens": len(seq_of_token),
+            "num_seqs": num_seqs,
+            "seconds": seconds,
+            "weights_bytes": weights,
+            "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+            if getattr(self, "kv_caches", None)
+            else 0,
+            "kv_block_bytes": self.kv_block_bytes,
+            "activation_bytes": int(activation),
+            "peak_memory_bytes": int(peak),
+        }
+
+    @property
+    def sleeping(self) -> bool:
+        """True while the KV cache or the weights are not in place."""
+        return not self.kv_caches or self._weights_state != "loaded"
+
+    @torch.inference_mode()
+    def sleep(self, level: int = 1) -> None:
+        """Free memory: level 1 drops the KV cache (and offloads weights to CPU on CUDA);
+        level 2 also drops the weights (reloaded from disk by :meth:`wake_up`).
+
+        The KV contents are lost either way; held request state is kept (the
+        scheduler decides what to do with running requests).
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level: must be 1 or 2, got {level!r}")
+        self.kv_caches = []
+        if level == 2:
+            for param in self.model.parameters():
+                param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            self._weights_state = "dropped"
+        elif self.device.type != "cpu" and self._weights_state == "loaded":
+            for param in self.model.parameters():
+                param.data = param.data.to("cpu")
+            self._weights_state = "offloaded"
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what :meth:`sleep` freed: ``tags`` None = everything, else a
+        subset of ``"weights"`` and ``"kv_cache"``. The KV cache comes back zeroed.
+        """
+        wanted = set(tags) if tags is not None else {"weights", "kv_cache"}
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"tags: unknown tag(s) {sorted(unknown)}; expected weights, kv_cache")
+        if "weights" in wanted and self._weights_state == "dropped":
+            params = dict(self.model.named_parameters())
+            for name, param in params.items():
+                param.data = torch.empty(
+                    self._param_shapes[name], dtype=self.dtype, device=self.device
+                )
+            self.model.load_weights(iter_weights(self.model_dir))
+            self._weights_state = "loaded"
+        elif "weights" in wanted and self._weights_state == "offloaded":
+            for param in self.model.parameters():
+                param.data = param.data.to(self.device)
+            self._weights_state = "loaded"
+        if "kv_cache" in wanted and not self.kv_caches:
+            self.kv_caches = self._allocate_kv_cache()
+
+    @torch.inference_mode()
+    def reset_kv_cache(self) -> None:
+        """Zero every KV block (the contents of the prefix cache are gone)."""
+        for key_cache, value_cache in self.kv_caches:
+            key_cache.zero_()
+            value_cache.zero_()
+
+    # --------------------------------------------------------- utilities
+
+    def held_requests(self) -> list[str]:
+        """Ids of the requests whose state the runner holds."""
+        return list(self.input_batch.req_rows)
