@@ -101,8 +101,8 @@ def time_call(fn: Callable[[], object], device: str, warmup: int, iters: int) ->
             times.append(time.perf_counter() - start)
         return statistics.median(times)
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]  # type: ignore[no-untyped-call]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]  # type: ignore[no-untyped-call]
     torch.cuda.synchronize()
     for start_event, end_event in zip(starts, ends):
         flush.zero_()
@@ -110,14 +110,14 @@ def time_call(fn: Callable[[], object], device: str, warmup: int, iters: int) ->
         fn()
         end_event.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+    return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))) / 1e3
 
 
 def _graphed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured once into a CUDA graph; the returned callable replays it."""
     import torch
 
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()  # compile and warm the allocator outside the capture
@@ -188,7 +188,7 @@ def attention_decode_section(
     """Decode paged attention (``max_query_len=1``) per (batch, context) against the KV-read floor."""
     from legato.kernels import attention, reference
 
-    rows = []
+    rows: list[tuple[str, ...]] = []
     checked = False
     for context in args.contexts:
         for batch in args.batches:

@@ -1,3 +1,5 @@
+# @triton.jit kernels take untyped tensor/pointer arguments:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Triton SwiGLU gate: ``silu(x[..., :d]) * x[..., d:]``.
 
 Same contract as :func:`legato.kernels.reference.silu_and_mul` (fp32 math,

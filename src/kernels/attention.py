@@ -1,3 +1,5 @@
+# @triton.jit kernels take untyped tensor/pointer arguments:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Paged attention in Triton: flash-decoding for decode, online-softmax tiles for prefill.
 
 Same contract as :func:`legato.kernels.reference.paged_attention` (flat batch,
@@ -49,17 +51,29 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and triton_interpreting())
 
 
-def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    """Shape and layout checks that need no device sync."""
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError("query must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != head_dim or num_heads % num_kv_heads:
         raise ValueError("head_dim mismatch or num_heads not a multiple of num_kv_heads")
     if head_dim < 16:
         raise ValueError("the Triton attention kernels need head_dim >= 16")
     if query.stride(2) != 1 or key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("the head dimension must be contiguous in query and caches")
+    if block_tables.stride(1) != 1 or seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("block_tables rows, seq_lens and query_start_loc must be contiguous")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError("query_start_loc must have num_seqs + 1 entries")
 
 
 # --------------------------------------------------------------------------- decode
@@ -106,8 +120,9 @@ def _decode_split_kernel(
     Grid ``(num_seqs, num_kv_heads, num_splits)``. The program loads the
     ``GROUP`` query heads of its kv head as a ``[BLOCK_G, BLOCK_D]`` tile (rows
     padded to >= 16 for ``tl.dot``), walks its split ``[s*split_tokens,
-    min((s+1)*split_tokens, seq_len))`` in ``BLOCK_N``-token tiles gathered
-    through the block table, and keeps an online softmax. With one split it
+    min((s+1)*split_tokens, seq_len))`` (the last split: to ``seq_len``) in
+    ``BLOCK_N``-token tiles gathered through the block table, and keeps an
+    online softmax. With one split it
     writes the normalised output; otherwise the unnormalised ``acc`` and its
     ``(max, sum)`` in the log2 domain go to the partial buffers
     ``[num_seqs, num_heads, num_splits(, head_dim)]`` for the reduce pass.
@@ -121,7 +136,8 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = split * split_tokens
     if (q_end - q_row == 1) & (lo < seq_len):
-        hi = tl.minimum(lo + split_tokens, seq_len)
+        # The last split runs to the end, so an underestimated plan is slow, never wrong.
+        hi = tl.where(split == num_splits - 1, seq_len, tl.minimum(lo + split_tokens, seq_len))
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
@@ -210,7 +226,7 @@ def _decode_reduce_kernel(
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     if q_end - q_row == 1:
         seq_len = tl.load(seq_lens_ptr + seq)
-        used = (seq_len + split_tokens - 1) // split_tokens
+        used = tl.minimum((seq_len + split_tokens - 1) // split_tokens, num_splits)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         s_mask = offs_s < used
@@ -256,13 +272,15 @@ def paged_attention_decode(
 ) -> torch.Tensor:
     """Paged attention for a batch where every sequence has query length 1 (or 0).
 
-    Same contract as the reference. ``max_seq_len`` (host-side upper bound of
+    Same contract as the reference. ``max_seq_len`` (host-side bound of
     ``seq_lens``; default ``block_tables.shape[1] * block_size``) sizes the
-    context splits; ``split_tokens`` forces the split length (rounded up to the
-    64-token tile), mainly for tests. Sequences with query length other than 1
-    are left unwritten. Never syncs with the device.
+    context splits: an underestimate stays correct but loads the last split;
+    under CUDA graphs leave it None or fixed, since the plan is captured.
+    ``split_tokens`` forces the split length (rounded up to the 64-token tile),
+    mainly for tests. Sequences with query length other than 1 are left
+    unwritten. Never syncs with the device.
     """
-    _check_inputs(query, key_cache, value_cache)
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -488,7 +506,7 @@ def paged_attention_prefill(
     64, or 32 and 32 (8 warps) for fp32 products on a GPU, which run on FMA
     units and spill registers with larger tiles. Never syncs.
     """
-    _check_inputs(query, key_cache, value_cache)
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]

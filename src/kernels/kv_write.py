@@ -1,3 +1,5 @@
+# @triton.jit kernels take untyped tensor/pointer arguments:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Triton KV-cache write: store each token's new K/V rows at its slot in the paged cache.
 
 Same contract as :func:`legato.kernels.reference.write_kv`. Imports triton at
@@ -85,6 +87,7 @@ def write_kv(
         raise ValueError("write_kv needs head_dim contiguous in key and value")
     if key_cache.stride(3) != 1 or value_cache.stride(3) != 1:
         raise ValueError("write_kv needs head_dim contiguous in the caches")
+    slot_mapping = slot_mapping.contiguous()
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](

@@ -1,3 +1,5 @@
+# @triton.jit kernels take untyped tensor/pointer arguments:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Triton RMSNorm and fused residual-add + RMSNorm.
 
 Same contracts as :func:`legato.kernels.reference.rms_norm` and

@@ -1,3 +1,5 @@
+# @triton.jit kernels take untyped tensor/pointer arguments:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
 """Triton rotary position embedding for query and key, neox and GPT-J styles.
 
 Same contract as :func:`legato.kernels.reference.apply_rotary`: ``cos_sin_cache``
@@ -150,6 +152,7 @@ def apply_rotary(
     if num_tokens == 0:
         return q_out, k_out
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    positions = positions.contiguous()
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         query,
