@@ -122,11 +122,10 @@ def _decode_split_kernel(
     padded to >= 16 for ``tl.dot``), walks its split ``[s*split_tokens,
     min((s+1)*split_tokens, seq_len))`` (the last split: to ``seq_len``) in
     ``BLOCK_N``-token tiles gathered through the block table, and keeps an
-    online softmax. With one split it
-    writes the normalised output; otherwise the unnormalised ``acc`` and its
-    ``(max, sum)`` in the log2 domain go to the partial buffers
-    ``[num_seqs, num_heads, num_splits(, head_dim)]`` for the reduce pass.
-    Sequences whose query length is not 1 are skipped.
+    online softmax. With one split it writes the normalised output; otherwise
+    the unnormalised ``acc`` and its ``(max, sum)`` in the log2 domain go to
+    the partial buffers ``[num_seqs, num_heads, num_splits(, head_dim)]`` for
+    the reduce pass. Sequences whose query length is not 1 are skipped.
     """
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -216,8 +215,8 @@ def _decode_reduce_kernel(
 ):
     """Decode, pass 2: merge the splits of one (sequence, query head) per program.
 
-    Grid ``(num_seqs, num_heads)``. Reads the ``cdiv(seq_len, split_tokens)``
-    non-empty partials as a ``[BLOCK_S, BLOCK_D]`` tile, rescales each by
+    Grid ``(num_seqs, num_heads)``. Reads the non-empty partials
+    (``min(cdiv(seq_len, split_tokens), num_splits)``) as a ``[BLOCK_S, BLOCK_D]`` tile, rescales each by
     ``exp2(m_s - max)`` and writes ``sum(acc_s * w_s) / sum(l_s * w_s)``.
     """
     seq = tl.program_id(0)
