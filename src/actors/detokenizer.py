@@ -397,8 +397,9 @@ class OutputProcessor:
     ) -> list[str]:
         """Register a request; return the ids the scheduler runs it under.
 
-        n == 1: ``[request_id]``. n > 1: ``child_ids`` (n of them, in index
-        order), by default ``child_request_id(request_id, i)``. ``params`` are
+        ``child_ids`` (n of them, in index order) if given; else
+        ``[request_id]`` for n == 1 and ``child_request_id(request_id, i)``
+        for n > 1 (the renderer's naming). ``params`` are
         the caller's (n, stop strings, output kind). Raises ValueError for a
         live duplicate id, a slot of another output kind, or stop strings
         without a tokenizer.
@@ -412,12 +413,12 @@ class OutputProcessor:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
-        if params.n == 1:
-            ids = [request_id]
-        elif child_ids is None:
-            ids = [child_request_id(request_id, i) for i in range(params.n)]
-        else:
+        if child_ids is not None:
             ids = list(child_ids)
+        elif params.n == 1:
+            ids = [request_id]
+        else:
+            ids = [child_request_id(request_id, i) for i in range(params.n)]
         if len(ids) != params.n:
             raise ValueError(f"child_ids: expected {params.n} ids, got {len(ids)}")
         if clash := [i for i in ids if i in self._completions]:

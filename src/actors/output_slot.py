@@ -33,6 +33,9 @@ class OutputSlot:
     wins; later outputs and errors are ignored). A failed request's partial
     output is of no use, and a consumer must never miss the error.
 
+    Nothing follows an output with ``finished=True``: a consumer stops there
+    (a further ``get`` would wait until cancelled).
+
     ``put`` and ``put_error`` may be called outside a trio run (e.g. by a
     synchronous engine polling ``get_nowait``) as long as no task waits in
     ``get``.
