@@ -640,9 +640,8 @@ class OutputProcessor:
 
         Each slot gets a last output (``finished=True``, finish_reason
         "abort", text held back for stop strings released; a character still
-        incomplete is dropped). Unknown or finished ids are
-        ignored. ``requests_to_abort`` lists the children still live in the
-        scheduler.
+        incomplete is dropped). Unknown or finished ids are ignored.
+        ``requests_to_abort`` lists the children still live in the scheduler.
         """
         now = time.monotonic() if now is None else now
         step = ProcessedStep()
