@@ -21,7 +21,9 @@ SHAPE_56M = dict(
 )
 
 
-def random_llama_checkpoint(out_dir: str | Path, *, seed: int = 0, with_tokenizer: bool = True, **shape: int | bool) -> Path:
+def random_llama_checkpoint(
+    out_dir: str | Path, *, seed: int = 0, with_tokenizer: bool = True, **shape: int | bool
+) -> Path:
     """Save a random-weight Llama of ``shape`` (default: 56M) into ``out_dir``.
 
     The toy model's tokenizer is copied in when asked, so the engine can load

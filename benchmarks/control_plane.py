@@ -23,11 +23,20 @@ async def run(streams: int, output_len: int, executor: str) -> tuple[float, floa
     from legato.engine import open_engine
     from legato.protocol.params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     counts = [0] * streams
-    async with open_engine(None, runner="null", executor=executor, max_num_seqs=streams,
-                           max_model_len=output_len + 64, num_kv_blocks=streams * ((output_len + 64) // 16 + 2),
-                           disable_log_stats=True) as engine:
+    async with open_engine(
+        None,
+        runner="null",
+        executor=executor,
+        max_num_seqs=streams,
+        max_model_len=output_len + 64,
+        num_kv_blocks=streams * ((output_len + 64) // 16 + 2),
+        disable_log_stats=True,
+    ) as engine:
+
         async def one(i: int) -> None:
             async with engine.generate("The quick brown fox", params, f"r{i}") as stream:
                 async for out in stream:
@@ -44,7 +53,9 @@ async def run(streams: int, output_len: int, executor: str) -> tuple[float, floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--executor", default="process", choices=["process", "inproc"])
@@ -52,8 +63,12 @@ def main() -> None:
     import trio
 
     rate, elapsed = trio.run(run, args.streams, args.output_len, args.executor)
-    print(f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'seconds':>8} {'output tok/s':>13}")
-    print(f"{args.streams:>8} {args.output_len:>14} {args.executor:>9} {elapsed:>8.2f} {rate:>13.0f}")
+    print(
+        f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'seconds':>8} {'output tok/s':>13}"
+    )
+    print(
+        f"{args.streams:>8} {args.output_len:>14} {args.executor:>9} {elapsed:>8.2f} {rate:>13.0f}"
+    )
 
 
 if __name__ == "__main__":

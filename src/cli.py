@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -41,7 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from .config import EngineConfig
 
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    return {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"
+    }
 
 
 def cmd_toy_model(args: argparse.Namespace) -> int:
@@ -66,7 +69,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     text = "héllo 世界 🙂"
     ids = tokenizer.encode(text, add_special_tokens=False)
     back = tokenizer.decode(ids)
-    print(f"tokenizer round trip: {text!r} -> {ids} -> {back!r} ({'ok' if back == text else 'MISMATCH'})")
+    print(
+        f"tokenizer round trip: {text!r} -> {ids} -> {back!r} ({'ok' if back == text else 'MISMATCH'})"
+    )
     kwargs = engine_kwargs(args)
     trio.run(_stream_generate, str(path), args.prompt, args.max_tokens, 0.0, kwargs)
     print(f"done in {time.monotonic() - started:.1f} s")
@@ -94,8 +99,103 @@ async def _stream_generate(
 def cmd_generate(args: argparse.Namespace) -> int:
     import trio
 
-    trio.run(_stream_generate, args.model, args.prompt, args.max_tokens, args.temperature, engine_kwargs(args))
+    trio.run(
+        _stream_generate,
+        args.model,
+        args.prompt,
+        args.max_tokens,
+        args.temperature,
+        engine_kwargs(args),
+    )
     return 0
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The ``legato serve`` flags for the HTTP and WebSocket front ends."""
+    from .server.state import ServerSettings
+
+    d = ServerSettings()
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=d.host, help="address to bind (default: %(default)s)")
+    group.add_argument("--port", type=int, default=d.port, help="HTTP port; 0 = a free port")
+    group.add_argument(
+        "--ws-port", type=int, default=d.ws_port, help="WebSocket port; 0 = a free port"
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("LEGATO_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (env LEGATO_API_KEY)",
+    )
+    group.add_argument("--served-model-name", default=None, help="the model name clients ask for")
+    group.add_argument(
+        "--max-body-bytes", type=int, default=d.max_body_bytes, help="HTTP body limit (413)"
+    )
+    group.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
+    group.add_argument(
+        "--ws-max-frame-bytes", type=int, default=d.ws_max_frame_bytes, help="WebSocket frame limit"
+    )
+    group.add_argument(
+        "--ws-max-requests",
+        type=int,
+        default=d.ws_max_requests,
+        help="concurrent requests per WebSocket connection",
+    )
+    group.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=d.shutdown_grace,
+        help="seconds requests in flight may take to finish after SIGINT/SIGTERM",
+    )
+    group.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per finished request"
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the engine with the OpenAI-compatible HTTP API and the WebSocket endpoint."""
+    import trio
+
+    from .server.app import serve
+    from .server.state import ServerSettings
+
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        ws_port=args.ws_port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n,
+        ws_max_frame_bytes=args.ws_max_frame_bytes,
+        ws_max_requests=args.ws_max_requests,
+        shutdown_grace=args.shutdown_grace,
+        log_requests=not args.disable_log_requests,
+    )
+    trio.run(serve, args.model, engine_kwargs(args), settings)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Benchmark a running server over HTTP and print the result table."""
+    import trio
+
+    from .server.bench import run_bench
+
+    report = trio.run(
+        functools.partial(
+            run_bench,
+            args.url,
+            model=args.model,
+            num_prompts=args.num_prompts,
+            request_rate=args.request_rate,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            seed=args.seed,
+            api_key=args.api_key,
+        )
+    )
+    print(report.table())
+    return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,12 +221,48 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API and the WebSocket endpoint"
+    )
+    serve.add_argument(
+        "model", nargs="?", default=None, help="local HF model dir (default: the toy model)"
+    )
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser(
+        "serve", help="drive a running server over HTTP; print a table"
+    )
+    bench_serve.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    bench_serve.add_argument(
+        "--model", default=None, help="model name (default: the server's first)"
+    )
+    bench_serve.add_argument("--num-prompts", type=int, default=100)
+    bench_serve.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson; inf = all at once",
+    )
+    bench_serve.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    bench_serve.add_argument(
+        "--output-len", type=int, default=32, help="generated tokens per request"
+    )
+    bench_serve.add_argument("--seed", type=int, default=0)
+    bench_serve.add_argument("--api-key", default=os.environ.get("LEGATO_API_KEY"))
+    bench_serve.set_defaults(func=cmd_bench_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     sys.exit(args.func(args))
 
 

@@ -40,8 +40,8 @@ class EngineConfig:
     runner: Literal["model", "null"] = "model"
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    heartbeat_interval: float = 1.0
-    heartbeat_timeout: float = 10.0
+    heartbeat_interval: float = 5.0
+    heartbeat_timeout: float = 60.0  # a long CPU prefill step must not count as a hang
     disable_log_stats: bool = False
     log_stats_interval: float = 10.0
     profile_dir: str | None = None

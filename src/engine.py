@@ -37,7 +37,14 @@ from .actors.engine_core import AddRequests, EngineCore, FinishRequests
 from .actors.executor import Executor, make_executor
 from .actors.heartbeat import run_heartbeat
 from .actors.output_slot import OutputSlot
-from .actors.renderer import PromptType, RenderedPrompt, Renderer, RenderJob, load_tokenizer, run_renderer
+from .actors.renderer import (
+    PromptType,
+    RenderedPrompt,
+    Renderer,
+    RenderJob,
+    load_tokenizer,
+    run_renderer,
+)
 from .actors.scheduler import Scheduler
 from .actors.stats import FinishedRequest, StatsCollector, StepStats, run_stats
 from .actors.supervisor import Supervisor
@@ -166,7 +173,9 @@ class RequestStream:
 class AsyncEngine(EngineClient):
     """The engine as a trio-native ``EngineClient``. Build it with ``open_engine``."""
 
-    def __init__(self, config: EngineConfig, nursery: trio.Nursery, *, faults: dict[str, Any] | None = None):
+    def __init__(
+        self, config: EngineConfig, nursery: trio.Nursery, *, faults: dict[str, Any] | None = None
+    ):
         self.config = config
         self._nursery = nursery
         self._faults = faults or {}
@@ -201,12 +210,14 @@ class AsyncEngine(EngineClient):
             self.executor.run,
         )
         self.ready = ready
+        # Block 0 is the scheduler's null block: a request can use the others.
+        max_len = min(ready.max_model_len, (ready.num_kv_blocks - 1) * config.block_size)
         self.config = config = config.resolved(
-            max_model_len=ready.max_model_len, num_kv_blocks=ready.num_kv_blocks
+            max_model_len=max_len, num_kv_blocks=ready.num_kv_blocks
         )
         self.renderer = Renderer(
             tokenizer,
-            max_model_len=ready.max_model_len,
+            max_model_len=max_len,
             vocab_size=ready.vocab_size,
             eos_token_id=ready.eos_token_ids[0] if ready.eos_token_ids else None,
             max_logprobs=config.max_logprobs,
@@ -225,7 +236,9 @@ class AsyncEngine(EngineClient):
         start(run, "detokenizer", self._run_detokenizer, outputs_recv)
         start(run, "renderer", run_renderer, self.renderer, render_recv)
         stats_actor = functools.partial(
-            run_stats, log_interval=config.log_stats_interval, log_enabled=not config.disable_log_stats
+            run_stats,
+            log_interval=config.log_stats_interval,
+            log_enabled=not config.disable_log_stats,
         )
         start(run, "stats", stats_actor, self.stats, stats_recv)
         probes = [("scheduler loop", self._ping_core), ("model worker", self.executor.ping)]
@@ -248,7 +261,9 @@ class AsyncEngine(EngineClient):
         if step.requests_to_abort:
             self.core.submit(FinishRequests(list(step.requests_to_abort)))
         finished = [
-            FinishedRequest(str(f.finish_reason), f.e2e_latency, f.num_prompt_tokens, f.num_generation_tokens)
+            FinishedRequest(
+                str(f.finish_reason), f.e2e_latency, f.num_prompt_tokens, f.num_generation_tokens
+            )
             for f in step.finished
         ]
         self._stats_send.send_nowait(
@@ -300,10 +315,11 @@ class AsyncEngine(EngineClient):
         while not self._resumed.is_set():
             await self._resumed.wait()
             self._check_alive()
-        request_id = stream.request_id
+        # The closures below must not hold the stream: dropping it unfinished aborts it.
+        request_id, slot, params = stream.request_id, stream._slot, stream._params
+        prompt, priority = stream._prompt, stream._priority
         if request_id in self._slots:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        slot = stream._slot
         self._slots[request_id] = slot
 
         def accept(rendered: RenderedPrompt, requests: list[m.EngineRequest]) -> None:
@@ -313,7 +329,7 @@ class AsyncEngine(EngineClient):
                 request_id,
                 rendered.text,
                 requests[0].prompt_token_ids,
-                stream._params,
+                params,
                 requests[0].arrival_time,
                 slot=slot,
                 child_ids=[r.request_id for r in requests],
@@ -328,9 +344,7 @@ class AsyncEngine(EngineClient):
             if self._slots.get(request_id) is slot:
                 slot.put_error(error)
 
-        job = RenderJob(
-            request_id, stream._prompt, stream._params, stream._priority, time.monotonic(), accept, reject
-        )
+        job = RenderJob(request_id, prompt, params, priority, time.monotonic(), accept, reject)
         self._render_send.send_nowait(job)
         await trio.lowlevel.checkpoint()
 

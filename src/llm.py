@@ -34,7 +34,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self._calls: trio.MemorySendChannel[tuple[Callable[..., Any], tuple[Any, ...], Any]] | None = None
+        self._calls: (
+            trio.MemorySendChannel[tuple[Callable[..., Any], tuple[Any, ...], Any]] | None
+        ) = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -88,7 +90,9 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError("sampling_params: need one per prompt, or a single one")
         show = len(prompt_list) > 16 if use_tqdm is None else use_tqdm
-        return trio.from_thread.run(self._generate_all, prompt_list, params_list, show, trio_token=self._token)
+        return trio.from_thread.run(
+            self._generate_all, prompt_list, params_list, show, trio_token=self._token
+        )
 
     async def _generate_all(
         self, prompts: list[PromptType], params: list[SamplingParams], show_progress: bool
@@ -151,9 +155,9 @@ class LLMEngine:
 
         config = resolve_model(config)
         self.runner = ModelRunner(config)
-        self.config = config.resolved(
-            max_model_len=self.runner.max_model_len, num_kv_blocks=self.runner.num_kv_blocks
-        )
+        blocks = self.runner.num_kv_blocks
+        max_len = min(self.runner.max_model_len, (blocks - 1) * config.block_size)  # block 0: null
+        self.config = config.resolved(max_model_len=max_len, num_kv_blocks=blocks)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model or "")
         eos = list(self.runner.eos_token_ids)
         self.renderer = Renderer(

@@ -94,7 +94,9 @@ def call_utility(runner: Any, call: m.UtilityCall) -> m.UtilityResult:
     if call.method.startswith("_") or not callable(getattr(runner, call.method, None)):
         return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
     try:
-        answer = m.UtilityResult(call.call_id, result=getattr(runner, call.method)(*call.args, **call.kwargs))
+        answer = m.UtilityResult(
+            call.call_id, result=getattr(runner, call.method)(*call.args, **call.kwargs)
+        )
         wire.encode(answer)  # the result must be plain msgpack data
     except Exception as exc:
         return m.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")

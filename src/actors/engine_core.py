@@ -230,4 +230,3 @@ class EngineCore:
         self.scheduler.resume()
         self._emit(outputs)
         return outputs
-

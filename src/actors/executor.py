@@ -103,7 +103,9 @@ class ProcessExecutor:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    async def run(self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Start the worker, report its WorkerReady, then serve answers until shutdown.
 
         Raises EngineStartupError if the model fails to load (before started),
@@ -127,7 +129,9 @@ class ProcessExecutor:
             await self._send(init)
             first = await reader.read()
             if isinstance(first, m.WorkerError):
-                raise EngineStartupError(f"model worker failed to start: {first.error_type}: {first.message}")
+                raise EngineStartupError(
+                    f"model worker failed to start: {first.error_type}: {first.message}"
+                )
             if not isinstance(first, m.WorkerReady):
                 code = await _wait_exit(process)
                 raise EngineStartupError(f"model worker exited during start-up (exit code {code})")
@@ -151,7 +155,9 @@ class ProcessExecutor:
                     f"model worker (pid {process.pid}) failed: {frame.error_type}: {frame.message}"
                 )
             if not self._pending:
-                raise WorkerDiedError(f"model worker sent an unexpected frame {type(frame).__name__}")
+                raise WorkerDiedError(
+                    f"model worker sent an unexpected frame {type(frame).__name__}"
+                )
             self._pending.popleft().set(frame)
 
     async def _reap(self, process: trio.Process) -> None:
@@ -242,7 +248,9 @@ class InprocExecutor:
         self.ready: m.WorkerReady | None = None
         self.pid: int | None = None
 
-    async def run(self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         from ..worker import _build_runner, _ready
 
         init = m.WorkerInit(config=self._config.to_dict())
@@ -273,7 +281,9 @@ class InprocExecutor:
         from ..worker import call_utility
 
         request = m.UtilityCall(0, method, list(args), kwargs)
-        answer = await trio.to_thread.run_sync(call_utility, self._runner, request, limiter=self._limiter)
+        answer = await trio.to_thread.run_sync(
+            call_utility, self._runner, request, limiter=self._limiter
+        )
         if answer.error is not None:
             raise WorkerCallError(answer.error)
         return answer.result
@@ -305,4 +315,3 @@ def _cpu_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
-

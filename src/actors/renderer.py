@@ -67,7 +67,9 @@ class Renderer:
             return RenderedPrompt(prompt, self.encode(prompt))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return RenderedPrompt(prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"]))
+                return RenderedPrompt(
+                    prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                )
             if "prompt" in prompt:
                 text = prompt["prompt"]
                 if not isinstance(text, str):
@@ -93,7 +95,9 @@ class Renderer:
                 raise ValidationError(f"messages[{i}]", "each message needs a string 'role'")
             content = message.get("content")
             if content is not None and not isinstance(content, str | list):
-                raise ValidationError(f"messages[{i}].content", "must be a string or a list of parts")
+                raise ValidationError(
+                    f"messages[{i}].content", "must be a string or a list of parts"
+                )
         try:
             text = self.tokenizer.apply_chat_template(
                 [dict(msg) for msg in messages],
@@ -141,7 +145,8 @@ class Renderer:
                 raise ValidationError("prompt_token_ids", f"must be integers, got {token_id!r}")
             if not 0 <= token_id < self.vocab_size:
                 raise ValidationError(
-                    "prompt_token_ids", f"token id {token_id} is outside the vocabulary ({self.vocab_size})"
+                    "prompt_token_ids",
+                    f"token id {token_id} is outside the vocabulary ({self.vocab_size})",
                 )
             out.append(token_id)
         if not out and not allow_empty:
@@ -166,7 +171,9 @@ class Renderer:
         with ``parent_id`` set, and seed ``seed + i`` when a seed is given.
         """
         if not isinstance(params, SamplingParams):
-            raise ValidationError("sampling_params", f"must be SamplingParams, got {type(params).__name__}")
+            raise ValidationError(
+                "sampling_params", f"must be SamplingParams, got {type(params).__name__}"
+            )
         token_ids = rendered.token_ids
         if not token_ids:
             raise ValidationError("prompt", "must not be empty")
@@ -177,9 +184,14 @@ class Renderer:
         except ValueError as exc:
             field = str(exc).split(":", 1)[0]
             raise ValidationError(field, str(exc).split(": ", 1)[-1]) from None
-        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        for name, value in (
+            ("logprobs", params.logprobs),
+            ("prompt_logprobs", params.prompt_logprobs),
+        ):
             if value is not None and value > self.max_logprobs:
-                raise ValidationError(name, f"at most {self.max_logprobs} are supported, got {value}")
+                raise ValidationError(
+                    name, f"at most {self.max_logprobs} are supported, got {value}"
+                )
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise PromptTooLongError(
@@ -247,22 +259,29 @@ async def run_renderer(renderer: Renderer, inbox: trio.MemoryReceiveChannel[Rend
     engine keeps serving in both cases.
     """
     async for job in inbox:
-        try:
-            rendered = renderer.render_prompt(job.prompt)
-            requests = renderer.make_requests(
-                job.request_id,
-                rendered,
-                job.params,
-                priority=job.priority,
-                arrival_time=job.arrival_time,
-            )
-        except ValueError as exc:
-            job.reject(exc)
-            continue
-        except Exception as exc:
-            error = EngineGenerateError(job.request_id, f"rendering failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            job.reject(error)
-            continue
-        job.accept(rendered, requests)
+        _render_one(renderer, job)
+        del job  # hold nothing of a request between jobs
         await trio.lowlevel.checkpoint()
+
+
+def _render_one(renderer: Renderer, job: RenderJob) -> None:
+    try:
+        rendered = renderer.render_prompt(job.prompt)
+        requests = renderer.make_requests(
+            job.request_id,
+            rendered,
+            job.params,
+            priority=job.priority,
+            arrival_time=job.arrival_time,
+        )
+    except ValueError as exc:
+        job.reject(exc)
+        return
+    except Exception as exc:
+        error = EngineGenerateError(
+            job.request_id, f"rendering failed: {type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        job.reject(error)
+        return
+    job.accept(rendered, requests)

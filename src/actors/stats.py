@@ -69,14 +69,20 @@ class StatsCollector:
 
         self.running = gauge("legato:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("legato:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("legato:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.kv_usage = gauge(
+            "legato:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."
+        )
         self.kv_blocks_used = gauge("legato:kv_cache_blocks_used", "KV-cache blocks in use.")
         self.kv_blocks_total = gauge("legato:kv_cache_blocks_total", "KV-cache blocks in all.")
         self.prefix_queries = counter(
             "legato:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.prefix_hits = counter("legato:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("legato:num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.prefix_hits = counter(
+            "legato:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.preemptions = counter(
+            "legato:num_preemptions", "Requests preempted for lack of KV blocks."
+        )
         self.prompt_tokens = counter("legato:prompt_tokens", "Prompt tokens computed.")
         self.generation_tokens = counter("legato:generation_tokens", "Tokens generated.")
         self.request_success = counter(
@@ -104,7 +110,9 @@ class StatsCollector:
             self.prefix_queries.labels(model).inc(s.prefix_cache_queries)
             self.prefix_hits.labels(model).inc(s.prefix_cache_hits)
             self.preemptions.labels(model).inc(s.num_preempted)
-            self._prefix_window.append((step.timestamp, s.prefix_cache_queries, s.prefix_cache_hits))
+            self._prefix_window.append(
+                (step.timestamp, s.prefix_cache_queries, s.prefix_cache_hits)
+            )
         self.prompt_tokens.labels(model).inc(step.num_prompt_tokens)
         self.generation_tokens.labels(model).inc(step.num_generation_tokens)
         self._window.append((step.timestamp, step.num_prompt_tokens, step.num_generation_tokens))

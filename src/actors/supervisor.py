@@ -120,6 +120,9 @@ class Supervisor:
         except Exception as exc:
             if not started:
                 raise
+            if self.stopping:
+                logger.debug("the %s actor failed while the engine stopped: %r", name, exc)
+                return
             self.die(exc)
         finally:
             self._scopes.pop(name, None)
