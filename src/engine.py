@@ -50,7 +50,7 @@ from .actors.stats import FinishedRequest, StatsCollector, StepStats, run_stats
 from .actors.supervisor import Supervisor
 from .config import EngineConfig
 from .protocol import messages as m
-from .protocol.client import EngineClient
+from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import PoolingParams, SamplingParams
@@ -243,7 +243,7 @@ class AsyncEngine(EngineClient):
         start(run, "stats", stats_actor, self.stats, stats_recv)
         probes = [("scheduler loop", self._ping_core), ("model worker", self.executor.ping)]
         heartbeat = functools.partial(
-            run_heartbeat, interval=config.heartbeat_interval, timeout=config.heartbeat_timeout
+            run_heartbeat, interval=config.heartbeat_interval, silence=config.heartbeat_timeout
         )
         start(run, "heartbeat", heartbeat, probes)
         await trio.lowlevel.checkpoint()
@@ -292,6 +292,7 @@ class AsyncEngine(EngineClient):
         *,
         prompt_text: str | None = None,
         lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         data_parallel_rank: int | None = None,
@@ -304,7 +305,11 @@ class AsyncEngine(EngineClient):
         ValueError; while paused or asleep, submission waits for resume.
         """
         if lora_request is not None:
-            raise NotImplementedError("LoRA adapters are not supported yet")
+            raise NotImplementedError("lora_request: LoRA adapters are not supported yet")
+        if data_parallel_rank not in (None, 0):
+            raise ValueError(
+                f"data_parallel_rank: this engine has one core, got {data_parallel_rank}"
+            )
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -377,7 +382,7 @@ class AsyncEngine(EngineClient):
             )
         await trio.lowlevel.checkpoint()
 
-    async def encode(
+    def encode(
         self,
         prompt: PromptType,
         pooling_params: PoolingParams,
@@ -409,7 +414,7 @@ class AsyncEngine(EngineClient):
         return self.supervisor.dead_error is not None
 
     @property
-    def dead_error(self) -> BaseException:
+    def dead_error(self) -> EngineDeadError:
         if self.supervisor.dead_error is not None:
             return self.supervisor.dead_error
         return EngineDeadError("the engine is not dead (dead_error read while running)")
@@ -428,18 +433,30 @@ class AsyncEngine(EngineClient):
 
     # ---------------------------------------------------------- lifecycle
 
-    async def pause_generation(self, *, mode: str = "abort", **_: Any) -> None:
+    async def pause_generation(
+        self,
+        *,
+        mode: PauseModeName = "abort",
+        wait_for_inflight_requests: bool = False,
+        clear_cache: bool = True,
+    ) -> None:
         """Stop generating. New ``generate`` calls wait until resume. Idempotent.
 
         "abort": in-flight requests end with reason "abort"; "wait": returns
         once they have finished; "keep": they freeze and continue on resume.
+        ``wait_for_inflight_requests=True`` is vLLM's older spelling of "wait".
+        ``clear_cache`` resets the prefix cache once nothing is in flight.
         """
+        if wait_for_inflight_requests:
+            mode = "wait"
         if mode not in _PAUSE_MODES:
             raise ValueError(f"mode: must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
         self._check_alive()
         self._paused = True
         self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
         await self.core.call(m.PauseGeneration(_PAUSE_MODES[mode]))
+        if clear_cache and mode != "keep":
+            await self.core.call(m.ResetPrefixCache(False))
 
     async def resume_generation(self) -> None:
         self._check_alive()
@@ -451,15 +468,24 @@ class AsyncEngine(EngineClient):
     async def is_paused(self) -> bool:
         return self._paused
 
-    async def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (level 2: also the weights). In-flight requests are aborted;
-        new ones wait until ``wake_up``."""
+    async def sleep(self, level: int = 1, mode: PauseModeName = "abort") -> None:
+        """Free the KV cache (level 2: also the weights); new requests wait for ``wake_up``.
+
+        In-flight requests are aborted ("abort") or first allowed to finish
+        ("wait"); "keep" is refused, since a frozen request needs its KV cache.
+        """
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
+        if mode not in ("abort", "wait"):
+            raise ValueError(f"mode: sleep supports 'abort' and 'wait', got {mode!r}")
         self._check_alive()
         if self._sleeping:
             return
         self._sleeping = True
+        if mode == "wait":
+            self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
+            await self.core.call(m.PauseGeneration(m.PauseMode.WAIT))
+            await self.core.call(m.ResumeGeneration())
         self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
         await self.core.call(m.Sleep(level))
         await self.executor.call("sleep", level)
@@ -478,7 +504,9 @@ class AsyncEngine(EngineClient):
     async def is_sleeping(self) -> bool:
         return self._sleeping
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False, **_: Any) -> bool:
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         self._check_alive()
         return bool(await self.core.call(m.ResetPrefixCache(reset_running_requests)))
 
@@ -503,13 +531,13 @@ class AsyncEngine(EngineClient):
     async def add_lora(self, lora_request: Any) -> bool:
         raise NotImplementedError("add_lora: LoRA adapters are not supported yet")
 
-    async def get_supported_tasks(self) -> tuple[str, ...]:
+    async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         return ("generate",)
 
     async def collective_rpc(
         self,
         method: str,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - vLLM's signature
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
@@ -518,10 +546,11 @@ class AsyncEngine(EngineClient):
         with trio.fail_after(timeout) if timeout is not None else _null_scope():
             return [await self.executor.call(method, *args, **(kwargs or {}))]
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine: open streams end with EngineDeadError, the worker is reaped.
 
-        Synchronous and idempotent; the actors finish within the nursery's exit.
+        Synchronous and idempotent; the actors finish within the nursery's exit,
+        the worker gets a few seconds to exit by itself before it is killed.
         """
         if self._stopped:
             return

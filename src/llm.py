@@ -137,10 +137,10 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, str) or isinstance(prompts, dict):
         return [prompts]
-    items = list(prompts)  # type: ignore[arg-type]
+    items = list(prompts)
     if items and all(isinstance(x, int) for x in items):
-        return [items]  # one prompt given as token ids
-    return items
+        return [[int(x) for x in items]]  # type: ignore[arg-type]  # one prompt as token ids
+    return items  # type: ignore[return-value]
 
 
 class LLMEngine:

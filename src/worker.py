@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from typing import Any, BinaryIO
 
@@ -89,8 +90,47 @@ def _ready(runner: Any) -> m.WorkerReady:
     )
 
 
+class _Profiler:
+    """torch.profiler around the steps between ``start_profile`` and ``stop_profile``."""
+
+    def __init__(self) -> None:
+        self._profile: Any = None
+        self._trace_dir = ""
+
+    def start_profile(self, trace_dir: str) -> None:
+        import torch
+
+        if self._profile is not None:
+            raise RuntimeError("a profile is already running")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        os.makedirs(trace_dir, exist_ok=True)
+        self._trace_dir = trace_dir
+        self._profile = torch.profiler.profile(activities=activities, record_shapes=True)
+        self._profile.__enter__()
+
+    def stop_profile(self) -> str:
+        """Stop and write a Chrome trace; returns its path."""
+        if self._profile is None:
+            raise RuntimeError("no profile is running")
+        profile, self._profile = self._profile, None
+        profile.__exit__(None, None, None)
+        path = os.path.join(self._trace_dir, f"legato-worker-{os.getpid()}-{time.time_ns()}.json")
+        profile.export_chrome_trace(path)
+        return path
+
+
+_PROFILER = _Profiler()
+
+
 def call_utility(runner: Any, call: m.UtilityCall) -> m.UtilityResult:
-    """Run ``runner.<method>(*args, **kwargs)``; public methods only."""
+    """Run ``runner.<method>(*args, **kwargs)``; public methods only.
+
+    ``start_profile`` / ``stop_profile`` are the worker's own (torch profiler).
+    """
+    if call.method in ("start_profile", "stop_profile"):
+        runner = _PROFILER
     if call.method.startswith("_") or not callable(getattr(runner, call.method, None)):
         return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
     try:

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
 import trio
 
 from ..protocol import messages as m

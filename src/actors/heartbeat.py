@@ -22,12 +22,12 @@ class HeartbeatTimeout(LegatoError):
     """A part of the engine stopped answering health pings."""
 
 
-async def run_heartbeat(probes: Sequence[Probe], *, interval: float, timeout: float) -> None:
-    """Ping forever; raise HeartbeatTimeout on the first silent probe."""
+async def run_heartbeat(probes: Sequence[Probe], *, interval: float, silence: float) -> None:
+    """Ping forever; raise HeartbeatTimeout on the first probe silent for ``silence`` seconds."""
     while True:
         await trio.sleep(interval)
         for name, probe in probes:
-            with trio.move_on_after(timeout):
+            with trio.move_on_after(silence):
                 await probe()
                 continue
-            raise HeartbeatTimeout(f"the {name} did not answer a health ping within {timeout:g} s")
+            raise HeartbeatTimeout(f"the {name} did not answer a health ping within {silence:g} s")

@@ -29,7 +29,7 @@ Never imports trio or torch.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -111,8 +111,8 @@ class EngineClient(abc.ABC):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         data_parallel_rank: int | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's outputs: an async generator of RequestOutput.
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs: an async iterator of RequestOutput.
 
         The request is submitted when iteration starts. Each ``__anext__`` is
         a checkpoint that blocks until the engine has news for this request;
@@ -122,11 +122,12 @@ class EngineClient(abc.ABC):
         ``finished=True``, then the generator ends.
 
         Cancellation: if the consumer is cancelled, or stops iterating (break,
-        an exception), the request is aborted when the generator closes, and
-        its KV-cache blocks are freed within one engine step. Close it
-        promptly with ``async with contextlib.aclosing(engine.generate(...))``;
-        an abandoned generator is closed when trio finalizes it. None of this
-        is an error to the engine.
+        an exception), the request is aborted and its KV-cache blocks are
+        freed within one engine step. legato's stream is also an async context
+        manager: ``async with engine.generate(...) as stream`` closes it
+        deterministically, and is the safe form in trio; an abandoned stream
+        is aborted when it is garbage-collected. None of this is an error to
+        the engine.
 
         Raises, from the iteration: ValidationError (a subclass of ValueError)
         for bad params, a ``request_id`` already in flight, an unknown LoRA, or
@@ -153,8 +154,8 @@ class EngineClient(abc.ABC):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
-    ) -> AsyncGenerator[PoolingRequestOutput, None]:
-        """Run a pooling request: an async generator yielding one PoolingRequestOutput.
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """Run a pooling request: an async iterator yielding one PoolingRequestOutput.
 
         Same contract as :meth:`generate` (submission, cancellation, errors);
         a task the model does not support (see :meth:`get_supported_tasks`)
