@@ -3,8 +3,12 @@
 Public names are re-exported here; internals are free to move.
 """
 
+from .config import EngineConfig
+from .engine import AsyncEngine, RequestStream, open_engine
+from .llm import LLM, LLMEngine
 from .protocol import (
     CompletionOutput,
+    EngineClient,
     EngineDeadError,
     EngineGenerateError,
     EngineStartupError,
@@ -15,19 +19,28 @@ from .protocol import (
     RequestOutputKind,
     SamplingParams,
 )
+from .render_only import RenderOnlyClient
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
+    "AsyncEngine",
     "CompletionOutput",
+    "EngineClient",
+    "EngineConfig",
     "EngineDeadError",
     "EngineGenerateError",
     "EngineStartupError",
+    "LLMEngine",
     "Logprob",
     "PoolingParams",
     "PoolingRequestOutput",
     "RequestOutput",
+    "RenderOnlyClient",
     "RequestOutputKind",
+    "RequestStream",
     "SamplingParams",
     "__version__",
+    "open_engine",
 ]

@@ -55,7 +55,7 @@ class TokensPrompt(TypedDict):
 
 PromptType = str | TextPrompt | TokensPrompt
 PauseModeName = Literal["abort", "wait", "keep"]
-SupportedTask = Literal["generate", "embed", "classify", "score", "encode"]
+SupportedTask = Literal["generate", "embed", "classify", "score", "encode", "render"]
 
 
 @dataclass(frozen=True)

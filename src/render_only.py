@@ -1,0 +1,187 @@
+"""RenderOnlyClient: tokenizer, chat templates and detokenization without a model.
+
+The GPU-less client: a front end that renders prompts (and counts tokens)
+while the model runs elsewhere. It speaks EngineClient so it can stand where
+an engine would; every inference method raises a clear NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+import trio
+
+from .actors.renderer import PromptType, RenderedPrompt, Renderer, load_tokenizer
+from .protocol.client import EngineClient, PauseModeName, SupportedTask
+from .protocol.errors import EngineDeadError
+from .protocol.outputs import PoolingRequestOutput, RequestOutput
+from .protocol.params import PoolingParams, SamplingParams
+
+
+def _no_model(what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{what}: RenderOnlyClient has no model; use open_engine for inference"
+    )
+
+
+class RenderOnlyClient(EngineClient):
+    """Render prompts for ``model`` (a local HF directory; None: the toy model's tokenizer)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        max_model_len: int | None = None,
+    ):
+        if model is None and tokenizer is None:
+            from .toy_model import default_toy_model_dir
+
+            model = str(default_toy_model_dir())
+        path = tokenizer or model
+        assert path is not None
+        self.tokenizer = load_tokenizer(path)
+        limit = (
+            max_model_len
+            or _max_positions(model)
+            or int(getattr(self.tokenizer, "model_max_length", 0))
+        )
+        self.renderer = Renderer(
+            self.tokenizer,
+            max_model_len=limit if 0 < limit < 10**9 else 2048,
+            vocab_size=len(self.tokenizer),
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        self._stopped = False
+
+    # ------------------------------------------------------------ rendering
+
+    def render(self, prompt: PromptType) -> RenderedPrompt:
+        """Text and token ids of a prompt. Raises ValidationError for bad input."""
+        return self.renderer.render_prompt(prompt)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> dict[str, Any]:
+        """Chat messages as ``{"prompt", "prompt_token_ids"}`` via the chat template."""
+        return self.renderer.render_chat_prompt(
+            messages, add_generation_prompt=add_generation_prompt
+        )
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.renderer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.renderer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
+        return ("render",)
+
+    # ------------------------------------------------------ EngineClient
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return EngineDeadError("RenderOnlyClient never dies")
+
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **_: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        raise _no_model("generate")
+
+    def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        raise _no_model("encode")
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        await trio.lowlevel.checkpoint()  # nothing runs here, so nothing to abort
+
+    async def check_health(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def start_profile(self) -> None:
+        raise _no_model("start_profile")
+
+    async def stop_profile(self) -> None:
+        raise _no_model("stop_profile")
+
+    async def reset_mm_cache(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def reset_encoder_cache(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        raise _no_model("reset_prefix_cache")
+
+    async def sleep(self, level: int = 1, mode: PauseModeName = "abort") -> None:
+        raise _no_model("sleep")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        raise _no_model("wake_up")
+
+    async def is_sleeping(self) -> bool:
+        return False
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        raise _no_model("add_lora")
+
+    async def pause_generation(
+        self,
+        *,
+        mode: PauseModeName = "abort",
+        wait_for_inflight_requests: bool = False,
+        clear_cache: bool = True,
+    ) -> None:
+        raise _no_model("pause_generation")
+
+    async def resume_generation(self) -> None:
+        raise _no_model("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return False
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self._stopped = True
+
+
+def _max_positions(model: str | None) -> int:
+    if model is None:
+        return 0
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return int(json.load(f).get("max_position_embeddings") or 0)
+    except (OSError, ValueError):
+        return 0
