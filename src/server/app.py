@@ -1,0 +1,202 @@
+"""Wiring: the HTTP and WebSocket servers over one engine, graceful shutdown, ``legato serve``.
+
+``open_server(engine, settings)`` binds both servers (ports 0 pick free
+ones), yields a ``Server`` with the bound URLs, and on exit shuts down
+gracefully. ``Server.shutdown`` is the one shutdown path: stop admitting
+(new requests get 503 / an error frame, ``/health`` 503), let requests in
+flight finish for up to ``shutdown_grace`` seconds, abort the rest, close
+WebSocket connections (1001), stop both listeners.
+
+``serve(model, engine_args, settings)`` is ``legato serve``: the engine and
+the servers in one trio run, SIGINT / SIGTERM for a graceful shutdown (a
+second signal skips the grace period), and the "listening on" line.
+
+Imports trio, hypercorn and trio-websocket; never torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from trio_websocket import WebSocketServer, serve_websocket
+
+from ..engine import AsyncEngine, open_engine
+from .http import OpenAIApp
+from .state import ServerSettings, ServingState
+from .websocket import WebSocketEndpoint
+
+logger = logging.getLogger("legato.server")
+
+TOY_MODEL_NAME = "legato-toy"
+"""The served model name when ``legato serve`` runs the embedded toy model."""
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Server:
+    """Both front ends of one running server. Build it with ``open_server``."""
+
+    def __init__(
+        self,
+        state: ServingState,
+        endpoint: WebSocketEndpoint,
+        http_port: int,
+        ws_port: int,
+        stop_http: trio.Event,
+        ws_scope: trio.CancelScope,
+    ) -> None:
+        self.state = state
+        self.endpoint = endpoint
+        self.http_port = http_port
+        self.ws_port = ws_port
+        self._stop_http = stop_http
+        self._ws_scope = ws_scope
+        self._grace_scope: trio.CancelScope | None = None
+        self._stopped = trio.Event()
+        self._shutting_down = False
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{_hostport(self.state.settings.host, self.http_port)}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{_hostport(self.state.settings.host, self.ws_port)}"
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Drain (``grace`` seconds, default ``shutdown_grace``), then stop both servers.
+
+        Idempotent: a second caller waits for the first to finish.
+        """
+        if self._shutting_down:
+            await self._stopped.wait()
+            return
+        self._shutting_down = True
+        grace = self.state.settings.shutdown_grace if grace is None else grace
+        with trio.CancelScope() as self._grace_scope:
+            await self.state.drain(grace)
+        if self._grace_scope.cancelled_caught:  # skip_grace(): drain again without waiting
+            await self.state.drain(0.0)
+        await self.endpoint.close_all()
+        self._stop_http.set()
+        self._ws_scope.cancel()
+        self._stopped.set()
+
+    def skip_grace(self) -> None:
+        """End the grace period of a shutdown in progress now (a second SIGINT)."""
+        if self._grace_scope is not None:
+            self._grace_scope.cancel()
+
+    async def wait_stopped(self) -> None:
+        """Return once ``shutdown`` has finished."""
+        await self._stopped.wait()
+
+
+@asynccontextmanager
+async def open_server(
+    engine: AsyncEngine, settings: ServerSettings, *, model_name: str | None = None
+) -> AsyncIterator[Server]:
+    """Serve ``engine`` over HTTP and WebSocket until the block exits, then shut down gracefully.
+
+    ``model_name`` is the served model name (default: ``settings.served_model_name``,
+    else the engine's). If the block raises or is cancelled, the servers stop
+    without waiting for requests in flight.
+    """
+    name = settings.served_model_name or model_name or engine.model_name
+    state = ServingState(engine, settings, model_name=name)
+    endpoint = WebSocketEndpoint(state)
+    config = HypercornConfig()
+    config.bind = [_hostport(settings.host, settings.port)]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 2.0
+    config.h11_max_incomplete_size = 64 * 1024
+    stop_http = trio.Event()
+    async with trio.open_nursery() as nursery:
+        serve_http = functools.partial(
+            hypercorn_serve, OpenAIApp(state), config, shutdown_trigger=stop_http.wait, mode="asgi"
+        )
+        binds: list[str] = await nursery.start(serve_http)
+        http_port = int(binds[0].rsplit(":", 1)[1])
+        ws_scope = trio.CancelScope()
+
+        async def run_ws(task_status: trio.TaskStatus[WebSocketServer]) -> None:
+            with ws_scope:
+                await serve_websocket(
+                    endpoint.handle,
+                    settings.host,
+                    settings.ws_port,
+                    ssl_context=None,
+                    max_message_size=endpoint.hard_limit,
+                    task_status=task_status,
+                )
+
+        ws_server: WebSocketServer = await nursery.start(run_ws)
+        server = Server(state, endpoint, http_port, ws_server.port, stop_http, ws_scope)
+        try:
+            yield server
+        except BaseException:
+            state.draining = True
+            stop_http.set()
+            nursery.cancel_scope.cancel()
+            raise
+        await server.shutdown()
+
+
+async def serve(
+    model: str | None,
+    engine_args: dict[str, Any],
+    settings: ServerSettings,
+    *,
+    task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """``legato serve``: run the engine and both servers until SIGINT / SIGTERM.
+
+    The first signal starts a graceful shutdown; a second one ends the grace
+    period at once. Returns normally after a shutdown (exit status 0).
+    A signal that arrives while the engine is still starting ends start-up.
+    """
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            started: list[Server] = []
+
+            async def on_signals() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    if not started:
+                        logger.info("%s during start-up: exiting", name)
+                        nursery.cancel_scope.cancel()
+                        return
+                    server = started[0]
+                    if server._shutting_down:
+                        logger.info("%s again: aborting requests still running", name)
+                        server.skip_grace()
+                    else:
+                        logger.info(
+                            "%s: shutting down (grace period %.1f s)", name, settings.shutdown_grace
+                        )
+                        nursery.start_soon(server.shutdown)
+
+            nursery.start_soon(on_signals)
+            name = settings.served_model_name or (model if model is not None else TOY_MODEL_NAME)
+            async with open_engine(model, **engine_args) as engine:
+                async with open_server(engine, settings, model_name=name) as server:
+                    started.append(server)
+                    print(
+                        f"legato: serving {name!r}: listening on {server.http_url} and {server.ws_url}",
+                        flush=True,
+                    )
+                    task_status.started(server)
+                    await server.wait_stopped()
+            nursery.cancel_scope.cancel()
+    logger.info("server stopped")

@@ -1,0 +1,240 @@
+"""Plain-ASGI helpers for the HTTP front end: requests, bounded bodies, JSON, SSE, errors.
+
+No framework: a handler gets a ``Request`` (scope, receive, send) and answers
+through ``send_json`` / ``send_error`` / ``SSEResponse``. Errors a handler
+raises as ``HTTPError`` become OpenAI's error body
+``{"error": {"message", "type", "param", "code"}}``.
+
+Two ASGI traps are handled here: the body is read with a byte limit while it
+arrives (never buffered unbounded), and ``watch_disconnect`` turns a client's
+``http.disconnect`` into a cancelled scope (``send`` after a disconnect
+silently does nothing, so a streaming handler must watch ``receive``).
+
+Imports trio; never torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class HTTPError(Exception):
+    """An error answer: status, message, and OpenAI's ``type`` / ``param`` / ``code``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class ClientDisconnected(Exception):
+    """The client went away while the request body was being read."""
+
+
+@dataclass
+class Request:
+    """One HTTP request as the handlers see it."""
+
+    scope: Scope
+    receive: Receive
+    send: Send
+
+    @property
+    def method(self) -> str:
+        return str(self.scope["method"])
+
+    @property
+    def path(self) -> str:
+        return str(self.scope["path"])
+
+    def header(self, name: str) -> str | None:
+        """The first value of header ``name`` (case-insensitive), decoded as latin-1."""
+        key = name.lower().encode("latin-1")
+        for k, v in self.scope.get("headers", ()):
+            if bytes(k).lower() == key:
+                return bytes(v).decode("latin-1")
+        return None
+
+    async def body(self, limit: int) -> bytes:
+        """Read the whole body, at most ``limit`` bytes.
+
+        Raises ``HTTPError(413)`` as soon as the declared Content-Length or
+        the bytes received so far exceed ``limit`` (the rest is never read),
+        and ``ClientDisconnected`` if the client leaves first. Checkpoints.
+        """
+        declared = self.header("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected()
+            if message["type"] != "http.request":
+                continue
+            chunk = bytes(message.get("body", b""))
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def json(self, limit: int) -> dict[str, Any]:
+        """The body as a JSON object. ``HTTPError(400)`` if it is not one, 413 if too large."""
+        raw = await self.body(limit)
+        try:
+            value = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise HTTPError(
+                400, f"the body is not valid JSON: {exc}", code="invalid_json"
+            ) from None
+        if not isinstance(value, dict):
+            raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
+        return value
+
+
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+
+
+def dumps(value: Any) -> bytes:
+    """Compact JSON; NaN and infinities (e.g. a -inf logprob) become large finite numbers."""
+    return json.dumps(_finite(value), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        if value != value:
+            return None
+        return -9999.0 if value < 0 else 9999.0
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+async def send_body(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """A complete response with ``body``."""
+    headers = [
+        (b"content-type", content_type.encode("latin-1")),
+        (b"content-length", str(len(body)).encode()),
+        *(extra_headers or []),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_json(send: Send, status: int, value: Any) -> None:
+    """A JSON response."""
+    await send_body(send, status, dumps(value), "application/json")
+
+
+async def send_error(send: Send, error: HTTPError) -> None:
+    """OpenAI's error body with the error's status (401 adds ``WWW-Authenticate``)."""
+    extra = [(b"www-authenticate", b"Bearer")] if error.status == 401 else None
+    await send_body(send, error.status, dumps(error.body()), "application/json", extra)
+
+
+class SSEResponse:
+    """A ``text/event-stream`` response: ``data: <json>\\n\\n`` events, then ``data: [DONE]``.
+
+    ``start`` sends the headers; ``event`` one JSON event; ``done`` the
+    terminating ``[DONE]`` and the end of the body. Not safe for concurrent
+    senders: use one task per response.
+    """
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.closed = False
+
+    async def start(self) -> None:
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
+        await self._send({"type": "http.response.start", "status": 200, "headers": headers})
+        self.started = True
+
+    async def event(self, value: Any) -> None:
+        await self._send(
+            {
+                "type": "http.response.body",
+                "body": b"data: " + dumps(value) + b"\n\n",
+                "more_body": True,
+            }
+        )
+
+    async def done(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self._send(
+            {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+        )
+
+
+async def watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` when the client disconnects; otherwise wait forever.
+
+    Run it in a nursery beside the work that ``scope`` covers (after the body
+    has been read) and cancel the nursery when the work is done.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

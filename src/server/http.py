@@ -1,0 +1,139 @@
+"""The OpenAI-compatible HTTP API as a plain ASGI app (served by hypercorn's trio worker).
+
+``OpenAIApp`` answers the ``lifespan`` scope (hypercorn's trio worker needs
+that), checks the API key, routes by method and path to the handlers in
+``openai_handlers``, and turns what they raise into OpenAI's error body:
+
+====================================  ======  ===========================
+raised                                status  ``code``
+====================================  ======  ===========================
+malformed JSON / not an object        400     ``invalid_json``
+ValidationError (``param`` = field)   400     ``invalid_value``
+unknown route / unknown model         404     ``not_found`` / ``model_not_found``
+wrong method                          405     ``method_not_allowed``
+body over ``max_body_bytes``          413     ``body_too_large``
+missing or wrong API key              401     ``invalid_api_key``
+draining / engine dead                503     ``shutting_down`` / ``engine_dead``
+anything else                         500     ``internal_error``
+====================================  ======  ===========================
+
+Imports trio; never torch.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
+from . import openai_handlers as handlers
+from .asgi import ClientDisconnected, HTTPError, Message, Receive, Request, Scope, Send, send_error
+from .state import ServingState, Unavailable
+
+logger = logging.getLogger("legato.server")
+
+Handler = Callable[[Request, ServingState], Awaitable[None]]
+
+ROUTES: dict[str, dict[str, Handler]] = {
+    "/v1/completions": {"POST": handlers.create_completion},
+    "/v1/chat/completions": {"POST": handlers.create_chat_completion},
+    "/v1/models": {"GET": handlers.list_models},
+    "/health": {"GET": handlers.health},
+    "/metrics": {"GET": handlers.metrics},
+    "/version": {"GET": handlers.version},
+    "/tokenize": {"POST": handlers.tokenize},
+    "/detokenize": {"POST": handlers.detokenize},
+}
+
+OPEN_PATHS = frozenset({"/health"})
+"""Paths served without the API key."""
+
+
+def bearer_token_ok(authorization: str | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (constant-time compare)."""
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class OpenAIApp:
+    """The ASGI application over one ``ServingState``."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
+        await self._http(Request(scope, receive, send))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, request: Request) -> None:
+        started = False
+        send = request.send
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        request.send = tracked_send
+        try:
+            handler = self._route(request)
+            await handler(request, self.state)
+            return
+        except ClientDisconnected:
+            return
+        except HTTPError as exc:
+            error = exc
+        except ValidationError as exc:
+            error = HTTPError(400, str(exc), param=exc.field, code="invalid_value")
+        except Unavailable as exc:
+            error = HTTPError(503, exc.message, code=exc.code)
+        except EngineDeadError as exc:
+            error = HTTPError(503, f"the engine is dead: {exc}", code="engine_dead")
+        except EngineGenerateError as exc:
+            error = HTTPError(500, str(exc), code="internal_error")
+        except Exception as exc:
+            logger.exception("unhandled error in %s %s", request.method, request.path)
+            error = HTTPError(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        if started:  # too late for an error response: the connection just ends
+            logger.warning(
+                "%s %s failed after its response started: %s", request.method, request.path, error
+            )
+            return
+        await send_error(send, error)
+
+    def _route(self, request: Request) -> Handler:
+        settings = self.state.settings
+        methods = ROUTES.get(request.path)
+        if settings.api_key is not None and request.path not in OPEN_PATHS:
+            if not bearer_token_ok(request.header("authorization"), settings.api_key):
+                raise HTTPError(401, "invalid or missing API key", code="invalid_api_key")
+        if methods is None:
+            raise HTTPError(404, f"no route for {request.path}", code="not_found")
+        handler = methods.get(request.method)
+        if handler is None:
+            allowed = ", ".join(sorted(methods))
+            raise HTTPError(
+                405,
+                f"{request.method} is not allowed here (use {allowed})",
+                code="method_not_allowed",
+            )
+        return handler

@@ -1,0 +1,566 @@
+"""OpenAI request bodies -> prompts and ``SamplingParams``; engine outputs -> OpenAI response objects.
+
+Parsing is strict about types and lenient about names: a known field of the
+wrong type is a ``ValidationError`` naming that field (the handlers answer
+400 with ``param`` set to it), while fields this server does not know are
+ignored, as OpenAI and vLLM do, for forward compatibility. Known OpenAI
+features the engine lacks (``suffix``, ``tools``, a JSON ``response_format``)
+are refused rather than silently ignored. ``null`` means "not given".
+
+The response builders produce exactly OpenAI's shapes (``id``, ``object``,
+``created``, ``model``, ``choices``, ``usage``), plus vLLM's ``stop_reason``
+per choice.
+
+Pure code: never imports trio or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol.errors import ValidationError
+from ..protocol.outputs import CompletionOutput, Logprob
+from ..protocol.params import RequestOutputKind, SamplingParams
+
+MAX_PROMPTS = 256
+"""At most this many prompts in one ``/v1/completions`` request."""
+
+PromptInput = str | dict[str, Any]
+DecodeToken = Callable[[int, Logprob | None], str]
+
+
+# ------------------------------------------------------------------ field checks
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object) -> int:
+    if not _is_int(value):
+        raise ValidationError(name, f"must be an integer, got {value!r}")
+    assert isinstance(value, int)
+    return value
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValidationError(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(name, f"must be a boolean, got {value!r}")
+    return value
+
+
+def _check_str(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ValidationError(name, f"must be a string, got {value!r}")
+    return value
+
+
+def _check_strs(name: str, value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValidationError(name, f"must be a list of strings, got {value!r}")
+    return list(value)
+
+
+def _check_str_or_strs(name: str, value: object) -> str | list[str]:
+    if isinstance(value, str):
+        return value
+    return _check_strs(name, value)
+
+
+def _check_ints(name: str, value: object) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise ValidationError(name, f"must be a list of integers, got {value!r}")
+    return list(value)
+
+
+def _check_logit_bias(name: str, value: object) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise ValidationError(name, f"must be an object of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValidationError(name, f"keys must be token ids, got {key!r}") from None
+        out[token_id] = _check_number(name, bias)
+    return out
+
+
+Checker = Callable[[str, object], Any]
+
+# request field -> (SamplingParams field, type check); shared by both endpoints.
+_SAMPLING_FIELDS: dict[str, tuple[str, Checker]] = {
+    "temperature": ("temperature", _check_number),
+    "top_p": ("top_p", _check_number),
+    "n": ("n", _check_int),
+    "stop": ("stop", _check_str_or_strs),
+    "seed": ("seed", _check_int),
+    "presence_penalty": ("presence_penalty", _check_number),
+    "frequency_penalty": ("frequency_penalty", _check_number),
+    "logit_bias": ("logit_bias", _check_logit_bias),
+    # vLLM's extras
+    "top_k": ("top_k", _check_int),
+    "min_p": ("min_p", _check_number),
+    "repetition_penalty": ("repetition_penalty", _check_number),
+    "ignore_eos": ("ignore_eos", _check_bool),
+    "min_tokens": ("min_tokens", _check_int),
+    "stop_token_ids": ("stop_token_ids", _check_ints),
+    "skip_special_tokens": ("skip_special_tokens", _check_bool),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens", _check_bool),
+    "include_stop_str_in_output": ("include_stop_str_in_output", _check_bool),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", _check_int),
+    "allowed_token_ids": ("allowed_token_ids", _check_ints),
+    "bad_words": ("bad_words", _check_strs),
+}
+
+
+def _given(body: Mapping[str, Any], name: str) -> bool:
+    return body.get(name) is not None
+
+
+def _sampling_params(
+    body: Mapping[str, Any],
+    extra: dict[str, Any],
+    renames: dict[str, str],
+    *,
+    max_n: int,
+) -> SamplingParams:
+    """SamplingParams from the shared fields plus ``extra``; errors name the request's field.
+
+    ``renames`` maps SamplingParams fields back to the request field that set them.
+    """
+    kwargs: dict[str, Any] = {}
+    for name, (target, check) in _SAMPLING_FIELDS.items():
+        if _given(body, name):
+            kwargs[target] = check(name, body[name])
+    kwargs.update(extra)
+    n = kwargs.get("n", 1)
+    if n > max_n:
+        raise ValidationError("n", f"must be <= {max_n}, got {n}")
+    try:
+        return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+    except ValidationError:
+        raise
+    except ValueError as exc:
+        target, _, message = str(exc).partition(": ")
+        raise ValidationError(renames.get(target, target), message or str(exc)) from None
+
+
+def _common(body: Mapping[str, Any]) -> tuple[str | None, bool, bool, int]:
+    """model, stream, include_usage, priority."""
+    model = _check_str("model", body["model"]) if _given(body, "model") else None
+    stream = _check_bool("stream", body["stream"]) if _given(body, "stream") else False
+    include_usage = False
+    if _given(body, "stream_options"):
+        options = body["stream_options"]
+        if not isinstance(options, dict):
+            raise ValidationError("stream_options", f"must be an object, got {options!r}")
+        if not stream:
+            raise ValidationError("stream_options", "is only allowed with stream=true")
+        if options.get("include_usage") is not None:
+            include_usage = _check_bool("stream_options.include_usage", options["include_usage"])
+    priority = _check_int("priority", body["priority"]) if _given(body, "priority") else 0
+    if _given(body, "user"):
+        _check_str("user", body["user"])
+    return model, stream, include_usage, priority
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    if body.get("tools"):
+        raise ValidationError("tools", "tool calling is not supported by this server")
+    if body.get("functions"):
+        raise ValidationError("functions", "function calling is not supported by this server")
+    tool_choice = body.get("tool_choice")
+    if tool_choice not in (None, "none"):
+        raise ValidationError("tool_choice", "tool calling is not supported by this server")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") != "text":
+            raise ValidationError("response_format", 'only {"type": "text"} is supported')
+
+
+# ------------------------------------------------------------------ requests
+
+
+@dataclass
+class CompletionRequest:
+    """A parsed ``POST /v1/completions`` body."""
+
+    model: str | None
+    prompts: list[PromptInput]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None
+    priority: int = 0
+
+
+@dataclass
+class ChatRequest:
+    """A parsed ``POST /v1/chat/completions`` body."""
+
+    model: str | None
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    add_generation_prompt: bool = True
+    priority: int = 0
+
+
+def parse_prompts(value: object) -> list[PromptInput]:
+    """OpenAI's ``prompt``: a string, strings, token ids, or lists of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            prompts: list[PromptInput] = list(value)
+        elif all(_is_int(v) for v in value):
+            prompts = [{"prompt_token_ids": list(value)}]
+        elif all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
+            prompts = [{"prompt_token_ids": list(v)} for v in value]
+        else:
+            raise ValidationError(
+                "prompt",
+                "must be a string, a list of strings, a list of token ids or a list of token id lists",
+            )
+        if len(prompts) > MAX_PROMPTS:
+            raise ValidationError(
+                "prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"
+            )
+        return prompts
+    if isinstance(value, list):
+        raise ValidationError("prompt", "must not be empty")
+    raise ValidationError(
+        "prompt", f"must be a string, a list of strings or token ids, got {type(value).__name__}"
+    )
+
+
+def parse_completion_request(body: Mapping[str, Any], *, max_n: int) -> CompletionRequest:
+    """Validate a completions body. Raises ValidationError naming the field."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise ValidationError("prompt", "is required")
+    prompts = parse_prompts(body["prompt"])
+    model, stream, include_usage, priority = _common(body)
+    _refuse_unsupported(body)
+    if body.get("suffix"):
+        raise ValidationError("suffix", "is not supported by this server")
+    extra: dict[str, Any] = {}
+    if _given(body, "max_tokens"):
+        extra["max_tokens"] = _check_int("max_tokens", body["max_tokens"])
+    logprobs = None
+    if _given(body, "logprobs"):
+        logprobs = _check_int("logprobs", body["logprobs"])
+        if logprobs < 0:
+            raise ValidationError("logprobs", f"must be >= 0, got {logprobs}")
+        extra["logprobs"] = logprobs
+    if _given(body, "best_of"):
+        extra["best_of"] = _check_int("best_of", body["best_of"])
+    echo = _check_bool("echo", body["echo"]) if _given(body, "echo") else False
+    params = _sampling_params(body, extra, {}, max_n=max_n)
+    return CompletionRequest(
+        model, prompts, params, stream, include_usage, echo, logprobs, priority
+    )
+
+
+def parse_messages(value: object) -> list[dict[str, Any]]:
+    """Chat messages with string content (text parts joined by newlines)."""
+    if not isinstance(value, list) or not value:
+        raise ValidationError("messages", "must be a non-empty list of messages")
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise ValidationError(f"messages[{i}]", "must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValidationError(f"messages[{i}].role", "must be a non-empty string")
+        content = message.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValidationError(
+                        f"messages[{i}].content[{j}]", "only text parts are supported"
+                    )
+                texts.append(_check_str(f"messages[{i}].content[{j}].text", part.get("text")))
+            text = "\n".join(texts)
+        else:
+            raise ValidationError(
+                f"messages[{i}].content", "must be a string or a list of text parts"
+            )
+        out = {k: v for k, v in message.items() if k in ("name",) and isinstance(v, str)}
+        out.update(role=role, content=text)
+        messages.append(out)
+    return messages
+
+
+def parse_chat_request(body: Mapping[str, Any], *, max_n: int) -> ChatRequest:
+    """Validate a chat completions body. Raises ValidationError naming the field."""
+    if "messages" not in body or body["messages"] is None:
+        raise ValidationError("messages", "is required")
+    messages = parse_messages(body["messages"])
+    model, stream, include_usage, priority = _common(body)
+    _refuse_unsupported(body)
+    extra: dict[str, Any] = {}
+    renames: dict[str, str] = {}
+    for name in ("max_completion_tokens", "max_tokens"):  # the first given wins
+        if _given(body, name):
+            extra["max_tokens"] = _check_int(name, body[name])
+            renames["max_tokens"] = name
+            break
+    else:
+        extra["max_tokens"] = None  # up to the context limit, as OpenAI and vLLM do for chat
+    logprobs = _check_bool("logprobs", body["logprobs"]) if _given(body, "logprobs") else False
+    top_logprobs = 0
+    if _given(body, "top_logprobs"):
+        top_logprobs = _check_int("top_logprobs", body["top_logprobs"])
+        if not logprobs:
+            raise ValidationError("top_logprobs", "needs logprobs=true")
+        if top_logprobs < 0:
+            raise ValidationError("top_logprobs", f"must be >= 0, got {top_logprobs}")
+    if logprobs:
+        extra["logprobs"] = top_logprobs
+        renames["logprobs"] = "top_logprobs"
+    add_generation_prompt = True
+    if _given(body, "add_generation_prompt"):
+        add_generation_prompt = _check_bool("add_generation_prompt", body["add_generation_prompt"])
+    if _given(body, "best_of"):
+        raise ValidationError("best_of", "is not a chat completions parameter")
+    params = _sampling_params(body, extra, renames, max_n=max_n)
+    return ChatRequest(
+        model,
+        messages,
+        params,
+        stream,
+        include_usage,
+        logprobs,
+        top_logprobs,
+        add_generation_prompt,
+        priority,
+    )
+
+
+# ------------------------------------------------------------------ responses
+
+
+@dataclass
+class ChoiceState:
+    """One choice accumulated over a request's DELTA outputs."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    entries: list[dict[int, Logprob]],
+    decode: DecodeToken,
+    text_offset: int,
+) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for the given positions."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for token_id, entry in zip(token_ids, entries):
+        sampled = entry.get(token_id)
+        text = decode(token_id, sampled)
+        tokens.append(text)
+        token_logprobs.append(sampled.logprob if sampled is not None else None)
+        top.append({decode(tid, lp): lp.logprob for tid, lp in entry.items()})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    token_ids: list[int],
+    entries: list[dict[int, Logprob]],
+    decode: DecodeToken,
+    top_k: int,
+) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``content`` per token, each with its ``top_logprobs``)."""
+
+    def item(token_id: int, lp: Logprob | None) -> dict[str, Any]:
+        text = decode(token_id, lp)
+        return {
+            "token": text,
+            "logprob": lp.logprob if lp is not None else None,
+            "bytes": list(text.encode("utf-8")),
+        }
+
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        ranked = sorted(
+            ((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top_k),
+            key=lambda pair: pair[1].rank or 0,
+        )
+        if len(ranked) < top_k:  # ranks not reported: the entries after the sampled one
+            ranked = [(tid, lp) for tid, lp in entry.items() if tid != token_id][:top_k]
+        one = item(token_id, entry.get(token_id))
+        one["top_logprobs"] = [item(tid, lp) for tid, lp in ranked[:top_k]]
+        content.append(one)
+    return {"content": content, "refusal": None}
+
+
+def completion_response(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
+
+
+def completion_choice(
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: Any,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def chat_response(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+        "system_fingerprint": None,
+    }
+
+
+def chat_choice(
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: Any,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None, "tool_calls": []},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None = None,
+    *,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """A streamed completions event (OpenAI's streamed objects are ``text_completion`` too)."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
+    if include_usage:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None = None,
+    *,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """A streamed chat event (``chat.completion.chunk``)."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+    }
+    if include_usage:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_delta_choice(
+    index: int,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    stop_reason: Any = None,
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }

@@ -1,0 +1,185 @@
+"""What the HTTP and WebSocket front ends share: settings, admission, in-flight requests, drain.
+
+``ServingState`` decides whether a new request may start (not while the
+server drains, not once the engine is dead), keeps a cancel scope and the
+engine request ids of every request in flight, and runs the graceful drain:
+wait up to a grace period, abort what is left through the engine (so clients
+see finish_reason "abort"), then cancel what still has not ended.
+
+Imports trio; never torch, never hypercorn or trio-websocket.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from ..engine import AsyncEngine
+
+logger = logging.getLogger("legato.server")
+
+ABORT_WAIT = 2.0
+"""Seconds the drain waits for aborted requests to end before cancelling them outright."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How ``legato serve`` listens and what it admits. Ports 0 pick free ports."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ws_port: int = 8001
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_n: int = 16
+    ws_max_frame_bytes: int = 1 << 20
+    ws_max_requests: int = 64
+    shutdown_grace: float = 10.0
+    log_requests: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_n", "ws_max_frame_bytes", "ws_max_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("port", "ws_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 65536:
+                raise ValueError(
+                    f"{name}: must be a port number (0 = any free port), got {value!r}"
+                )
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown_grace: must be >= 0, got {self.shutdown_grace!r}")
+        if self.api_key == "":
+            raise ValueError("api_key: must not be empty")
+
+
+class Unavailable(Exception):
+    """The server cannot take a new request: it is draining (``code="shutting_down"``)
+    or the engine is dead (``code="engine_dead"``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class LiveRequest:
+    """One client request in flight and the engine request ids it started."""
+
+    request_id: str
+    scope: trio.CancelScope
+    engine_ids: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+
+class ServingState:
+    """Shared by every front end of one server over one engine."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, *, model_name: str) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.model_name = model_name
+        self.created = int(time.time())
+        self.draining = False
+        self._live: dict[str, LiveRequest] = {}
+        self._emptied = trio.Event()
+        self._emptied.set()
+
+    @property
+    def aliases(self) -> frozenset[str]:
+        """Model names a request may ask for: the served name and the engine's own."""
+        return frozenset({self.model_name, self.engine.model_name})
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def check_available(self) -> None:
+        """Raise ``Unavailable`` if no new request may start now. Never blocks."""
+        if self.draining:
+            raise Unavailable("shutting_down", "the server is shutting down")
+        if self.engine.errored or self.engine.is_stopped:
+            raise Unavailable("engine_dead", f"the engine is dead: {self.engine.dead_error}")
+
+    @contextmanager
+    def track(self, request_id: str, engine_ids: list[str]) -> Iterator[LiveRequest]:
+        """Admit one request for the ``with`` body, inside a cancel scope the drain may cancel.
+
+        Raises ``Unavailable`` (before the body runs) while draining or once
+        the engine is dead, and ``ValueError`` for a request id already live.
+        If the drain cancels the scope, the body sees ``trio.Cancelled`` and
+        the ``with`` ends quietly after it: the caller ends its response.
+        """
+        self.check_available()
+        if request_id in self._live:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        with trio.CancelScope() as scope:
+            live = LiveRequest(request_id, scope, list(engine_ids))
+            if not self._live:
+                self._emptied = trio.Event()
+            self._live[request_id] = live
+            try:
+                yield live
+            finally:
+                del self._live[request_id]
+                if not self._live:
+                    self._emptied.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight. A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        while self._live:
+            await self._emptied.wait()
+
+    async def drain(self, grace: float) -> None:
+        """Stop admitting, give in-flight requests ``grace`` seconds, then end them.
+
+        Leftovers are first aborted through the engine (their streams end
+        with finish_reason "abort"), then, after ``ABORT_WAIT`` seconds,
+        cancelled. Returns when nothing is in flight. Idempotent.
+        """
+        self.draining = True
+        if self._live:
+            logger.info("draining %d request(s) for up to %.1f s", len(self._live), grace)
+        with trio.move_on_after(grace):
+            await self.wait_idle()
+        if not self._live:
+            return
+        logger.info("aborting %d request(s) still running after the grace period", len(self._live))
+        engine_ids = [rid for live in self._live.values() for rid in live.engine_ids]
+        if engine_ids and not self.engine.errored and not self.engine.is_stopped:
+            await self.engine.abort(engine_ids)
+        with trio.move_on_after(ABORT_WAIT):
+            await self.wait_idle()
+        for live in list(self._live.values()):
+            live.scope.cancel()
+        await self.wait_idle()
+
+    def log_request(
+        self,
+        request_id: str,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        started: float,
+        outcome: str,
+    ) -> None:
+        """Log one finished request: id, token counts, latency, outcome (finish reason or error)."""
+        if not self.settings.log_requests:
+            return
+        logger.info(
+            "request %s: prompt_tokens=%d completion_tokens=%d latency=%.3fs outcome=%s",
+            request_id,
+            prompt_tokens,
+            completion_tokens,
+            time.monotonic() - started,
+            outcome,
+        )

@@ -1,0 +1,448 @@
+"""The WebSocket streaming endpoint (trio-websocket): many concurrent requests per connection.
+
+Protocol (see ``docs/websocket.md``): text frames carry JSON, binary frames
+the same objects in msgpack. Client frames are ``generate``, ``abort`` and
+``auth``; server frames are ``output`` (one per completion per engine step,
+DELTA text) and ``error``. Each request is answered in the encoding of the
+frame that started it; an error about a frame comes in that frame's encoding.
+
+Every connection owns a nursery with one task per request; when the client
+closes the connection (or it breaks), the nursery is cancelled and every
+request of the connection is aborted in the engine. Bad frames, oversized
+frames, unknown parameters, duplicate live ids and too many concurrent
+requests get an ``error`` frame; the connection stays open. Only an
+authentication failure closes it (code 1008), and a frame beyond the hard
+size limit (4x ``ws_max_frame_bytes``) closes it with 1009 (trio-websocket
+cannot answer it without buffering it).
+
+msgpack is decoded with size limits and without ext types; nothing is pickled.
+Imports trio; never torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import itertools
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgpack
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
+
+from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
+from ..protocol.outputs import CompletionOutput, RequestOutput
+from ..protocol.params import RequestOutputKind, SamplingParams
+from .asgi import dumps
+from .openai_schemas import _check_logit_bias, parse_messages
+from .state import ServingState, Unavailable
+
+logger = logging.getLogger("legato.server")
+
+Encoding = Literal["json", "msgpack"]
+
+HARD_LIMIT_FACTOR = 4
+"""trio-websocket closes the connection (1009) for frames over this many times the soft limit."""
+
+MAX_REQUEST_ID_LEN = 256
+
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_FIXED_PARAMS = frozenset({"output_kind", "logits_processors"})
+
+
+class FrameError(Exception):
+    """A client frame the server refuses: becomes an ``error`` frame."""
+
+    def __init__(
+        self, code: str, message: str, *, request_id: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.param = param
+
+    def frame(self) -> dict[str, Any]:
+        frame: dict[str, Any] = {"type": "error", "code": self.code, "message": self.message}
+        if self.request_id is not None:
+            frame["request_id"] = self.request_id
+        if self.param is not None:
+            frame["param"] = self.param
+        return frame
+
+
+def encode_frame(value: Mapping[str, Any], encoding: Encoding) -> str | bytes:
+    """A server frame: a JSON text frame or a msgpack binary frame."""
+    if encoding == "json":
+        return dumps(value).decode()
+    data: bytes = msgpack.packb(value, use_bin_type=True)
+    return data
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack ext type {code} is not accepted")
+
+
+def decode_frame(message: str | bytes, limit: int) -> tuple[dict[str, Any], Encoding]:
+    """A client frame as an object, and its encoding. Raises FrameError (never anything else)."""
+    encoding: Encoding = "json" if isinstance(message, str) else "msgpack"
+    size = len(message.encode()) if isinstance(message, str) else len(message)
+    if size > limit:
+        raise FrameError("frame_too_large", f"the frame is {size} bytes, over the limit of {limit}")
+    try:
+        if isinstance(message, str):
+            value = json.loads(message)
+        else:
+            value = msgpack.unpackb(
+                message,
+                raw=False,
+                use_list=True,
+                strict_map_key=False,
+                ext_hook=_no_ext,
+                max_str_len=size,
+                max_bin_len=size,
+                max_array_len=size,
+                max_map_len=size // 2,
+                max_ext_len=size,
+            )
+    except Exception as exc:  # any malformed input: ValueError, RecursionError, UnpackException...
+        raise FrameError(
+            "invalid_frame", f"not valid {encoding}: {type(exc).__name__}: {exc}"
+        ) from None
+    if not isinstance(value, dict):
+        raise FrameError("invalid_frame", "a frame must be an object")
+    return value, encoding
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """A validated ``generate`` frame."""
+
+    request_id: str
+    prompt: str | dict[str, Any]
+    params: SamplingParams
+    priority: int
+    encoding: Encoding
+
+
+def parse_generate(
+    frame: Mapping[str, Any], state: ServingState, encoding: Encoding
+) -> GenerateRequest:
+    """Validate a ``generate`` frame. Raises FrameError naming the field."""
+    request_id = frame.get("request_id")
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        raise FrameError(
+            "invalid_request",
+            f"request_id: must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters",
+            param="request_id",
+        )
+
+    def invalid(param: str, message: str) -> FrameError:
+        return FrameError(
+            "invalid_request", f"{param}: {message}", request_id=request_id, param=param
+        )
+
+    given = [
+        key for key in ("prompt", "prompt_token_ids", "messages") if frame.get(key) is not None
+    ]
+    if len(given) != 1:
+        raise invalid("prompt", "give exactly one of 'prompt', 'prompt_token_ids', 'messages'")
+    prompt: str | dict[str, Any]
+    try:
+        if given[0] == "prompt":
+            if not isinstance(frame["prompt"], str):
+                raise invalid("prompt", "must be a string")
+            prompt = frame["prompt"]
+        elif given[0] == "prompt_token_ids":
+            prompt = {"prompt_token_ids": frame["prompt_token_ids"]}
+        else:
+            renderer = state.engine.renderer
+            text = renderer.render_chat(parse_messages(frame["messages"]))
+            prompt = {
+                "prompt": text,
+                "prompt_token_ids": renderer.encode(text, add_special_tokens=False),
+            }
+    except ValidationError as exc:
+        raise invalid(exc.field, str(exc).partition(": ")[2]) from None
+    raw = frame.get("params")
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise invalid("params", "must be an object of SamplingParams fields")
+    for key in raw:
+        if key not in _PARAM_FIELDS:
+            raise invalid(f"params.{key}", "is not a SamplingParams field")
+        if key in _FIXED_PARAMS:
+            raise invalid(f"params.{key}", "cannot be set over the WebSocket protocol")
+    kwargs = dict(raw)
+    try:
+        if kwargs.get("logit_bias") is not None:
+            kwargs["logit_bias"] = _check_logit_bias("logit_bias", kwargs["logit_bias"])
+        params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+    except ValidationError as exc:
+        raise invalid(f"params.{exc.field}", str(exc).partition(": ")[2]) from None
+    except (ValueError, TypeError) as exc:
+        field, _, message = str(exc).partition(": ")
+        if field not in _PARAM_FIELDS:
+            field, message = "params", str(exc)
+            raise invalid(field, message) from None
+        raise invalid(f"params.{field}", message) from None
+    if params.n > state.settings.max_n:
+        raise invalid("params.n", f"must be <= {state.settings.max_n}, got {params.n}")
+    priority = frame.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise invalid("priority", "must be an integer")
+    return GenerateRequest(request_id, prompt, params, priority, encoding)
+
+
+def output_frames(
+    request_id: str, output: RequestOutput, usage: dict[str, int] | None
+) -> list[dict[str, Any]]:
+    """The ``output`` frames for one engine step: one per completion with news.
+
+    ``finished`` is true on the request's last frame only, which also
+    carries ``usage`` (given when the request finished).
+    """
+    news = [c for c in output.outputs if c.text or c.token_ids or c.finish_reason is not None]
+    if output.finished and not news:
+        news = [CompletionOutput(index=0, text="", token_ids=[])]
+    frames = []
+    for i, completion in enumerate(news):
+        frame: dict[str, Any] = {
+            "type": "output",
+            "request_id": request_id,
+            "index": completion.index,
+            "text": completion.text,
+            "token_ids": list(completion.token_ids),
+            "finished": output.finished and i == len(news) - 1,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+        if completion.logprobs is not None:
+            frame["logprobs"] = [
+                [
+                    {
+                        "token_id": tid,
+                        "logprob": lp.logprob,
+                        "rank": lp.rank,
+                        "token": lp.decoded_token,
+                    }
+                    for tid, lp in position.items()
+                ]
+                for position in completion.logprobs
+            ]
+        if frame["finished"] and usage is not None:
+            frame["usage"] = usage
+        frames.append(frame)
+    return frames
+
+
+class WebSocketEndpoint:
+    """The handler given to ``trio_websocket.serve_websocket``; tracks open connections."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+        self.connections: set[WebSocketConnection] = set()
+        self._numbers = itertools.count()
+
+    @property
+    def hard_limit(self) -> int:
+        """``max_message_size`` for trio-websocket."""
+        return HARD_LIMIT_FACTOR * self.state.settings.ws_max_frame_bytes
+
+    async def handle(self, request: WebSocketRequest) -> None:
+        """Serve one connection until the client closes it; then abort its requests."""
+        api_key = self.state.settings.api_key
+        authed = api_key is None
+        if self.state.draining:
+            await request.reject(503, body=b"the server is shutting down")
+            return
+        header = next((v for k, v in request.headers if k.lower() == b"authorization"), None)
+        if api_key is not None and header is not None:
+            from .http import bearer_token_ok
+
+            if not bearer_token_ok(header.decode("latin-1"), api_key):
+                await request.reject(401, body=b"invalid API key")
+                return
+            authed = True
+        ws = await request.accept()
+        self.connections.add(ws)
+        try:
+            await Connection(self.state, ws, next(self._numbers), authed).run()
+        finally:
+            self.connections.discard(ws)
+
+    async def close_all(self, close_timeout: float = 2.0) -> None:
+        """Close every connection with 1001 (going away), each within ``close_timeout`` seconds."""
+
+        async def close(ws: WebSocketConnection) -> None:
+            with trio.move_on_after(close_timeout):
+                await ws.aclose(1001, "the server is shutting down")
+
+        async with trio.open_nursery() as nursery:
+            for ws in list(self.connections):
+                nursery.start_soon(close, ws)
+
+
+class Connection:
+    """One client connection: reads frames, runs one task per request in its nursery."""
+
+    def __init__(
+        self, state: ServingState, ws: WebSocketConnection, number: int, authed: bool
+    ) -> None:
+        self.state = state
+        self.ws = ws
+        self.number = number
+        self.authed = authed
+        self._live: dict[str, str] = {}  # client request id -> engine request id
+
+    async def run(self) -> None:
+        """Read frames until the connection closes; then cancel (abort) every request."""
+        async with trio.open_nursery() as nursery:
+            try:
+                while True:
+                    message = await self.ws.get_message()
+                    if not await self._on_message(message, nursery):
+                        break
+            except ConnectionClosed:
+                pass
+            nursery.cancel_scope.cancel()
+
+    async def send(self, frame: Mapping[str, Any], encoding: Encoding) -> None:
+        """Send one frame; a closed connection is ignored (the reader notices it)."""
+        try:
+            await self.ws.send_message(encode_frame(frame, encoding))
+        except ConnectionClosed:
+            pass
+
+    async def _on_message(self, message: str | bytes, nursery: trio.Nursery) -> bool:
+        """Handle one frame; False to stop reading (authentication failed)."""
+        encoding: Encoding = "json" if isinstance(message, str) else "msgpack"
+        try:
+            frame, encoding = decode_frame(message, self.state.settings.ws_max_frame_bytes)
+            kind = frame.get("type")
+            if kind == "auth":
+                return await self._auth(frame, encoding)
+            if not self.authed:
+                await self.send(FrameError("unauthorized", "authenticate first").frame(), encoding)
+                await self.ws.aclose(1008, "unauthorized")
+                return False
+            if kind == "generate":
+                self._start(parse_generate(frame, self.state, encoding), nursery)
+            elif kind == "abort":
+                await self._abort(frame)
+            else:
+                raise FrameError("unknown_type", f"type: unknown frame type {kind!r}", param="type")
+        except FrameError as exc:
+            await self.send(exc.frame(), encoding)
+        return True
+
+    async def _auth(self, frame: Mapping[str, Any], encoding: Encoding) -> bool:
+        api_key = self.state.settings.api_key
+        given = frame.get("api_key")
+        if api_key is None or (
+            isinstance(given, str) and hmac.compare_digest(given.encode(), api_key.encode())
+        ):
+            self.authed = True
+            return True
+        await self.send(
+            FrameError("unauthorized", "invalid API key", param="api_key").frame(), encoding
+        )
+        await self.ws.aclose(1008, "unauthorized")
+        return False
+
+    def _start(self, request: GenerateRequest, nursery: trio.Nursery) -> None:
+        rid = request.request_id
+        if rid in self._live:
+            raise FrameError(
+                "duplicate_request_id", f"request {rid!r} is already running", request_id=rid
+            )
+        if len(self._live) >= self.state.settings.ws_max_requests:
+            raise FrameError(
+                "too_many_requests",
+                f"at most {self.state.settings.ws_max_requests} concurrent requests per connection",
+                request_id=rid,
+            )
+        try:
+            self.state.check_available()
+        except Unavailable as exc:
+            raise FrameError(exc.code, exc.message, request_id=rid) from None
+        self._live[rid] = f"ws{self.number}-{rid}"
+        nursery.start_soon(self._serve, request)
+
+    async def _abort(self, frame: Mapping[str, Any]) -> None:
+        """Abort a live request (its last frame has finish_reason "abort"); unknown ids are ignored."""
+        rid = frame.get("request_id")
+        engine_id = self._live.get(rid) if isinstance(rid, str) else None
+        if engine_id is None:
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            await self.state.engine.abort(engine_id)
+        except EngineDeadError:
+            pass  # the request's own task reports the death
+
+    async def _serve(self, request: GenerateRequest) -> None:
+        rid, encoding = request.request_id, request.encoding
+        engine_id = self._live[rid]
+        started = time.monotonic()
+        prompt_tokens = completion_tokens = 0
+        outcome = "error"
+        error: FrameError | None = None
+        try:
+            with self.state.track(engine_id, [engine_id]) as live:
+                stream = self.state.engine.generate(
+                    request.prompt, request.params, engine_id, priority=request.priority
+                )
+                async with stream:
+                    async for output in stream:
+                        prompt_tokens = len(output.prompt_token_ids or ())
+                        completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        usage = None
+                        if output.finished:
+                            usage = {
+                                "prompt_tokens": prompt_tokens,
+                                "completion_tokens": completion_tokens,
+                            }
+                            reasons = {c.finish_reason for c in output.outputs if c.finish_reason}
+                            outcome = ",".join(sorted(reasons)) or "finished"
+                        for frame in output_frames(rid, output, usage):
+                            await self.send(frame, encoding)
+            if live.scope.cancelled_caught:
+                outcome = "cancelled by shutdown"
+                error = FrameError(
+                    "shutting_down", "the server shut down before the request finished"
+                )
+        except Unavailable as exc:
+            error = FrameError(exc.code, exc.message)
+        except ValidationError as exc:
+            field = "prompt" if exc.field == "prompt_token_ids" else exc.field
+            if field not in ("prompt", "request_id") and field in _PARAM_FIELDS:
+                field = f"params.{field}"
+            error = FrameError(
+                "invalid_request", f"{field}: {str(exc).partition(': ')[2]}", param=field
+            )
+        except EngineDeadError as exc:
+            error = FrameError("engine_dead", f"the engine is dead: {exc}")
+        except (EngineGenerateError, ValueError) as exc:
+            error = FrameError("invalid_request", str(exc))
+        except Exception as exc:
+            logger.exception("request %s failed", engine_id)
+            error = FrameError("internal_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            del self._live[rid]
+            if error is not None:
+                outcome = f"error: {error.code}"
+            self.state.log_request(
+                engine_id,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                started=started,
+                outcome=outcome,
+            )
+        if error is not None:
+            error.request_id = rid
+            await self.send(error.frame(), encoding)
