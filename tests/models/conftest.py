@@ -1,19 +1,39 @@
-"""Tiny random Llama-family checkpoints, saved once per session into temp dirs.
+"""Fixtures for the model tests: tiny random checkpoints and a mini scheduler.
 
 Each checkpoint is made with transformers' own config and model classes and
-``save_pretrained``; the transformers model (fp32, eval) is kept beside it as
-the fidelity reference.
+``save_pretrained`` into a session temp dir; the transformers model (fp32,
+eval) is kept beside it as the fidelity reference.
+
+:class:`MiniScheduler` is a tiny test-only scheduler that drives a ModelRunner
+with SchedulerOutput messages: blocks are handed out sequentially and never
+reused (one new block when one fills), every request runs each step (prefill
+in ``chunk``-token pieces when set), and a request finishes after
+``max_tokens`` outputs. A request may start from a cached prefix (it shares
+the first blocks of an earlier request and is admitted with
+``num_computed_tokens > 0``) and may be preempted and recomputed.
+
+Helpers are served as fixtures because pytest runs with
+``--import-mode=importlib``, where test modules cannot import from beside them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from legato.models.runner import ModelRunner
+from legato.protocol.messages import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from legato.protocol.params import SamplingParams
 
 SMALL: dict[str, Any] = dict(
     vocab_size=384,
@@ -118,3 +138,196 @@ def checkpoint(
 @pytest.fixture(scope="session")
 def llama(make_checkpoint: Callable[..., Checkpoint]) -> Checkpoint:
     return make_checkpoint("llama")
+
+
+# ------------------------------------------------------------ mini scheduler
+
+
+@dataclass
+class _Req:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    outputs: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    pending_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent back
+    pending_blocks: list[int] = field(default_factory=list)
+    sent: bool = False  # the runner has seen it
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+class MiniScheduler:
+    """Drives ``runner`` until every added request has produced its tokens."""
+
+    def __init__(self, runner: ModelRunner, chunk: int | None = None) -> None:
+        self.runner = runner
+        self.chunk = chunk
+        self.block_size = runner.block_size
+        self.next_block = 0
+        self.running: dict[str, _Req] = {}
+        self.done: dict[str, _Req] = {}
+        self.finished_ids: list[str] = []
+        self.preempted_ids: list[str] = []
+        self.step_id = 0
+
+    def _alloc(self) -> int:
+        block = self.next_block
+        self.next_block += 1
+        if block >= self.runner.num_kv_blocks:
+            raise RuntimeError("test scheduler ran out of KV blocks")
+        return block
+
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        max_tokens: int = 16,
+        prefix_of: str | None = None,
+        prefix_blocks: int = 0,
+    ) -> None:
+        """Queue a request; ``prefix_of`` shares that request's first ``prefix_blocks`` blocks."""
+        req = _Req(req_id, list(prompt), params or SamplingParams(temperature=0.0), max_tokens)
+        if prefix_of is not None:
+            donor = self.done.get(prefix_of) or self.running[prefix_of]
+            req.block_ids = donor.block_ids[:prefix_blocks]
+            req.pending_blocks = list(req.block_ids)
+            req.num_computed = prefix_blocks * self.block_size
+            assert req.tokens[: req.num_computed] == donor.tokens[: req.num_computed]
+        self.running[req_id] = req
+
+    def preempt(self, req_id: str) -> None:
+        """Drop the request's KV; it is recomputed (prompt + outputs) from the next step."""
+        req = self.running[req_id]
+        req.sent, req.num_computed = False, 0
+        req.block_ids, req.pending_blocks, req.pending_tokens = [], [], []
+        self.preempted_ids.append(req_id)
+
+    def step(self) -> None:
+        new: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        scheduled: dict[str, int] = {}
+        for req in self.running.values():
+            n = len(req.tokens) - req.num_computed
+            if self.chunk is not None:
+                n = min(n, self.chunk)
+            while len(req.block_ids) * self.block_size < req.num_computed + n:
+                block = self._alloc()
+                req.block_ids.append(block)
+                req.pending_blocks.append(block)
+            if not req.sent:
+                new.append(
+                    NewRequestData(
+                        req.req_id, list(req.prompt), req.params, list(req.block_ids),
+                        req.num_computed, list(req.outputs),
+                    )
+                )  # fmt: skip
+                req.sent = True
+            else:
+                cached.append(
+                    CachedRequestData(
+                        req.req_id, req.pending_tokens, req.pending_blocks, req.num_computed
+                    )
+                )
+            req.pending_tokens, req.pending_blocks = [], []
+            scheduled[req.req_id] = n
+        out = self.runner.execute(
+            SchedulerOutput(
+                step_id=self.step_id,
+                new_requests=new,
+                cached_requests=cached,
+                num_scheduled_tokens=scheduled,
+                total_num_scheduled_tokens=sum(scheduled.values()),
+                finished_req_ids=self.finished_ids,
+                preempted_req_ids=self.preempted_ids,
+            )
+        )
+        self.step_id += 1
+        self.finished_ids, self.preempted_ids = [], []
+        assert out.req_ids == list(scheduled)
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+            req = self.running[req_id]
+            req.num_computed += scheduled[req_id]
+            req.prompt_logprobs.extend(out.prompt_logprobs.get(req_id, []))
+            if not sampled:
+                assert req.num_computed < len(req.tokens)
+                continue
+            assert req.num_computed == len(req.tokens)
+            req.outputs.extend(sampled)
+            req.pending_tokens = list(sampled)
+            req.logprobs.extend(out.logprobs.get(req_id, []))
+            if len(req.outputs) >= req.max_tokens:
+                self.done[req_id] = self.running.pop(req_id)
+                self.finished_ids.append(req_id)
+
+    def run(self) -> dict[str, list[int]]:
+        """Step until nothing runs; the outputs of every finished request."""
+        while self.running:
+            self.step()
+        return {rid: req.outputs for rid, req in self.done.items()}
+
+
+@pytest.fixture(scope="session")
+def mini_scheduler() -> type[MiniScheduler]:
+    """The :class:`MiniScheduler` class."""
+    return MiniScheduler
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[..., tuple[list[int], list[float]]]:
+    """``hf_greedy(checkpoint, prompt, n)``: transformers' greedy tokens and their logprobs.
+
+    ``generate(do_sample=False)`` on the fp32 reference model (cached per call).
+    """
+    cache: dict[tuple[str, tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+    def run(ck: Checkpoint, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        key = (str(ck.path), tuple(prompt), n)
+        if key not in cache:
+            with torch.no_grad():
+                out = ck.hf_model.generate(
+                    torch.tensor([prompt]),
+                    do_sample=False,
+                    max_new_tokens=n,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            logprobs = [
+                torch.log_softmax(step[0].float(), dim=-1)[tok].item()
+                for step, tok in zip(out.logits, tokens)
+            ]
+            cache[key] = (tokens, logprobs)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def make_runner() -> Callable[..., ModelRunner]:
+    """``make_runner(checkpoint, **engine_config)``: a CPU runner with a small KV cache."""
+    from legato.config import EngineConfig
+
+    def make(ck: Checkpoint, *, attention_backend: str | None = None, **kwargs: Any) -> ModelRunner:
+        kwargs = {"num_kv_blocks": 128, "max_num_seqs": 8, "device": "cpu", **kwargs}
+        config = EngineConfig(model=str(ck.path), **kwargs)
+        return ModelRunner(config, attention_backend=attention_backend)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """Tiny models gain nothing from a second thread, and on a shared 2-core machine
+    every parallel region can stall on a busy core; restored after each test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
