@@ -226,10 +226,8 @@ class AsyncEngine(EngineClient):
         self.scheduler = Scheduler(config)
         self.processor = OutputProcessor(tokenizer)
         outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
-        stats_send, stats_recv = trio.open_memory_channel[StepStats](math.inf)
         self._render_send, render_recv = trio.open_memory_channel[RenderJob](math.inf)
-        self._stats_send = stats_send
-        self.core = EngineCore(self.scheduler, self.executor, outputs_send, stats_send)
+        self.core = EngineCore(self.scheduler, self.executor, outputs_send, self.stats.record)
         start = self._nursery.start_soon
         run = self.supervisor.run_actor
         start(run, "scheduler", self.core.run)
@@ -240,7 +238,7 @@ class AsyncEngine(EngineClient):
             log_interval=config.log_stats_interval,
             log_enabled=not config.disable_log_stats,
         )
-        start(run, "stats", stats_actor, self.stats, stats_recv)
+        start(run, "stats", stats_actor, self.stats)
         probes = [("scheduler loop", self._ping_core), ("model worker", self.executor.ping)]
         heartbeat = functools.partial(
             run_heartbeat, interval=config.heartbeat_interval, silence=config.heartbeat_timeout
@@ -266,7 +264,7 @@ class AsyncEngine(EngineClient):
             )
             for f in step.finished
         ]
-        self._stats_send.send_nowait(
+        self.stats.record(
             StepStats(
                 timestamp=time.monotonic(),
                 num_generation_tokens=step.num_generation_tokens,

@@ -63,7 +63,7 @@ class EngineCore:
     scheduler: Scheduler
     executor: Executor
     outputs: trio.MemorySendChannel[m.EngineCoreOutputs]
-    stats: trio.MemorySendChannel[StepStats] | None = None
+    record_stats: Callable[[StepStats], None] | None = None
     sleeping: bool = False
     _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
@@ -152,9 +152,9 @@ class EngineCore:
         core_out = self.scheduler.update_from_output(plan, runner_out)
         self._forget_finished(core_out.outputs)
         self.outputs.send_nowait(core_out)
-        if self.stats is not None:
+        if self.record_stats is not None:
             s = core_out.scheduler_stats
-            self.stats.send_nowait(
+            self.record_stats(
                 StepStats(
                     timestamp=time.monotonic(),
                     scheduler=s,

@@ -1,8 +1,9 @@
 """Metrics: Prometheus series in a registry of the engine's own, and the periodic log line.
 
 Names follow Prometheus conventions under one prefix, ``legato:``, with units
-in the names. ``StatsCollector`` is synchronous; ``run_stats`` is the actor
-that feeds it from its inbox and logs a line every ``log_stats_interval``.
+in the names. ``StatsCollector`` is synchronous: the scheduler and detokenizer
+actors record into it as they go; ``run_stats`` is the actor that logs a line
+every ``log_stats_interval``.
 """
 
 from __future__ import annotations
@@ -151,26 +152,14 @@ class StatsCollector:
         return generate_latest(self.registry)
 
 
-async def run_stats(
-    collector: StatsCollector,
-    inbox: trio.MemoryReceiveChannel[StepStats],
-    *,
-    log_interval: float,
-    log_enabled: bool,
-) -> None:
-    """The stats actor: record every step's figures; log a line every interval.
+async def run_stats(collector: StatsCollector, *, log_interval: float, log_enabled: bool) -> None:
+    """The stats actor: log the collector's line every ``log_interval`` seconds.
 
-    Never blocks a sender (its inbox is unbounded). Ends when the inbox closes.
+    Figures are recorded synchronously by the actors that produce them
+    (``StatsCollector.record``), so a metric is up to date as soon as the
+    output it counts has been delivered. Runs until cancelled.
     """
-    next_log = trio.current_time() + log_interval
     while True:
-        with trio.move_on_at(next_log):
-            try:
-                step = await inbox.receive()
-            except trio.EndOfChannel:
-                return
-            collector.record(step)
-            continue
-        next_log = trio.current_time() + log_interval
+        await trio.sleep(log_interval)
         if log_enabled:
             logger.info(collector.log_line(window=log_interval))

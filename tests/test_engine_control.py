@@ -1,0 +1,99 @@
+"""Control methods of the engine: sleep/wake, caches, rpc, profiling, metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from legato import RequestOutput, SamplingParams
+from legato.engine import AsyncEngine, open_engine
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+async def final(
+    engine: AsyncEngine, prompt: str, params: SamplingParams, rid: str
+) -> RequestOutput:
+    last = None
+    async with engine.generate(prompt, params, rid) as stream:
+        async for out in stream:
+            last = out
+    assert last is not None
+    return last
+
+
+@pytest.fixture
+async def engine(toy_model_dir: Any, tmp_path: Path) -> AsyncIterator[AsyncEngine]:
+    async with open_engine(
+        str(toy_model_dir), max_model_len=256, num_kv_blocks=64, profile_dir=str(tmp_path / "prof")
+    ) as eng:
+        yield eng
+
+
+async def test_sleep_and_wake_up_keep_outputs_identical(engine: AsyncEngine) -> None:
+    before = await final(engine, "sleepy", greedy(12), "a")
+    for level in (1, 2):
+        await engine.sleep(level)
+        assert await engine.is_sleeping()
+        done = trio.Event()
+
+        async def waiting_request(rid: str, done: trio.Event) -> None:
+            out = await final(engine, "sleepy", greedy(12), rid)
+            assert out.outputs[0].token_ids == before.outputs[0].token_ids
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiting_request, f"during-{level}", done)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not done.is_set()  # new requests wait while asleep
+            await engine.wake_up()
+        assert done.is_set() and not await engine.is_sleeping()
+
+
+async def test_reset_prefix_cache(engine: AsyncEngine) -> None:
+    await final(engine, "shared prefix " * 4, greedy(4), "p1")
+    assert await engine.reset_prefix_cache() is True
+    out = await final(engine, "shared prefix " * 4, greedy(4), "p2")
+    assert out.num_cached_tokens == 0
+    again = await final(engine, "shared prefix " * 4, greedy(4), "p3")
+    assert again.num_cached_tokens and again.num_cached_tokens > 0
+
+
+async def test_rpc_profile_tasks_lora_and_noop_caches(
+    engine: AsyncEngine, tmp_path: Path, caplog: Any
+) -> None:
+    assert await engine.get_supported_tasks() == ("generate",)
+    results = await engine.collective_rpc("held_requests")
+    assert results == [[]]
+    with pytest.raises(Exception, match="unknown worker method"):
+        await engine.collective_rpc("_private")
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        await engine.add_lora(object())
+    await engine.reset_mm_cache()
+    await engine.reset_encoder_cache()
+    await engine.start_profile()
+    await final(engine, "profiled", greedy(4), "prof")
+    with caplog.at_level(logging.INFO, logger="legato.engine"):
+        await engine.stop_profile()
+    traces = list((tmp_path / "prof").glob("*.json"))
+    assert traces and traces[0].stat().st_size > 0
+    assert str(traces[0]) in caplog.text
+
+
+async def test_metrics_and_log_line(engine: AsyncEngine, caplog: Any) -> None:
+    await final(engine, "count me", greedy(7), "m")
+    await engine.wait_until_idle()
+    text = engine.stats.exposition().decode()
+    assert 'legato:request_success_total{finished_reason="length"' in text
+    assert "legato:generation_tokens_total" in text
+    assert "legato:time_to_first_token_seconds_bucket" in text
+    with caplog.at_level(logging.INFO, logger="legato.engine"):
+        await engine.do_log_stats()
+    assert "generation throughput" in caplog.text
