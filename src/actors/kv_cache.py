@@ -205,12 +205,11 @@ class KVCacheManager:
         free blocks do not suffice.
         """
         held = self._req_blocks.get(request.request_id)
-        num_held = len(held) if held is not None else 0
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = num_needed - num_held - len(computed_blocks)
-        if num_new_blocks <= 0 and held is not None and not computed_blocks:
+        if held is not None and num_needed <= len(held):
             return []  # the per-step decode path: the last block still has room
+        num_new_blocks = num_needed - (len(held) if held is not None else 0) - len(computed_blocks)
         # Hit blocks that are free leave the free queues when taken.
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_revived > self.num_free_blocks:

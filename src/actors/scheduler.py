@@ -359,7 +359,7 @@ class Scheduler:
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
             if num_new > plan.budget:
                 if not self.chunked_prefill:
                     i += 1
@@ -421,6 +421,8 @@ class Scheduler:
                 waiting.pop()
             return
         # Paused (WAIT / ABORT): requests that arrived during the pause are held.
+        if len(self.waiting) == self._num_held:
+            return  # every waiting request is held
         for req in [r for r in self.waiting.ordered() if not self._is_held(r)]:
             if plan.budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
@@ -517,35 +519,41 @@ class Scheduler:
         preempted since ``schedule()`` are skipped. Returns one output per
         request that got tokens, prompt logprobs or finished, and the stats.
         """
-        outputs: list[EngineCoreOutput] = []
         step_id = scheduler_output.step_id
-        index = {rid: i for i, rid in enumerate(runner_output.req_ids)}
-        sampled = runner_output.sampled_token_ids
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        req_ids = runner_output.req_ids
+        if len(req_ids) < len(num_scheduled):
+            self._check_all_sampled(scheduler_output, runner_output)
+        requests = self.requests
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
-        requests = self.requests
-        cache_full_blocks = self.kv.cache_full_blocks
+        kv = self.kv
+        block_size = kv.block_size
+        prefix_caching = kv.enable_prefix_caching
         running = RequestStatus.RUNNING
+        outputs: list[EngineCoreOutput] = []
         any_finished = False
-        for request_id in scheduler_output.num_scheduled_tokens:
+        for request_id, tokens in zip(req_ids, runner_output.sampled_token_ids):
             req = requests.get(request_id)
             if req is None or req.status is not running or req.scheduled_step != step_id:
-                continue
-            i = index.get(request_id)
-            tokens: list[int] = sampled[i] if i is not None else []
-            if req.num_computed_tokens < len(req.all_token_ids):
-                tokens = []  # a partial prefill chunk samples nothing
-            elif not tokens:
-                raise ValueError(f"model runner returned no sampled token for {request_id!r}")
-            new_ids: list[int] = []
+                continue  # finished, aborted or preempted since schedule()
+            computed = req.num_computed_tokens
             reason: FinishReason | None = None
-            for token_id in tokens:
-                req.append_output_token(token_id)
-                new_ids.append(token_id)
+            if computed < len(req.all_token_ids):
+                new_ids: list[int] = []  # a partial prefill chunk samples nothing
+            elif len(tokens) == 1:
+                token_id = tokens[0]
+                req.output_token_ids.append(token_id)
+                req.all_token_ids.append(token_id)
+                new_ids = [token_id]
                 reason = self._check_stop(req, token_id)
-                if reason is not None:
-                    break
-            cache_full_blocks(req)
+            elif tokens:
+                new_ids, reason = self._append_tokens(req, tokens)
+            else:
+                raise ValueError(f"model runner returned no sampled token for {request_id!r}")
+            # Publish blocks this step filled (a chunk of n tokens crossed a boundary).
+            if prefix_caching and computed % block_size < num_scheduled[request_id]:
+                kv.cache_full_blocks(req)
             plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if new_ids or reason is not None or plp:
                 lp = logprobs.get(request_id) if logprobs else None
@@ -568,6 +576,35 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
         return EngineCoreOutputs(outputs, time.monotonic(), self.make_stats())
+
+    def _check_all_sampled(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> None:
+        """Raise ValueError if a scheduled request that must sample is missing."""
+        returned = set(runner_output.req_ids)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(request_id)
+            if (
+                request_id not in returned
+                and req is not None
+                and req.status is RequestStatus.RUNNING
+                and req.scheduled_step == scheduler_output.step_id
+                and req.num_computed_tokens >= len(req.all_token_ids)
+            ):
+                raise ValueError(f"model runner returned no sampled token for {request_id!r}")
+
+    def _append_tokens(
+        self, req: Request, tokens: list[int]
+    ) -> tuple[list[int], FinishReason | None]:
+        """Accept several sampled tokens, up to the first that stops the request."""
+        new_ids: list[int] = []
+        for token_id in tokens:
+            req.append_output_token(token_id)
+            new_ids.append(token_id)
+            reason = self._check_stop(req, token_id)
+            if reason is not None:
+                return new_ids, reason
+        return new_ids, None
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         """Why the request stops after accepting ``token_id``, if it does.
