@@ -54,9 +54,17 @@ class Supervisor:
         self._on_death.append(callback)
 
     def die(self, cause: BaseException) -> None:
-        """Record ``cause`` as the engine's death (first call wins) and stop every actor."""
+        """Record ``cause`` as the engine's death (first call wins) and stop every actor.
+
+        An injected fault already delivered wins over ``cause``: its actor failed
+        first and is still unwinding (the executor reaping its worker, say), so
+        ``cause`` is a consequence of it.
+        """
         if self.dead_error is not None:
             return
+        if self._injected and not any(cause is e for e in self._injected.values()):
+            logger.debug("%r follows an injected fault; the injected fault is the cause", cause)
+            cause = next(iter(self._injected.values()))
         error = EngineDeadError(f"the engine is dead: {type(cause).__name__}: {cause}")
         error.__cause__ = cause
         self.dead_error = error
