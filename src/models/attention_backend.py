@@ -20,7 +20,6 @@ Never imports trio.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -78,11 +77,14 @@ class Backend(Protocol):
     """Elementwise ops plus the per-step context factory."""
 
     name: str
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    fused_add_rms_norm: Callable[
-        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
-    ]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def begin_step(
         self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
@@ -127,9 +129,17 @@ class TorchBackend:
     """Vectorised plain torch (:mod:`legato.models.torch_ops`)."""
 
     name = "torch"
-    rms_norm = staticmethod(torch_ops.rms_norm)
-    fused_add_rms_norm = staticmethod(torch_ops.fused_add_rms_norm)
-    silu_and_mul = staticmethod(torch_ops.silu_and_mul)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch_ops.rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_ops.silu_and_mul(x)
 
     def begin_step(
         self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
@@ -189,9 +199,22 @@ class KernelBackend:
         self.name = name
         self.kernels = kernels
         self.hints = hints  # whether paged_attention takes max_query_len / max_seq_len
-        self.rms_norm = kernels.rms_norm
-        self.fused_add_rms_norm = kernels.fused_add_rms_norm
-        self.silu_and_mul = kernels.silu_and_mul
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out: torch.Tensor = self.kernels.rms_norm(x, weight, eps)
+        return out
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out: tuple[torch.Tensor, torch.Tensor] = self.kernels.fused_add_rms_norm(
+            x, residual, weight, eps
+        )
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.kernels.silu_and_mul(x)
+        return out
 
     def begin_step(
         self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
@@ -203,7 +226,7 @@ class KernelBackend:
 def _triton_backend() -> KernelBackend:
     from .. import kernels
 
-    return KernelBackend("triton", kernels.get_kernels("triton"), hints=True)  # type: ignore[attr-defined]
+    return KernelBackend("triton", kernels.get_kernels("triton"), hints=True)
 
 
 def select_backend(name: str, device: torch.device) -> Backend:

@@ -134,7 +134,8 @@ class MLP(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class Attention(nn.Module):
@@ -185,4 +186,5 @@ class Attention(nn.Module):
             )
         q, k = step.rotary(qk, self.num_heads)
         out = step.attention(q, k, v, kv_cache[0], kv_cache[1], self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return projected

@@ -99,6 +99,8 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits`` applies the LM head to the rows that need logits.
     """
 
+    cos_sin_cache: torch.Tensor
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -144,7 +146,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` logits in the model dtype."""
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
 
     # ------------------------------------------------------------ weights
 

@@ -125,3 +125,26 @@ def test_bf16_agreement_rate(
     rate = agree / len(prompts)
     print(f"bf16 {kind}: first 16 greedy tokens identical for {agree}/{len(prompts)} = {rate:.0%}")
     assert rate >= 0.5
+
+
+def test_triton_backend_agrees(
+    make_checkpoint: Callable[..., Any],
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+) -> None:
+    """The same model code on the Triton kernels (the interpreter on CPU-only machines)."""
+    from legato.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton cannot run here (no CUDA device and no TRITON_INTERPRET)")
+    ck = make_checkpoint("qwen3")
+    prompts = _prompts(384, [5, 11], seed=5)
+    runner = make_runner(ck, attention_backend="triton")
+    assert runner.backend.name == "triton"
+    sched = mini_scheduler(runner, chunk=7)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, max_tokens=6)
+    outputs = sched.run()
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, 6)[0]
