@@ -51,7 +51,7 @@ from .actors.supervisor import Supervisor
 from .config import EngineConfig
 from .protocol import messages as m
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
-from .protocol.errors import EngineDeadError
+from .protocol.errors import EngineDeadError, ValidationError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import PoolingParams, SamplingParams
 
@@ -301,6 +301,7 @@ class AsyncEngine(EngineClient):
         when the stream is entered or first iterated. A dead engine raises
         ``EngineDeadError`` then; a duplicate live ``request_id`` raises
         ValueError; while paused or asleep, submission waits for resume.
+        ``sampling_params`` that are not SamplingParams raise ValidationError at once.
         """
         if lora_request is not None:
             raise NotImplementedError("lora_request: LoRA adapters are not supported yet")
@@ -309,6 +310,10 @@ class AsyncEngine(EngineClient):
                 f"data_parallel_rank: this engine has one core, got {data_parallel_rank}"
             )
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValidationError(
+                "sampling_params", f"must be SamplingParams, got {type(params).__name__}"
+            )
         if request_id is None:
             request_id = uuid.uuid4().hex
         return RequestStream(self, prompt, params, str(request_id), priority)
