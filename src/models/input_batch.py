@@ -45,7 +45,6 @@ class RequestState:
     row: int
     params: SamplingParams
     num_prompt_tokens: int
-    want_prompt_logprobs: bool  # prompt logprobs asked and this is not a recomputation
     generator: torch.Generator | None = None
     prompt_mask: torch.Tensor | None = None  # [V] bool (penalties)
     output_counts: torch.Tensor | None = None  # [V] int32 (penalties)
@@ -98,6 +97,7 @@ class InputBatch:
         self.has_penalty = np.zeros(0, dtype=bool)
         self.has_allowed = np.zeros(0, dtype=bool)
         self.has_bias = np.zeros(0, dtype=bool)
+        self.wants_prompt_logprobs = np.zeros(0, dtype=bool)  # until the prompt is computed
         self._grow(max_num_reqs)
 
     # ------------------------------------------------------------ rows
@@ -106,6 +106,7 @@ class InputBatch:
         "token_ids", "block_table", "num_tokens", "num_prompt", "num_computed", "num_blocks",
         "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition", "presence",
         "frequency", "num_logprobs", "has_seed", "has_penalty", "has_allowed", "has_bias",
+        "wants_prompt_logprobs",
     )  # fmt: skip
 
     def _grow(self, extra: int) -> None:
@@ -180,12 +181,15 @@ class InputBatch:
         self.has_penalty[row] = penalised
         self.has_allowed[row] = params.allowed_token_ids is not None
         self.has_bias[row] = bool(params.logit_bias)
+        # A request recomputed after preemption has had its prompt logprobs already.
+        self.wants_prompt_logprobs[row] = (
+            params.prompt_logprobs is not None and not new.output_token_ids
+        )
         st = RequestState(
             req_id=new.request_id,
             row=row,
             params=params,
             num_prompt_tokens=len(new.prompt_token_ids),
-            want_prompt_logprobs=params.prompt_logprobs is not None and not new.output_token_ids,
         )
         vocab, dev = self.vocab_size, self.device
         if self.has_seed[row]:
@@ -263,7 +267,6 @@ class InputBatch:
         """Sampler inputs for ``rows`` (one logits row each, in this order)."""
         dev = self.device
         vocab = self.vocab_size
-        n = len(rows)
         temp = self.temperature[rows]
         greedy_np = temp < _EPS
         all_greedy = bool(greedy_np.all())
@@ -345,5 +348,4 @@ class InputBatch:
         if len(lp_rows):
             md.logprob_rows = lp_rows.tolist()
             md.num_logprobs = nlp[lp_rows].tolist()
-        del n
         return md

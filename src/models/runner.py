@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET = 1 << 30  # bytes for the KV cache on CPU when nothing says otherwise
 _CUDA_MEMORY_FRACTION = 0.9  # of the free GPU memory, after weights and activations
+_PROMPT_LOGPROBS_CHUNK = 512  # rows of prompt logits materialised at a time
 
 
 def build_metadata(
@@ -126,6 +127,13 @@ class ModelRunner:
         )
         self.num_kv_blocks = self._count_kv_blocks(wanted_len)
         self.max_model_len = min(wanted_len, self.num_kv_blocks * self.block_size)
+        if self.max_model_len < wanted_len:
+            logger.warning(
+                "max_model_len capped at %d: the KV cache (%d blocks of %d) holds no more",
+                self.max_model_len,
+                self.num_kv_blocks,
+                self.block_size,
+            )
         self.kv_caches: list[KVCache] = self._allocate_kv_cache()
         self.input_batch = InputBatch(
             config.max_num_seqs,
@@ -278,11 +286,13 @@ class ModelRunner:
         prefill together give exactly one entry per prompt token.
         """
         batch = self.input_batch
-        for i, row in enumerate(rows.tolist()):
+        for i in np.flatnonzero(batch.wants_prompt_logprobs[rows]).tolist():
+            row = int(rows[i])
             st = batch.state(row)
             n_prompt = st.num_prompt_tokens
             start, end = int(starts[i]), int(ends[i])
-            if not st.want_prompt_logprobs or start >= n_prompt:
+            if start >= n_prompt:
+                batch.wants_prompt_logprobs[row] = False
                 continue
             entries: list[TokenLogprobs | None] = [None] if start == 0 else []
             last = min(end, n_prompt - 1)  # last target position
@@ -294,15 +304,14 @@ class ModelRunner:
                 ).to(self.device)
                 num = st.params.prompt_logprobs
                 assert num is not None
-                for chunk in range(0, len(idx), 512):
-                    logits = self.model.compute_logits(
-                        hidden.index_select(0, idx[chunk : chunk + 512])
-                    )
-                    entries.extend(token_logprobs(logits, targets[chunk : chunk + 512], num))
+                for chunk in range(0, len(idx), _PROMPT_LOGPROBS_CHUNK):
+                    piece = slice(chunk, chunk + _PROMPT_LOGPROBS_CHUNK)
+                    logits = self.model.compute_logits(hidden.index_select(0, idx[piece]))
+                    entries.extend(token_logprobs(logits, targets[piece], num))
             rid = req_ids[int(order[i])]
             out.prompt_logprobs.setdefault(rid, []).extend(entries)
             if end >= n_prompt:
-                st.want_prompt_logprobs = False
+                batch.wants_prompt_logprobs[row] = False
 
     # ------------------------------------------------------ memory, sleep
 
@@ -316,6 +325,8 @@ class ModelRunner:
         measured peak above the baseline; CPU: estimate from the shapes),
         ``peak_memory_bytes`` (CUDA: allocator peak; CPU: process peak RSS).
         """
+        if getattr(self, "_weights_state", "loaded") != "loaded":
+            raise RuntimeError("the model runner is asleep: call wake_up() first")
         cfg, mcfg = self.config, self.model_config
         max_len = getattr(self, "max_model_len", None) or mcfg.max_position_embeddings
         num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))

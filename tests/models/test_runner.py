@@ -190,3 +190,28 @@ def test_profile_run(llama: Any, make_runner: Callable[..., Any]) -> None:
     assert figures["kv_cache_bytes"] == runner.num_kv_blocks * runner.kv_block_bytes
     assert figures["activation_bytes"] > 0 and figures["peak_memory_bytes"] > 0
     assert all(torch.equal(a, k) for a, (k, _) in zip(snapshot, runner.kv_caches))
+
+
+def test_runs_the_embedded_toy_model(
+    toy_model_dir: Any, make_runner: Callable[..., Any], mini_scheduler: Any
+) -> None:
+    """The project's own toy checkpoint loads and matches transformers greedily.
+
+    Both mask EOS for all 12 tokens (min_tokens / min_new_tokens).
+    """
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    runner = make_runner(SimpleNamespace(path=toy_model_dir))
+    assert runner.eos_token_ids and runner.vocab_size > 256
+    prompt = list(range(3, 20))
+    sched = mini_scheduler(runner)
+    params = SamplingParams(temperature=0.0, min_tokens=12, max_tokens=12)
+    sched.add("a", prompt, params, max_tokens=12)
+    hf = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12
+        )[0, len(prompt) :].tolist()
+    assert sched.run()["a"] == expected
