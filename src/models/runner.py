@@ -93,6 +93,13 @@ class ModelRunner:
     (the config's, else the checkpoint's ``max_position_embeddings``; capped by
     the KV cache and any sliding window), ``block_size``, ``vocab_size``,
     ``eos_token_id`` / ``eos_token_ids``, ``dtype``, ``device``.
+
+    The KV cache holds ``config.num_kv_blocks`` blocks, else as many as
+    ``config.kv_cache_memory`` bytes allow, else (CUDA) 90% of the free memory
+    after the weights and a profile run, else (CPU) 1 GiB capped at what
+    ``max_model_len * max_num_seqs`` tokens need. ``attention_backend``
+    overrides ``config.attention_backend`` (tests use "reference").
+    Construction blocks while the weights load.
     """
 
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None) -> None:
