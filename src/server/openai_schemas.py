@@ -432,12 +432,17 @@ def chat_logprobs(
 
     content = []
     for token_id, entry in zip(token_ids, entries):
-        ranked = sorted(
-            ((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top_k),
-            key=lambda pair: pair[1].rank or 0,
-        )
-        if len(ranked) < top_k:  # ranks not reported: the entries after the sampled one
-            ranked = [(tid, lp) for tid, lp in entry.items() if tid != token_id][:top_k]
+        if any(lp.rank is not None for lp in entry.values()):
+            ranked = sorted(
+                (
+                    (tid, lp)
+                    for tid, lp in entry.items()
+                    if lp.rank is not None and lp.rank <= top_k
+                ),
+                key=lambda pair: pair[1].rank or 0,
+            )
+        else:  # no ranks reported: keep the engine's order
+            ranked = list(entry.items())
         one = item(token_id, entry.get(token_id))
         one["top_logprobs"] = [item(tid, lp) for tid, lp in ranked[:top_k]]
         content.append(one)

@@ -23,7 +23,9 @@ SETTINGS: dict[str, Any] = dict(port=0, ws_port=0, shutdown_grace=1.0)
 @asynccontextmanager
 async def serving(engine: AsyncEngine, **settings: Any) -> AsyncIterator[Server]:
     """A server on free loopback ports over ``engine``; ``settings`` override the test defaults."""
-    async with open_server(engine, ServerSettings(**{**SETTINGS, **settings}), model_name=MODEL) as server:
+    async with open_server(
+        engine, ServerSettings(**{**SETTINGS, **settings}), model_name=MODEL
+    ) as server:
         yield server
 
 
@@ -60,10 +62,12 @@ def metric(text: str, name: str, default: float | None = None) -> float:
     return float(match.group(1))
 
 
-async def wait_until(condition: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds."""
-    with trio.fail_after(timeout):
-        while not await condition():
+async def wait_until(condition: Callable[[], Awaitable[bool]], seconds: float = 10.0) -> None:
+    """Poll ``condition`` (an HTTP probe: nothing to wait on) until it holds; fail after ``seconds``."""
+    with trio.fail_after(seconds):
+        while True:
+            if await condition():
+                return
             await trio.sleep(0.02)
 
 
@@ -73,7 +77,7 @@ async def kv_blocks_used(client: httpx.AsyncClient) -> float:
     return metric(response.text, "legato:kv_cache_blocks_used", default=0.0)
 
 
-async def wait_kv_free(client: httpx.AsyncClient, timeout: float = 10.0) -> None:
+async def wait_kv_free(client: httpx.AsyncClient, seconds: float = 10.0) -> None:
     """Wait until /metrics reports no KV blocks in use and no request running.
 
     Workaround (engine bug, see the server report): the gauges are refreshed
@@ -97,13 +101,13 @@ async def wait_kv_free(client: httpx.AsyncClient, timeout: float = 10.0) -> None
         assert response.status_code in (200, 503), response.text
         return await idle()
 
-    await wait_until(idle_after_a_step, timeout)
+    await wait_until(idle_after_a_step, seconds)
 
 
-async def wait_kv_used(client: httpx.AsyncClient, timeout: float = 10.0) -> None:
+async def wait_kv_used(client: httpx.AsyncClient, seconds: float = 10.0) -> None:
     """Wait until /metrics reports KV blocks in use (a request is running)."""
 
     async def busy() -> bool:
         return await kv_blocks_used(client) > 0
 
-    await wait_until(busy, timeout)
+    await wait_until(busy, seconds)

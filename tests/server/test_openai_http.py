@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import AsyncIterator
@@ -17,12 +18,14 @@ from legato import __version__
 from legato.engine import AsyncEngine
 from legato.server import Server
 
-from .conftest import MODEL, metric, serving, wait_kv_free, wait_kv_used, wait_until
+from .conftest import MODEL, serving, wait_kv_free, wait_kv_used, wait_until
 
 
 @pytest.fixture
 async def oai(server: Server) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0) as c:
+    async with openai.AsyncOpenAI(
+        base_url=server.http_url + "/v1", api_key="unused", max_retries=0
+    ) as c:
         yield c
 
 
@@ -49,7 +52,11 @@ async def sse_events(response: httpx.Response) -> list[Any]:
 
 async def test_completion_with_the_openai_client(oai: openai.AsyncOpenAI) -> None:
     result = await oai.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert result.object == "text_completion"
     assert result.id.startswith("cmpl-")
@@ -62,7 +69,11 @@ async def test_completion_with_the_openai_client(oai: openai.AsyncOpenAI) -> Non
     assert result.usage.total_tokens == result.usage.prompt_tokens + 5
 
     again = await oai.completions.create(
-        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert again.choices[0].text == choice.text  # greedy is deterministic
 
@@ -103,12 +114,13 @@ async def test_completion_streaming_with_the_openai_client(oai: openai.AsyncOpen
         extra_body={"ignore_eos": True},
     )
     text, reasons, usage = "", [], None
-    async for chunk in stream:
-        for choice in chunk.choices:
-            text += choice.text
-            reasons.append(choice.finish_reason)
-        if chunk.usage is not None:
-            usage = chunk.usage
+    async with stream:
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.text
+                reasons.append(choice.finish_reason)
+            if chunk.usage is not None:
+                usage = chunk.usage
     assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
     assert usage is not None and usage.completion_tokens == 8
 
@@ -119,12 +131,15 @@ async def test_completion_streaming_with_the_openai_client(oai: openai.AsyncOpen
 
 
 async def test_completion_echo(oai: openai.AsyncOpenAI) -> None:
-    result = await oai.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, echo=True)
+    result = await oai.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=3, echo=True
+    )
     assert result.choices[0].text.startswith("Hello there")
     stream = await oai.completions.create(
         model=MODEL, prompt="Hello there", max_tokens=3, echo=True, stream=True
     )
-    chunks = [c.choices[0].text async for c in stream if c.choices]
+    async with stream:
+        chunks = [c.choices[0].text async for c in stream if c.choices]
     assert chunks[0].startswith("Hello there")
 
 
@@ -167,7 +182,13 @@ async def test_stop_string_ends_with_stop(client: httpx.AsyncClient) -> None:
     stop = text.strip()[:2] if len(text.strip()) >= 2 else text
     second = await client.post(
         "/v1/completions",
-        json={"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": [stop]},
+        json={
+            "prompt": "Hello",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop": [stop],
+        },
     )
     choice = second.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
@@ -182,7 +203,9 @@ async def test_chat_with_the_openai_client(oai: openai.AsyncOpenAI) -> None:
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": [{"type": "text", "text": "Say hi"}]},
     ]
-    result = await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    result = await oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0
+    )
     assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
     (choice,) = result.choices
     assert choice.message.role == "assistant"
@@ -198,13 +221,14 @@ async def test_chat_with_the_openai_client(oai: openai.AsyncOpenAI) -> None:
         stream_options={"include_usage": True},
     )
     roles, content, reasons, usage = [], "", [], None
-    async for chunk in stream:
-        assert chunk.object == "chat.completion.chunk"
-        for c in chunk.choices:
-            roles.append(c.delta.role)
-            content += c.delta.content or ""
-            reasons.append(c.finish_reason)
-        usage = chunk.usage or usage
+    async with stream:
+        async for chunk in stream:
+            assert chunk.object == "chat.completion.chunk"
+            for c in chunk.choices:
+                roles.append(c.delta.role)
+                content += c.delta.content or ""
+                reasons.append(c.finish_reason)
+            usage = chunk.usage or usage
     assert roles[0] == "assistant"
     assert content == choice.message.content
     assert reasons[-1] == choice.finish_reason
@@ -244,7 +268,9 @@ async def test_models_version_tokenize_detokenize_metrics(client: httpx.AsyncCli
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 512
     text = (await client.post("/detokenize", json={"tokens": tokens["tokens"]})).json()
     assert text == {"prompt": "Hello world"}
-    chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]})).json()
+    chat = (
+        await client.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
+    ).json()
     assert chat["count"] > tokens["count"] - 3
 
     response = await client.get("/metrics")
@@ -259,15 +285,17 @@ async def test_client_disconnect_mid_stream_aborts_the_request(
     async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as other:
         async with other.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            lines = response.aiter_lines()
-            await lines.__anext__()
-            await wait_kv_used(client)
+            async with contextlib.aclosing(response.aiter_lines()) as lines:
+                await lines.__anext__()
+                await wait_kv_used(client)
         # leaving the block closes the connection mid-stream
     await wait_kv_free(client)
     assert server.state.num_live == 0
 
 
-async def test_non_streaming_disconnect_aborts_too(server: Server, client: httpx.AsyncClient) -> None:
+async def test_non_streaming_disconnect_aborts_too(
+    server: Server, client: httpx.AsyncClient
+) -> None:
     body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as other:
         async with trio.open_nursery() as nursery:

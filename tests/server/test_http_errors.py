@@ -1,0 +1,161 @@
+"""Bad input, auth and limits on the HTTP API: OpenAI's error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from legato.engine import AsyncEngine
+
+from .conftest import MODEL, serving
+
+
+def assert_error(
+    response: httpx.Response, status: int, code: str, param: str | None = None
+) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code and error["message"]
+    assert error["param"] == param
+
+
+async def assert_still_serving(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.fixture
+async def small(engine: AsyncEngine) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of a server with small limits: 2000-byte bodies, n <= 4."""
+    async with serving(engine, max_body_bytes=2000, max_n=4) as server:
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as client:
+            yield client
+
+
+BAD_BODIES: list[tuple[dict[str, Any], str, int, str, str | None]] = [
+    # body, path, status, code, param
+    ({"prompt": "x", "max_tokens": "ten"}, "/v1/completions", 400, "invalid_value", "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "/v1/completions", 400, "invalid_value", "temperature"),
+    ({"prompt": "x", "top_p": True}, "/v1/completions", 400, "invalid_value", "top_p"),
+    ({"prompt": "x", "stop": [1, 2]}, "/v1/completions", 400, "invalid_value", "stop"),
+    ({"prompt": {"text": "x"}}, "/v1/completions", 400, "invalid_value", "prompt"),
+    ({"prompt": []}, "/v1/completions", 400, "invalid_value", "prompt"),
+    ({"max_tokens": 3}, "/v1/completions", 400, "invalid_value", "prompt"),
+    ({"prompt": [99999]}, "/v1/completions", 400, "invalid_value", "prompt"),
+    ({"prompt": "x", "max_tokens": 100000}, "/v1/completions", 400, "invalid_value", "max_tokens"),
+    ({"prompt": "x", "n": 5}, "/v1/completions", 400, "invalid_value", "n"),
+    ({"prompt": "x", "n": 5, "stream": True}, "/v1/completions", 400, "invalid_value", "n"),
+    ({"prompt": "x", "logprobs": 50}, "/v1/completions", 400, "invalid_value", "logprobs"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "/v1/completions", 400, "invalid_value", "stream_options"),
+    ({"prompt": "x", "suffix": "y"}, "/v1/completions", 400, "invalid_value", "suffix"),
+    ({"prompt": "x", "model": "gpt-4"}, "/v1/completions", 404, "model_not_found", "model"),
+    ({"messages": "hi"}, "/v1/chat/completions", 400, "invalid_value", "messages"),
+    ({"messages": [{"content": "hi"}]}, "/v1/chat/completions", 400, "invalid_value", "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "/v1/chat/completions", 400, "invalid_value", "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "/v1/chat/completions", 400, "invalid_value", "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "/v1/chat/completions", 400, "invalid_value", "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "nope"}, "/v1/chat/completions", 404, "model_not_found", "model"),
+    ({"tokens": ["a"]}, "/detokenize", 400, "invalid_value", "tokens"),
+    ({"tokens": [99999]}, "/detokenize", 400, "invalid_value", "tokens"),
+    ({}, "/tokenize", 400, "invalid_value", "prompt"),
+]  # fmt: skip
+
+
+async def test_bad_bodies_get_openai_errors_naming_the_field(small: httpx.AsyncClient) -> None:
+    for body, path, status, code, param in BAD_BODIES:
+        response = await small.post(path, json=body)
+        assert_error(response, status, code, param)
+    await assert_still_serving(small)
+
+
+async def test_malformed_json_wrong_shapes_routes_and_methods(small: httpx.AsyncClient) -> None:
+    for raw in (b"{", b"not json", b"\xff\xfe", b"[1, 2]", b'"a string"', b""):
+        response = await small.post("/v1/completions", content=raw)
+        assert_error(response, 400, "invalid_json")
+    assert_error(await small.get("/v1/nothing"), 404, "not_found")
+    assert_error(await small.get("/v1/completions"), 405, "method_not_allowed")
+    await assert_still_serving(small)
+
+
+async def test_unknown_fields_are_ignored(small: httpx.AsyncClient) -> None:
+    body = {
+        "prompt": "x",
+        "max_tokens": 2,
+        "brand_new_option": [1, 2],
+        "user": "u1",
+        "metadata": {"k": "v"},
+    }
+    response = await small.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    chat = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 2,
+        "store": False,
+        "x": None,
+    }
+    assert (await small.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
+async def test_oversized_bodies_get_413_while_being_read(small: httpx.AsyncClient) -> None:
+    big = {"prompt": "x" * 5000}
+    assert_error(await small.post("/v1/completions", json=big), 413, "body_too_large")
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the limit counts bytes
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"x" * 100
+        yield b'"}'
+
+    response = await small.post("/v1/completions", content=chunked())
+    assert_error(response, 413, "body_too_large")
+    await assert_still_serving(small)
+
+
+async def test_api_key(engine: AsyncEngine) -> None:
+    async with serving(engine, api_key="s3cret") as server:
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as anon:
+            assert (await anon.get("/health")).status_code == 200
+            for path in ("/v1/models", "/metrics", "/version", "/v1/nothing"):
+                response = await anon.get(path)
+                assert_error(response, 401, "invalid_api_key")
+                assert response.headers["www-authenticate"] == "Bearer"
+            wrong = {"Authorization": "Bearer nope"}
+            assert_error(await anon.get("/v1/models", headers=wrong), 401, "invalid_api_key")
+            basic = {"Authorization": "Basic s3cret"}
+            assert_error(await anon.get("/v1/models", headers=basic), 401, "invalid_api_key")
+            right = {"Authorization": "Bearer s3cret"}
+            assert (await anon.get("/v1/models", headers=right)).status_code == 200
+            assert (await anon.get("/metrics", headers=right)).status_code == 200
+
+        async with openai.AsyncOpenAI(
+            base_url=server.http_url + "/v1", api_key="wrong", max_retries=0
+        ) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.models.list()
+        async with openai.AsyncOpenAI(
+            base_url=server.http_url + "/v1", api_key="s3cret", max_retries=0
+        ) as good:
+            result = await good.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            assert result.choices[0].message.role == "assistant"
+
+
+async def test_openai_client_raises_on_400(engine: AsyncEngine) -> None:
+    async with serving(engine, max_n=2) as server:
+        async with openai.AsyncOpenAI(
+            base_url=server.http_url + "/v1", api_key="x", max_retries=0
+        ) as oai:
+            with pytest.raises(openai.BadRequestError) as info:
+                await oai.completions.create(model=MODEL, prompt="x", n=3)
+            assert "n" in str(info.value)
+            with pytest.raises(openai.NotFoundError):
+                await oai.completions.create(model="other", prompt="x")

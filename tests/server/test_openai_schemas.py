@@ -1,0 +1,147 @@
+"""OpenAI bodies -> prompts and SamplingParams, and the response builders (pure, no server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from legato.protocol.errors import ValidationError
+from legato.protocol.outputs import Logprob
+from legato.protocol.params import RequestOutputKind
+from legato.server import openai_schemas as schemas
+from legato.server.asgi import dumps
+
+
+def field_of(body: dict[str, Any], chat: bool = False) -> str:
+    parse = schemas.parse_chat_request if chat else schemas.parse_completion_request
+    with pytest.raises(ValidationError) as info:
+        parse(body, max_n=4)
+    return info.value.field
+
+
+def test_prompt_forms() -> None:
+    assert schemas.parse_prompts("a") == ["a"]
+    assert schemas.parse_prompts(["a", "b"]) == ["a", "b"]
+    assert schemas.parse_prompts([1, 2]) == [{"prompt_token_ids": [1, 2]}]
+    assert schemas.parse_prompts([[1], [2, 3]]) == [
+        {"prompt_token_ids": [1]},
+        {"prompt_token_ids": [2, 3]},
+    ]
+    for bad in ([], [1, "a"], [[1], []], [True], 3, {"a": 1}, [[1.5]]):
+        with pytest.raises(ValidationError):
+            schemas.parse_prompts(bad)
+    with pytest.raises(ValidationError):
+        schemas.parse_prompts(["x"] * (schemas.MAX_PROMPTS + 1))
+
+
+def test_completion_fields_map_to_sampling_params() -> None:
+    body = {
+        "model": "m", "prompt": "p", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2,
+        "stop": "x", "seed": 3, "logprobs": 2, "presence_penalty": 0.1, "frequency_penalty": 0.2,
+        "user": "u", "echo": True, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1,
+        "ignore_eos": True, "min_tokens": 1, "stop_token_ids": [1], "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "logit_bias": {"5": -1}, "stream": True,
+        "stream_options": {"include_usage": True}, "unknown": object(),
+    }  # fmt: skip
+    request = schemas.parse_completion_request(body, max_n=4)
+    p = request.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.n, p.stop, p.seed, p.logprobs) == (
+        7,
+        0.5,
+        0.9,
+        2,
+        ["x"],
+        3,
+        2,
+    )
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, p.min_tokens) == (
+        5,
+        0.1,
+        1.1,
+        True,
+        1,
+    )
+    assert (p.stop_token_ids, p.skip_special_tokens, p.include_stop_str_in_output) == (
+        [1],
+        False,
+        True,
+    )
+    assert p.logit_bias == {5: -1.0} and p.output_kind == RequestOutputKind.DELTA
+    assert (request.echo, request.stream, request.include_usage, request.model) == (
+        True,
+        True,
+        True,
+        "m",
+    )
+    defaults = schemas.parse_completion_request({"prompt": "p", "max_tokens": None}, max_n=1).params
+    assert defaults.max_tokens == 16 and defaults.n == 1  # OpenAI's and vLLM's completions default
+
+
+def test_errors_name_the_request_field() -> None:
+    assert field_of({"prompt": "p", "n": 5}) == "n"
+    assert field_of({"prompt": "p", "seed": "1"}) == "seed"
+    assert field_of({"prompt": "p", "logit_bias": {"x": 1}}) == "logit_bias"
+    assert field_of({"prompt": "p", "stream": "yes"}) == "stream"
+    assert field_of({"prompt": "p", "best_of": 3}) == "best_of"
+    assert field_of({"prompt": "p", "min_tokens": 9, "max_tokens": 2}) == "min_tokens"
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert field_of({**chat, "max_completion_tokens": -1}, chat=True) == "max_completion_tokens"
+    assert field_of({**chat, "max_tokens": 1.5}, chat=True) == "max_tokens"
+    assert field_of({**chat, "logprobs": True, "top_logprobs": -1}, chat=True) == "top_logprobs"
+    assert (
+        field_of({**chat, "response_format": {"type": "json_object"}}, chat=True)
+        == "response_format"
+    )
+    assert field_of({**chat, "tool_choice": "auto"}, chat=True) == "tool_choice"
+    assert field_of(
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True
+    ) == ("messages[0].content[0]")
+
+
+def test_chat_messages_and_defaults() -> None:
+    body = {
+        "messages": [
+            {"role": "system", "content": None},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "n"},
+        ],
+        "logprobs": True,
+        "top_logprobs": 3,
+    }  # fmt: skip
+    request = schemas.parse_chat_request(body, max_n=1)
+    assert request.messages == [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "a\nb", "name": "n"},
+    ]
+    assert request.params.max_tokens is None  # up to the context limit
+    assert request.params.logprobs == 3 and request.top_logprobs == 3
+
+
+def test_logprob_objects() -> None:
+    entries = [
+        {7: Logprob(-0.5, 2, "b"), 6: Logprob(-0.1, 1, "a"), 9: Logprob(-3.0, 3, "c")},
+        {8: Logprob(-0.2, 1, "d")},
+    ]
+
+    def decode(token_id: int, lp: Logprob | None) -> str:
+        return lp.decoded_token if lp is not None and lp.decoded_token else f"<{token_id}>"
+
+    legacy = schemas.completion_logprobs([7, 8], entries, decode, text_offset=10)
+    assert legacy == {
+        "tokens": ["b", "d"],
+        "token_logprobs": [-0.5, -0.2],
+        "top_logprobs": [{"b": -0.5, "a": -0.1, "c": -3.0}, {"d": -0.2}],
+        "text_offset": [10, 11],
+    }
+    chat = schemas.chat_logprobs([7, 8], entries, decode, top_k=2)
+    first = chat["content"][0]
+    assert (first["token"], first["logprob"], first["bytes"]) == ("b", -0.5, [98])
+    assert [t["token"] for t in first["top_logprobs"]] == ["a", "b"]  # by rank
+    assert chat["content"][1]["top_logprobs"] == [{"token": "d", "logprob": -0.2, "bytes": [100]}]
+
+
+def test_json_never_carries_non_finite_numbers() -> None:
+    assert (
+        dumps({"a": [float("-inf"), float("inf"), float("nan"), 1.5]})
+        == b'{"a":[-9999.0,9999.0,null,1.5]}'
+    )

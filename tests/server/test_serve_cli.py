@@ -1,0 +1,95 @@
+"""``legato serve`` as a real subprocess: the listening line, a request, SIGINT, a clean exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import trio
+
+from legato.cli import build_parser
+from legato.server.state import ServerSettings
+
+
+def test_serve_flags_parse() -> None:
+    args = build_parser().parse_args(
+        ["serve", "some/dir", "--port", "0", "--ws-port", "9", "--api-key", "k", "--max-n", "3",
+         "--shutdown-grace", "1.5", "--max-model-len", "256", "--executor", "inproc"]
+    )  # fmt: skip
+    assert (args.model, args.port, args.ws_port, args.api_key, args.max_n) == (
+        "some/dir",
+        0,
+        9,
+        "k",
+        3,
+    )
+    assert (args.shutdown_grace, args.max_model_len, args.executor) == (1.5, 256, "inproc")
+    assert build_parser().parse_args(["serve"]).model is None
+    bench = build_parser().parse_args(
+        ["bench", "serve", "--request-rate", "inf", "--num-prompts", "4"]
+    )
+    assert bench.request_rate == float("inf") and bench.num_prompts == 4
+    assert ServerSettings().host == "127.0.0.1"
+
+
+async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path) -> None:
+    command = [
+        sys.executable, "-m", "legato.cli", "serve", str(toy_model_dir), "--port", "0", "--ws-port", "0",
+        "--executor", "inproc", "--max-model-len", "512", "--num-kv-blocks", "600", "--shutdown-grace", "30",
+    ]  # fmt: skip
+    env = {**os.environ, "LEGATO_API_KEY": "k"}
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    assert process.stdout is not None
+    output = b""
+    try:
+        with trio.fail_after(60):
+            while b"listening on" not in output:
+                chunk = await process.stdout.receive_some()
+                assert chunk, f"exited early: {output.decode(errors='replace')}"
+                output += chunk
+        match = re.search(rb"listening on (http://\S+) and (ws://\S+)", output)
+        assert match is not None, output
+        http_url = match.group(1).decode()
+
+        async def read_rest() -> None:
+            nonlocal output
+            async for chunk in process.stdout:  # type: ignore[union-attr]
+                output += chunk
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_rest)
+            auth = {"Authorization": "Bearer k"}
+            async with httpx.AsyncClient(base_url=http_url, timeout=30) as client:
+                assert (await client.get("/health")).status_code == 200
+                assert (await client.get("/v1/models")).status_code == 401
+                models = await client.get("/v1/models", headers=auth)
+                assert models.json()["data"][0]["id"] == str(toy_model_dir)
+
+                body = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body, headers=auth) as sse:
+                    lines = sse.aiter_lines()
+                    await lines.__anext__()
+                    process.send_signal(signal.SIGINT)  # the stream still finishes: grace is 30 s
+                    rest = [line async for line in lines if line]
+                assert rest[-1] == "data: [DONE]"
+                assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+            with trio.fail_after(30):
+                code = await process.wait()
+        text = output.decode(errors="replace")
+        assert code == 0, text
+        assert "SIGINT: shutting down" in text
+        assert re.search(
+            r"request cmpl-\w+: prompt_tokens=\d+ completion_tokens=40 latency=", text
+        ), text
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
