@@ -319,6 +319,13 @@ class AsyncEngine(EngineClient):
         return RequestStream(self, prompt, params, str(request_id), priority)
 
     async def _submit(self, stream: RequestStream) -> None:
+        """Register the stream's request and queue it for rendering; a checkpoint.
+
+        Either submits or raises, never both: a cancellation is taken before the
+        request is registered, never after (the stream would be marked done with
+        its request left running and its id held for ever).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
         self._check_alive()
         while not self._resumed.is_set():
             await self._resumed.wait()
@@ -354,7 +361,7 @@ class AsyncEngine(EngineClient):
 
         job = RenderJob(request_id, prompt, params, priority, time.monotonic(), accept, reject)
         self._render_send.send_nowait(job)
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     def _release(self, request_id: str) -> None:
         self._slots.pop(request_id, None)
