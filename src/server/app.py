@@ -21,11 +21,12 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.typing import ASGIFramework
 from trio_websocket import WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
@@ -123,8 +124,10 @@ async def open_server(
     config.h11_max_incomplete_size = 64 * 1024
     stop_http = trio.Event()
     async with trio.open_nursery() as nursery:
+        # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
+        app = cast("ASGIFramework", OpenAIApp(state))
         serve_http = functools.partial(
-            hypercorn_serve, OpenAIApp(state), config, shutdown_trigger=stop_http.wait, mode="asgi"
+            hypercorn_serve, app, config, shutdown_trigger=stop_http.wait, mode="asgi"
         )
         binds: list[str] = await nursery.start(serve_http)
         http_port = int(binds[0].rsplit(":", 1)[1])

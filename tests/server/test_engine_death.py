@@ -7,11 +7,13 @@ import json
 from pathlib import Path
 
 import httpx
+import openai
+import pytest
 import trio
 
 from legato.engine import open_engine
 
-from .conftest import ENGINE_ARGS, serving, wait_kv_used, wait_until
+from .conftest import ENGINE_ARGS, MODEL, serving, wait_kv_used, wait_until
 from .test_websocket import collect, connect, generate, receive, send
 
 
@@ -33,6 +35,29 @@ async def test_worker_death_fails_streams_and_health(toy_model_dir: Path) -> Non
                     plain_done.set()
 
                 nursery.start_soon(post_plain)
+
+                oai_failed = trio.Event()
+                oai_started = trio.Event()
+
+                async def openai_stream() -> None:
+                    async with openai.AsyncOpenAI(
+                        base_url=server.http_url + "/v1", api_key="x", max_retries=0
+                    ) as oai:
+                        chat = await oai.chat.completions.create(
+                            model=MODEL,
+                            messages=[{"role": "user", "content": "hi"}],
+                            max_tokens=450,
+                            stream=True,
+                            extra_body={"ignore_eos": True},
+                        )
+                        async with chat:
+                            with pytest.raises(openai.APIError, match="engine is dead"):
+                                async for _ in chat:
+                                    oai_started.set()
+                    oai_failed.set()
+
+                nursery.start_soon(openai_stream)
+                await oai_started.wait()
                 await send(ws, generate("w", max_tokens=450, ignore_eos=True))
                 await receive(ws)
                 async with client.stream(
@@ -52,6 +77,8 @@ async def test_worker_death_fails_streams_and_health(toy_model_dir: Path) -> Non
                     error["code"] == "engine_dead" and error["type"] == "service_unavailable_error"
                 )
 
+                with trio.fail_after(20):
+                    await oai_failed.wait()
                 frames = await collect(ws, {"w"})
                 assert frames["w"][-1]["type"] == "error"
                 assert frames["w"][-1]["code"] == "engine_dead"
