@@ -139,11 +139,6 @@ class Fault:
         """Whether :func:`apply_fault` applies it (else it is set up at start)."""
         return self.kind in (FaultKind.KILL_ACTOR, FaultKind.SIGKILL, FaultKind.SIGSTOP)
 
-    @property
-    def needs_worker_process(self) -> bool:
-        """Whether it needs the worker in a child process (``executor="process"``)."""
-        return self.kind in (FaultKind.SIGKILL, FaultKind.SIGSTOP)
-
     def engine_faults(self) -> dict[str, Any] | None:
         """The ``faults=`` argument of ``open_engine`` for a start-time fault, else None."""
         if isinstance(self.when, OnStep):
@@ -171,6 +166,8 @@ ALL_FAULTS: Final = (
     FaultKind.RAISE_ON_STEP.value,
     FaultKind.FAIL_LOAD.value,
 )
+# The faults that need the worker in a child process.
+PROCESS_FAULTS: Final = (FaultKind.SIGKILL.value, FaultKind.SIGSTOP.value)
 _RAISE_TEXT: Final = "injected fault: model runner raised on step"  # legato.worker._FaultPlan
 _LOAD_TEXT: Final = "weight loading failed"
 
@@ -210,9 +207,15 @@ def cause_chain(error: BaseException) -> Iterator[BaseException]:
 def find_cause(
     error: BaseException, fault: Fault, injected: BaseException | None = None
 ) -> BaseException | None:
-    """The exception in ``error``'s cause chain that ``fault`` explains, or None."""
+    """The exception in ``error``'s cause chain that ``fault`` explains, or None.
+
+    For KILL_ACTOR that is ``injected`` itself when given (what ``apply_fault``
+    returned), else any InjectedFault.
+    """
     for exc in cause_chain(error):
-        if fault.kind is FaultKind.KILL_ACTOR and exc is injected:
+        if fault.kind is FaultKind.KILL_ACTOR and (
+            exc is injected if injected is not None else isinstance(exc, InjectedFault)
+        ):
             return exc
         if fault.kind is FaultKind.SIGKILL and isinstance(exc, WorkerDiedError):
             return exc
@@ -634,7 +637,8 @@ async def _check_dead_engine(engine: AsyncEngine, result: RoundResult) -> None:
 
 
 async def _generate_once(engine: AsyncEngine, request_id: str) -> None:
-    async with engine.generate("after death", SamplingParams(max_tokens=1), request_id) as s:
+    """One single-token request, read to the end."""
+    async with engine.generate("one more", SamplingParams(max_tokens=1), request_id) as s:
         async for _ in s:
             pass
 
@@ -841,6 +845,8 @@ async def run_chaos(
     for name in faults:
         if name not in ALL_FAULTS:
             raise ValueError(f"faults: unknown fault {name!r}; known: {', '.join(ALL_FAULTS)}")
+        if config.executor == "inproc" and name in PROCESS_FAULTS:
+            raise ValueError(f"faults: {name} needs the worker in a process (executor='process')")
     results: list[RoundResult] = []
     for index in range(rounds):
         round_seed = seed * 1_000_003 + index
@@ -928,8 +934,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--faults",
-        default=",".join(ALL_FAULTS),
-        help=f"comma-separated, cycled through (default: all of {', '.join(ALL_FAULTS)})",
+        default=None,
+        help=f"comma-separated, cycled through (default: all of {', '.join(ALL_FAULTS)}; "
+        "with --executor inproc, all but the signals)",
     )
     parser.add_argument("--model", default=None, help="model directory (default: the toy model)")
     parser.add_argument("--executor", choices=["process", "inproc"], default="process")
@@ -940,7 +947,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL)
-    faults = [name.strip() for name in args.faults.split(",") if name.strip()]
+    if args.faults is None:
+        faults = [f for f in ALL_FAULTS if args.executor == "process" or f not in PROCESS_FAULTS]
+    else:
+        faults = [name.strip() for name in args.faults.split(",") if name.strip()]
     config = ChaosConfig(
         model=args.model,
         executor=args.executor,
@@ -953,7 +963,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{config.num_streams} streams a round, executor {config.executor}"
     )
     try:
-        trio.run(lambda: run_chaos(args.rounds, seed=args.seed, faults=faults, config=config))
+        trio.run(
+            lambda: run_chaos(
+                args.rounds,
+                seed=args.seed,
+                faults=faults,
+                config=config,
+                log=lambda line: print(line, flush=True),
+            )
+        )
     except ChaosInvariantError:
         return 1
     return 0
