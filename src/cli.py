@@ -1,4 +1,4 @@
-"""The ``legato`` command: demo | generate | toy-model | bench (serve comes with the server).
+"""The ``legato`` command: demo | generate | toy-model | serve | bench serve.
 
 Engine arguments use vLLM's flag names (``--max-model-len``, ``--dtype``, ...).
 """
@@ -158,21 +158,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.app import serve
     from .server.state import ServerSettings
 
-    settings = ServerSettings(
-        host=args.host,
-        port=args.port,
-        ws_port=args.ws_port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_bytes,
-        max_n=args.max_n,
-        ws_max_frame_bytes=args.ws_max_frame_bytes,
-        ws_max_requests=args.ws_max_requests,
-        shutdown_grace=args.shutdown_grace,
-        log_requests=not args.disable_log_requests,
-    )
-    trio.run(serve, args.model, engine_kwargs(args), settings)
+    try:
+        settings = ServerSettings(
+            host=args.host,
+            port=args.port,
+            ws_port=args.ws_port,
+            api_key=args.api_key or None,
+            served_model_name=args.served_model_name,
+            max_body_bytes=args.max_body_bytes,
+            max_n=args.max_n,
+            ws_max_frame_bytes=args.ws_max_frame_bytes,
+            ws_max_requests=args.ws_max_requests,
+            shutdown_grace=args.shutdown_grace,
+            log_requests=not args.disable_log_requests,
+        )
+    except ValueError as exc:
+        print(f"legato serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(serve, args.model, engine_kwargs(args), settings)
+    except (OSError, BaseExceptionGroup) as exc:  # e.g. a port is taken (hypercorn nests groups)
+        found = _leaf(exc, OSError)
+        if found is None:
+            raise
+        print(f"legato serve: {found}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _leaf(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` in ``exc`` or, depth first, in its exception groups."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _leaf(inner, kind)
+            if found is not None:
+                return found
+    return None
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

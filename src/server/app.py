@@ -27,7 +27,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.typing import ASGIFramework
-from trio_websocket import WebSocketServer, serve_websocket
+from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
 from .http import OpenAIApp
@@ -65,6 +65,11 @@ class Server:
         self._grace_scope: trio.CancelScope | None = None
         self._stopped = trio.Event()
         self._shutting_down = False
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether ``shutdown`` has begun."""
+        return self._shutting_down
 
     @property
     def http_url(self) -> str:
@@ -123,37 +128,45 @@ async def open_server(
     config.graceful_timeout = 2.0
     config.h11_max_incomplete_size = 64 * 1024
     stop_http = trio.Event()
-    async with trio.open_nursery() as nursery:
-        # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
-        app = cast("ASGIFramework", OpenAIApp(state))
-        serve_http = functools.partial(
-            hypercorn_serve, app, config, shutdown_trigger=stop_http.wait, mode="asgi"
-        )
-        binds: list[str] = await nursery.start(serve_http)
-        http_port = int(binds[0].rsplit(":", 1)[1])
-        ws_scope = trio.CancelScope()
+    try:
+        async with trio.open_nursery() as nursery:
+            # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
+            app = cast("ASGIFramework", OpenAIApp(state))
+            serve_http = functools.partial(
+                hypercorn_serve, app, config, shutdown_trigger=stop_http.wait, mode="asgi"
+            )
+            binds: list[str] = await nursery.start(serve_http)
+            http_port = int(binds[0].rsplit(":", 1)[1])
+            ws_scope = trio.CancelScope()
 
-        async def run_ws(task_status: trio.TaskStatus[WebSocketServer]) -> None:
-            with ws_scope:
-                await serve_websocket(
-                    endpoint.handle,
-                    settings.host,
-                    settings.ws_port,
-                    ssl_context=None,
-                    max_message_size=endpoint.hard_limit,
-                    task_status=task_status,
-                )
+            async def run_ws(task_status: trio.TaskStatus[WebSocketServer]) -> None:
+                with ws_scope:
+                    await serve_websocket(
+                        endpoint.handle,
+                        settings.host,
+                        settings.ws_port,
+                        ssl_context=None,
+                        max_message_size=endpoint.hard_limit,
+                        task_status=task_status,
+                    )
 
-        ws_server: WebSocketServer = await nursery.start(run_ws)
-        server = Server(state, endpoint, http_port, ws_server.port, stop_http, ws_scope)
-        try:
-            yield server
-        except BaseException:
-            state.draining = True
-            stop_http.set()
-            nursery.cancel_scope.cancel()
-            raise
-        await server.shutdown()
+            ws_server: WebSocketServer = await nursery.start(run_ws)
+            ws_port = next(e.port for e in ws_server.listeners if isinstance(e, Endpoint))
+            server = Server(state, endpoint, http_port, ws_port, stop_http, ws_scope)
+            try:
+                yield server
+            except BaseException:
+                state.draining = True
+                stop_http.set()
+                nursery.cancel_scope.cancel()
+                raise
+            await server.shutdown()
+    except BaseExceptionGroup as group:
+        # One error (the caller's block, or a server failing to bind): give it back unwrapped.
+        if len(group.exceptions) == 1:
+            inner = group.exceptions[0]
+            raise inner from inner.__cause__
+        raise
 
 
 async def serve(
@@ -169,37 +182,49 @@ async def serve(
     period at once. Returns normally after a shutdown (exit status 0).
     A signal that arrives while the engine is still starting ends start-up.
     """
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            started: list[Server] = []
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                started: list[Server] = []
 
-            async def on_signals() -> None:
-                async for signum in signals:
-                    name = signal.Signals(signum).name
-                    if not started:
-                        logger.info("%s during start-up: exiting", name)
-                        nursery.cancel_scope.cancel()
-                        return
-                    server = started[0]
-                    if server._shutting_down:
-                        logger.info("%s again: aborting requests still running", name)
-                        server.skip_grace()
-                    else:
-                        logger.info(
-                            "%s: shutting down (grace period %.1f s)", name, settings.shutdown_grace
+                async def on_signals() -> None:
+                    async for signum in signals:
+                        name = signal.Signals(signum).name
+                        if not started:
+                            logger.info("%s during start-up: exiting", name)
+                            nursery.cancel_scope.cancel()
+                            return
+                        server = started[0]
+                        if server.shutting_down:
+                            logger.info("%s again: aborting requests still running", name)
+                            server.skip_grace()
+                        else:
+                            logger.info(
+                                "%s: shutting down (grace period %.1f s)",
+                                name,
+                                settings.shutdown_grace,
+                            )
+                            nursery.start_soon(server.shutdown)
+
+                nursery.start_soon(on_signals)
+                name = settings.served_model_name or (
+                    model if model is not None else TOY_MODEL_NAME
+                )
+                async with open_engine(model, **engine_args) as engine:
+                    async with open_server(engine, settings, model_name=name) as server:
+                        started.append(server)
+                        print(
+                            f"legato: serving {name!r}: listening on {server.http_url} and {server.ws_url}",
+                            flush=True,
                         )
-                        nursery.start_soon(server.shutdown)
+                        task_status.started(server)
+                        await server.wait_stopped()
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # One error (start-up failed, a port was taken): give it back unwrapped.
+        if len(group.exceptions) == 1:
+            inner = group.exceptions[0]
+            raise inner from inner.__cause__
+        raise
 
-            nursery.start_soon(on_signals)
-            name = settings.served_model_name or (model if model is not None else TOY_MODEL_NAME)
-            async with open_engine(model, **engine_args) as engine:
-                async with open_server(engine, settings, model_name=name) as server:
-                    started.append(server)
-                    print(
-                        f"legato: serving {name!r}: listening on {server.http_url} and {server.ws_url}",
-                        flush=True,
-                    )
-                    task_status.started(server)
-                    await server.wait_stopped()
-            nursery.cancel_scope.cancel()
     logger.info("server stopped")

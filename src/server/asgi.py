@@ -15,6 +15,7 @@ Imports trio; never torch.
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -185,6 +186,16 @@ async def send_error(send: Send, error: HTTPError) -> None:
     """OpenAI's error body with the error's status (401 adds ``WWW-Authenticate``)."""
     extra = [(b"www-authenticate", b"Bearer")] if error.status == 401 else None
     await send_body(send, error.status, dumps(error.body()), "application/json", extra)
+
+
+def bearer_token_ok(authorization: str | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (constant-time compare)."""
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 class SSEResponse:

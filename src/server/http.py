@@ -22,13 +22,22 @@ Imports trio; never torch.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from . import openai_handlers as handlers
-from .asgi import ClientDisconnected, HTTPError, Message, Receive, Request, Scope, Send, send_error
+from .asgi import (
+    ClientDisconnected,
+    HTTPError,
+    Message,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    bearer_token_ok,
+    send_error,
+)
 from .state import ServingState, Unavailable
 
 logger = logging.getLogger("legato.server")
@@ -50,16 +59,6 @@ OPEN_PATHS = frozenset({"/health"})
 """Paths served without the API key."""
 
 
-def bearer_token_ok(authorization: str | None, api_key: str) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <api_key>`` (constant-time compare)."""
-    if authorization is None:
-        return False
-    scheme, _, token = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.strip().encode(), api_key.encode())
-
-
 class OpenAIApp:
     """The ASGI application over one ``ServingState``."""
 
@@ -69,6 +68,9 @@ class OpenAIApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+            return
+        if scope["type"] == "websocket":  # the WebSocket endpoint has a port of its own
+            await send({"type": "websocket.close", "code": 1008})
             return
         if scope["type"] != "http":
             raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")

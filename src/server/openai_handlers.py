@@ -525,18 +525,18 @@ async def version(request: Request, state: ServingState) -> None:
 async def tokenize(request: Request, state: ServingState) -> None:
     """``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` -> tokens, count, max_model_len."""
     body = await request.json(state.settings.max_body_bytes)
-    check_model(state, schemas._check_str("model", body["model"]) if body.get("model") else None)
+    check_model(state, schemas.check_str("model", body["model"]) if body.get("model") else None)
     renderer = state.engine.renderer
     if body.get("messages") is not None:
         messages = schemas.parse_messages(body["messages"])
         add_generation_prompt = body.get("add_generation_prompt", True)
-        schemas._check_bool("add_generation_prompt", add_generation_prompt)
+        schemas.check_bool("add_generation_prompt", add_generation_prompt)
         text = renderer.render_chat(messages, add_generation_prompt=add_generation_prompt)
         tokens = renderer.encode(text, add_special_tokens=False)
     elif body.get("prompt") is not None:
-        text = schemas._check_str("prompt", body["prompt"])
+        text = schemas.check_str("prompt", body["prompt"])
         add_special_tokens = body.get("add_special_tokens", True)
-        schemas._check_bool("add_special_tokens", add_special_tokens)
+        schemas.check_bool("add_special_tokens", add_special_tokens)
         tokens = renderer.encode(text, add_special_tokens=add_special_tokens)
     else:
         raise ValidationError("prompt", "give 'prompt' or 'messages'")
@@ -551,8 +551,8 @@ async def tokenize(request: Request, state: ServingState) -> None:
 async def detokenize(request: Request, state: ServingState) -> None:
     """``POST /detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
     body = await request.json(state.settings.max_body_bytes)
-    check_model(state, schemas._check_str("model", body["model"]) if body.get("model") else None)
-    tokens = schemas._check_ints("tokens", body.get("tokens"))
+    check_model(state, schemas.check_str("model", body["model"]) if body.get("model") else None)
+    tokens = schemas.check_ints("tokens", body.get("tokens"))
     try:
         text = state.engine.renderer.decode(tokens)
     except ValidationError as exc:

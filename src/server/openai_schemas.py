@@ -38,50 +38,50 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value: object) -> int:
+def check_int(name: str, value: object) -> int:
     if not _is_int(value):
         raise ValidationError(name, f"must be an integer, got {value!r}")
     assert isinstance(value, int)
     return value
 
 
-def _check_number(name: str, value: object) -> float:
+def check_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValidationError(name, f"must be a number, got {value!r}")
     return float(value)
 
 
-def _check_bool(name: str, value: object) -> bool:
+def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValidationError(name, f"must be a boolean, got {value!r}")
     return value
 
 
-def _check_str(name: str, value: object) -> str:
+def check_str(name: str, value: object) -> str:
     if not isinstance(value, str):
         raise ValidationError(name, f"must be a string, got {value!r}")
     return value
 
 
-def _check_strs(name: str, value: object) -> list[str]:
+def check_strs(name: str, value: object) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValidationError(name, f"must be a list of strings, got {value!r}")
     return list(value)
 
 
-def _check_str_or_strs(name: str, value: object) -> str | list[str]:
+def check_str_or_strs(name: str, value: object) -> str | list[str]:
     if isinstance(value, str):
         return value
-    return _check_strs(name, value)
+    return check_strs(name, value)
 
 
-def _check_ints(name: str, value: object) -> list[int]:
+def check_ints(name: str, value: object) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(v) for v in value):
         raise ValidationError(name, f"must be a list of integers, got {value!r}")
     return list(value)
 
 
-def _check_logit_bias(name: str, value: object) -> dict[int, float]:
+def check_logit_bias(name: str, value: object) -> dict[int, float]:
     if not isinstance(value, dict):
         raise ValidationError(name, f"must be an object of token id -> bias, got {value!r}")
     out: dict[int, float] = {}
@@ -90,7 +90,7 @@ def _check_logit_bias(name: str, value: object) -> dict[int, float]:
             token_id = int(key)
         except (TypeError, ValueError):
             raise ValidationError(name, f"keys must be token ids, got {key!r}") from None
-        out[token_id] = _check_number(name, bias)
+        out[token_id] = check_number(name, bias)
     return out
 
 
@@ -98,27 +98,27 @@ Checker = Callable[[str, object], Any]
 
 # request field -> (SamplingParams field, type check); shared by both endpoints.
 _SAMPLING_FIELDS: dict[str, tuple[str, Checker]] = {
-    "temperature": ("temperature", _check_number),
-    "top_p": ("top_p", _check_number),
-    "n": ("n", _check_int),
-    "stop": ("stop", _check_str_or_strs),
-    "seed": ("seed", _check_int),
-    "presence_penalty": ("presence_penalty", _check_number),
-    "frequency_penalty": ("frequency_penalty", _check_number),
-    "logit_bias": ("logit_bias", _check_logit_bias),
+    "temperature": ("temperature", check_number),
+    "top_p": ("top_p", check_number),
+    "n": ("n", check_int),
+    "stop": ("stop", check_str_or_strs),
+    "seed": ("seed", check_int),
+    "presence_penalty": ("presence_penalty", check_number),
+    "frequency_penalty": ("frequency_penalty", check_number),
+    "logit_bias": ("logit_bias", check_logit_bias),
     # vLLM's extras
-    "top_k": ("top_k", _check_int),
-    "min_p": ("min_p", _check_number),
-    "repetition_penalty": ("repetition_penalty", _check_number),
-    "ignore_eos": ("ignore_eos", _check_bool),
-    "min_tokens": ("min_tokens", _check_int),
-    "stop_token_ids": ("stop_token_ids", _check_ints),
-    "skip_special_tokens": ("skip_special_tokens", _check_bool),
-    "spaces_between_special_tokens": ("spaces_between_special_tokens", _check_bool),
-    "include_stop_str_in_output": ("include_stop_str_in_output", _check_bool),
-    "truncate_prompt_tokens": ("truncate_prompt_tokens", _check_int),
-    "allowed_token_ids": ("allowed_token_ids", _check_ints),
-    "bad_words": ("bad_words", _check_strs),
+    "top_k": ("top_k", check_int),
+    "min_p": ("min_p", check_number),
+    "repetition_penalty": ("repetition_penalty", check_number),
+    "ignore_eos": ("ignore_eos", check_bool),
+    "min_tokens": ("min_tokens", check_int),
+    "stop_token_ids": ("stop_token_ids", check_ints),
+    "skip_special_tokens": ("skip_special_tokens", check_bool),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens", check_bool),
+    "include_stop_str_in_output": ("include_stop_str_in_output", check_bool),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", check_int),
+    "allowed_token_ids": ("allowed_token_ids", check_ints),
+    "bad_words": ("bad_words", check_strs),
 }
 
 
@@ -156,8 +156,8 @@ def _sampling_params(
 
 def _common(body: Mapping[str, Any]) -> tuple[str | None, bool, bool, int]:
     """model, stream, include_usage, priority."""
-    model = _check_str("model", body["model"]) if _given(body, "model") else None
-    stream = _check_bool("stream", body["stream"]) if _given(body, "stream") else False
+    model = check_str("model", body["model"]) if _given(body, "model") else None
+    stream = check_bool("stream", body["stream"]) if _given(body, "stream") else False
     include_usage = False
     if _given(body, "stream_options"):
         options = body["stream_options"]
@@ -166,10 +166,10 @@ def _common(body: Mapping[str, Any]) -> tuple[str | None, bool, bool, int]:
         if not stream:
             raise ValidationError("stream_options", "is only allowed with stream=true")
         if options.get("include_usage") is not None:
-            include_usage = _check_bool("stream_options.include_usage", options["include_usage"])
-    priority = _check_int("priority", body["priority"]) if _given(body, "priority") else 0
+            include_usage = check_bool("stream_options.include_usage", options["include_usage"])
+    priority = check_int("priority", body["priority"]) if _given(body, "priority") else 0
     if _given(body, "user"):
-        _check_str("user", body["user"])
+        check_str("user", body["user"])
     return model, stream, include_usage, priority
 
 
@@ -258,16 +258,16 @@ def parse_completion_request(body: Mapping[str, Any], *, max_n: int) -> Completi
         raise ValidationError("suffix", "is not supported by this server")
     extra: dict[str, Any] = {}
     if _given(body, "max_tokens"):
-        extra["max_tokens"] = _check_int("max_tokens", body["max_tokens"])
+        extra["max_tokens"] = check_int("max_tokens", body["max_tokens"])
     logprobs = None
     if _given(body, "logprobs"):
-        logprobs = _check_int("logprobs", body["logprobs"])
+        logprobs = check_int("logprobs", body["logprobs"])
         if logprobs < 0:
             raise ValidationError("logprobs", f"must be >= 0, got {logprobs}")
         extra["logprobs"] = logprobs
     if _given(body, "best_of"):
-        extra["best_of"] = _check_int("best_of", body["best_of"])
-    echo = _check_bool("echo", body["echo"]) if _given(body, "echo") else False
+        extra["best_of"] = check_int("best_of", body["best_of"])
+    echo = check_bool("echo", body["echo"]) if _given(body, "echo") else False
     params = _sampling_params(body, extra, {}, max_n=max_n)
     return CompletionRequest(
         model, prompts, params, stream, include_usage, echo, logprobs, priority
@@ -297,7 +297,7 @@ def parse_messages(value: object) -> list[dict[str, Any]]:
                     raise ValidationError(
                         f"messages[{i}].content[{j}]", "only text parts are supported"
                     )
-                texts.append(_check_str(f"messages[{i}].content[{j}].text", part.get("text")))
+                texts.append(check_str(f"messages[{i}].content[{j}].text", part.get("text")))
             text = "\n".join(texts)
         else:
             raise ValidationError(
@@ -320,15 +320,15 @@ def parse_chat_request(body: Mapping[str, Any], *, max_n: int) -> ChatRequest:
     renames: dict[str, str] = {}
     for name in ("max_completion_tokens", "max_tokens"):  # the first given wins
         if _given(body, name):
-            extra["max_tokens"] = _check_int(name, body[name])
+            extra["max_tokens"] = check_int(name, body[name])
             renames["max_tokens"] = name
             break
     else:
         extra["max_tokens"] = None  # up to the context limit, as OpenAI and vLLM do for chat
-    logprobs = _check_bool("logprobs", body["logprobs"]) if _given(body, "logprobs") else False
+    logprobs = check_bool("logprobs", body["logprobs"]) if _given(body, "logprobs") else False
     top_logprobs = 0
     if _given(body, "top_logprobs"):
-        top_logprobs = _check_int("top_logprobs", body["top_logprobs"])
+        top_logprobs = check_int("top_logprobs", body["top_logprobs"])
         if not logprobs:
             raise ValidationError("top_logprobs", "needs logprobs=true")
         if top_logprobs < 0:
@@ -338,7 +338,7 @@ def parse_chat_request(body: Mapping[str, Any], *, max_n: int) -> ChatRequest:
         renames["logprobs"] = "top_logprobs"
     add_generation_prompt = True
     if _given(body, "add_generation_prompt"):
-        add_generation_prompt = _check_bool("add_generation_prompt", body["add_generation_prompt"])
+        add_generation_prompt = check_bool("add_generation_prompt", body["add_generation_prompt"])
     if _given(body, "best_of"):
         raise ValidationError("best_of", "is not a chat completions parameter")
     params = _sampling_params(body, extra, renames, max_n=max_n)

@@ -37,8 +37,8 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from ..protocol.outputs import CompletionOutput, RequestOutput
 from ..protocol.params import RequestOutputKind, SamplingParams
-from .asgi import dumps
-from .openai_schemas import _check_logit_bias, parse_messages
+from .asgi import bearer_token_ok, dumps
+from .openai_schemas import check_logit_bias, parse_messages
 from .state import ServingState, Unavailable
 
 logger = logging.getLogger("legato.server")
@@ -180,7 +180,7 @@ def parse_generate(
     kwargs = dict(raw)
     try:
         if kwargs.get("logit_bias") is not None:
-            kwargs["logit_bias"] = _check_logit_bias("logit_bias", kwargs["logit_bias"])
+            kwargs["logit_bias"] = check_logit_bias("logit_bias", kwargs["logit_bias"])
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
     except ValidationError as exc:
         raise invalid(f"params.{exc.field}", str(exc).partition(": ")[2]) from None
@@ -262,8 +262,6 @@ class WebSocketEndpoint:
             return
         header = next((v for k, v in request.headers if k.lower() == b"authorization"), None)
         if api_key is not None and header is not None:
-            from .http import bearer_token_ok
-
             if not bearer_token_ok(header.decode("latin-1"), api_key):
                 await request.reject(401, body=b"invalid API key")
                 return
