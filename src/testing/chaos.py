@@ -796,8 +796,8 @@ def format_table(results: Sequence[RoundResult]) -> str:
         "cancelled",
         "hung",
         "leaked procs",
-        "median end",
-        "max end",
+        "fault->end median",
+        "fault->end max",
     )
     rows: list[tuple[str, ...]] = [header]
     for name, s in summarize(results).items():
