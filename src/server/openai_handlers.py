@@ -280,11 +280,10 @@ class Generation:
                         await sse.event(self.make_chunk([choice], None))
 
         async def pump(job: Job, cancel: trio.CancelScope) -> None:
+            # The engine died, or a bug: the stream ends with an error event.
             try:
                 await _drain(job, on_output)
-            except (
-                Exception
-            ) as exc:  # the engine died, or a bug: end the stream with an error event
+            except Exception as exc:
                 failures.append(exc)
                 cancel.cancel()
 
@@ -334,10 +333,8 @@ async def create_completion(request: Request, state: ServingState) -> None:
         await trio.lowlevel.checkpoint()
 
     def on_delta(job: Job, delta: CompletionOutput) -> dict[str, Any] | None:
-        echo = ""
-        if (
-            parsed.echo and delta.index not in job.echoed
-        ):  # the prompt leads the choice's first chunk
+        echo = ""  # the prompt leads each choice's first chunk
+        if parsed.echo and delta.index not in job.echoed:
             job.echoed.add(delta.index)
             echo = job.prompt_text
         if not (

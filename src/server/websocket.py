@@ -270,6 +270,10 @@ class WebSocketEndpoint:
         self.connections.add(ws)
         try:
             await Connection(self.state, ws, next(self._numbers), authed).run()
+        except Exception:  # a bug: close this connection, never the server
+            logger.exception("WebSocket connection failed")
+            with trio.move_on_after(1.0):
+                await ws.aclose(1011, "internal error")
         finally:
             self.connections.discard(ws)
 
@@ -388,7 +392,7 @@ class Connection:
         engine_id = self._live[rid]
         started = time.monotonic()
         prompt_tokens = completion_tokens = 0
-        outcome = "error"
+        outcome = "connection closed"  # unless it finishes or fails first
         error: FrameError | None = None
         try:
             with self.state.track(engine_id, [engine_id]) as live:

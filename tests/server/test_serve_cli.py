@@ -22,13 +22,8 @@ def test_serve_flags_parse() -> None:
         ["serve", "some/dir", "--port", "0", "--ws-port", "9", "--api-key", "k", "--max-n", "3",
          "--shutdown-grace", "1.5", "--max-model-len", "256", "--executor", "inproc"]
     )  # fmt: skip
-    assert (args.model, args.port, args.ws_port, args.api_key, args.max_n) == (
-        "some/dir",
-        0,
-        9,
-        "k",
-        3,
-    )
+    expected = ("some/dir", 0, 9, "k", 3)
+    assert (args.model, args.port, args.ws_port, args.api_key, args.max_n) == expected
     assert (args.shutdown_grace, args.max_model_len, args.executor) == (1.5, 256, "inproc")
     assert build_parser().parse_args(["serve"]).model is None
     bench = build_parser().parse_args(
@@ -59,10 +54,14 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
         assert match is not None, output
         http_url = match.group(1).decode()
 
+        stats_logged = trio.Event()
+
         async def read_rest() -> None:
             nonlocal output
             async for chunk in process.stdout:  # type: ignore[union-attr]
                 output += chunk
+                if b"generation throughput:" in output:  # the engine's periodic stats line
+                    stats_logged.set()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(read_rest)
@@ -72,6 +71,9 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
                 assert (await client.get("/v1/models")).status_code == 401
                 models = await client.get("/v1/models", headers=auth)
                 assert models.json()["data"][0]["id"] == str(toy_model_dir)
+
+                with trio.fail_after(10):
+                    await stats_logged.wait()
 
                 body = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
                 async with client.stream("POST", "/v1/completions", json=body, headers=auth) as sse:
@@ -86,9 +88,8 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
         text = output.decode(errors="replace")
         assert code == 0, text
         assert "SIGINT: shutting down" in text
-        assert re.search(
-            r"request cmpl-\w+: prompt_tokens=\d+ completion_tokens=40 latency=", text
-        ), text
+        request_line = r"request cmpl-\w+: prompt_tokens=\d+ completion_tokens=40 latency="
+        assert re.search(request_line, text), text
     finally:
         if process.returncode is None:
             process.kill()
