@@ -223,3 +223,17 @@ def test_start_time_faults_are_not_applied_live() -> None:
     fault = Fault(FaultKind.RAISE_ON_STEP, when=OnStep(2))
     with pytest.raises(ValueError, match="pass fault.engine_faults"):
         apply_fault(None, fault)  # type: ignore[arg-type]
+
+
+def test_command_line_prints_the_table(
+    toy_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from legato.testing.chaos import main
+
+    args = ["--model", str(toy_model_dir), "--rounds", "1", "--faults", "fail_load"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "round   0 fail_load" in out
+    assert out.splitlines()[-1].split()[:3] == ["fail_load", "1", "0"]
+    with pytest.raises(ValueError, match="sigkill needs the worker in a process"):
+        main([*args[:4], "--faults", "sigkill", "--executor", "inproc"])
