@@ -204,6 +204,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     from .server.bench import run_bench
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     report = trio.run(
         functools.partial(
             run_bench,
