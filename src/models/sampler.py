@@ -101,9 +101,11 @@ def apply_top_k_top_p(
     vocab = logits.shape[-1]
     if top_p is None:
         assert top_k is not None
-        max_k = int(top_k.max())
-        values = logits.topk(max_k, dim=-1).values
-        threshold = values.gather(1, (top_k.clamp(1, max_k) - 1)[:, None])
+        # top-k only: a partial topk up to the largest k in use, no full sort
+        unused = top_k >= vocab
+        k = top_k.masked_fill(unused, 1).clamp_(min=1)
+        values = logits.topk(int(k.max()), dim=-1).values
+        threshold = values.gather(1, (k - 1)[:, None]).masked_fill_(unused[:, None], _NEG_INF)
         return logits.masked_fill(logits < threshold, _NEG_INF)
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:

@@ -226,3 +226,15 @@ def test_mixed_batch_greedy_and_random_rows() -> None:
     for _ in range(20):
         tokens = sample(LOGITS.repeat(3, 1), batch.sampling_metadata(rows)).sampled.tolist()
         assert tokens[0] == 0 and tokens[1] in (0, 1)
+
+
+def test_top_k_rows_beside_rows_without_it() -> None:
+    params = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_k=100)]
+    batch, rows = _batch(params)
+    seen: list[set[int]] = [set(), set(), set()]
+    for _ in range(300):
+        tokens = sample(LOGITS.repeat(3, 1), batch.sampling_metadata(rows)).sampled.tolist()
+        for i, t in enumerate(tokens):
+            seen[i].add(t)
+    assert seen[0] == {0, 1}
+    assert len(seen[1]) >= 5 and len(seen[2]) >= 5
