@@ -37,6 +37,7 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
     command = [
         sys.executable, "-m", "legato.cli", "serve", str(toy_model_dir), "--port", "0", "--ws-port", "0",
         "--executor", "inproc", "--max-model-len", "512", "--num-kv-blocks", "600", "--shutdown-grace", "30",
+        "--log-stats-interval", "0.2",
     ]  # fmt: skip
     env = {**os.environ, "LEGATO_API_KEY": "k"}
     process = await trio.lowlevel.open_process(
