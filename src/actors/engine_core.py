@@ -75,6 +75,7 @@ class EngineCore:
         self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
         self._idle = trio.Event()
         self._idle.set()
+        self._stats_dirty = False
 
     async def wait_idle(self) -> None:
         """Return once no request is left in the scheduler (all KV blocks free).
@@ -124,6 +125,8 @@ class EngineCore:
                 except trio.WouldBlock:
                     break
                 self._handle(message)
+            if self._stats_dirty:
+                self._record(self.scheduler.make_stats())
             if self._has_work():
                 await self._step()
             self._answer_waiters()
@@ -152,14 +155,20 @@ class EngineCore:
         core_out = self.scheduler.update_from_output(plan, runner_out)
         self._forget_finished(core_out.outputs)
         self.outputs.send_nowait(core_out)
+        self._record(core_out.scheduler_stats, queue_times)
+
+    def _record(
+        self, stats: m.SchedulerStats | None, queue_times: list[float] | None = None
+    ) -> None:
+        """Publish the scheduler's figures (after a step, or after aborts freed blocks)."""
+        self._stats_dirty = False
         if self.record_stats is not None:
-            s = core_out.scheduler_stats
             self.record_stats(
                 StepStats(
                     timestamp=time.monotonic(),
-                    scheduler=s,
-                    num_prompt_tokens=s.num_prefill_tokens if s is not None else 0,
-                    queue_time=queue_times,
+                    scheduler=stats,
+                    num_prompt_tokens=stats.num_prefill_tokens if stats is not None else 0,
+                    queue_time=queue_times or [],
                 )
             )
 
@@ -172,10 +181,10 @@ class EngineCore:
     def _emit(self, outputs: list[m.EngineCoreOutput]) -> None:
         if outputs:
             self._forget_finished(outputs)
-            stats = self.scheduler.make_stats()
-            self.outputs.send_nowait(m.EngineCoreOutputs(outputs, time.monotonic(), stats))
+            self.outputs.send_nowait(m.EngineCoreOutputs(outputs, time.monotonic(), None))
 
     def _handle(self, message: CoreMessage) -> None:
+        self._stats_dirty = True  # queues or blocks may have changed: publish before sleeping
         if isinstance(message, AddRequests):
             for request in message.requests:
                 self._arrivals[request.request_id] = request.arrival_time

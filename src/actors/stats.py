@@ -94,6 +94,14 @@ class StatsCollector:
         self.e2e = histogram("legato:e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = histogram("legato:request_queue_time_seconds", "Arrival to first scheduled.")
 
+        for gauge_ in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.kv_blocks_used,
+            self.kv_blocks_total,
+        ):
+            gauge_.labels(model_name).set(0)  # every series exists from the start
         self._last_scheduler = SchedulerStats()
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt, generation)
         self._prefix_window: deque[tuple[float, int, int]] = deque()
