@@ -114,8 +114,8 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.dtype = dtype
         self.model = LlamaModel(cfg, backend, dtype, device)
-        if cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+        if cfg.tie_word_embeddings:  # the head shares the embedding table
+            self.lm_head = Linear(0, 0, False, dtype, device)
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
