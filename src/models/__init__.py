@@ -1,1 +1,14 @@
-"""legato.models."""
+"""legato.models: Llama-family models on a paged KV cache, the sampler and the ModelRunner.
+
+Modules (import them directly; this package imports nothing, so that importing
+one submodule stays cheap):
+
+- ``runner``: :class:`ModelRunner`, one scheduler step in, sampled tokens out;
+- ``input_batch``: the runner's persistent per-request state;
+- ``sampler``: vectorised sampling with vLLM's semantics, logprobs;
+- ``llama``: one model class for Llama 2/3, Mistral, Qwen2, Qwen3;
+- ``layers``: linear, embedding, RMSNorm, rotary, MLP, attention;
+- ``attention_backend``: the dispatch point (torch / triton / reference);
+- ``torch_ops``: vectorised plain-torch hot paths for CPU;
+- ``config``, ``registry``, ``loader``: config.json, architectures, safetensors.
+"""
