@@ -34,7 +34,7 @@ import trio
 
 from .actors.detokenizer import OutputProcessor, ProcessedStep
 from .actors.engine_core import AddRequests, EngineCore, FinishRequests
-from .actors.executor import Executor, make_executor
+from .actors.executor import Executor, ProcessExecutor, make_executor
 from .actors.heartbeat import run_heartbeat
 from .actors.output_slot import OutputSlot
 from .actors.renderer import (
@@ -181,6 +181,8 @@ class AsyncEngine(EngineClient):
         self._faults = faults or {}
         self.supervisor = Supervisor()
         self.executor: Executor = make_executor(config, inject_fault=self._faults.get("worker"))
+        if isinstance(self.executor, ProcessExecutor):
+            self.executor.on_failure = self.supervisor.die
         self.stats = StatsCollector(model_name=self.model_name)
         self._slots: dict[str, OutputSlot] = {}  # every live request, by the caller's id
         self._registered: set[str] = set()  # ... of which the detokenizer knows

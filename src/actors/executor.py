@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -98,6 +99,8 @@ class ProcessExecutor:
         self._call_ids = 0
         self._closing = False
         self.ready: m.WorkerReady | None = None
+        # Called with the error when the worker dies after start-up, before it is reaped.
+        self.on_failure: Callable[[BaseException], None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -137,7 +140,14 @@ class ProcessExecutor:
                 raise EngineStartupError(f"model worker exited during start-up (exit code {code})")
             self.ready = first
             task_status.started(first)
-            await self._serve(reader, process)
+            try:
+                await self._serve(reader, process)
+            except Exception as exc:
+                # Report before reaping: closing the worker's pipes makes other actors
+                # fail too, and the engine's cause must be this error, not theirs.
+                if self.on_failure is not None:
+                    self.on_failure(exc)
+                raise
         finally:
             with trio.CancelScope(shield=True):
                 await self._reap(process)
