@@ -149,6 +149,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--disable-log-requests", action="store_true", help="no log line per finished request"
     )
+    group.add_argument(
+        "--restart-on-failure",
+        action="store_true",
+        help="restart a dead engine in place (the servers keep running; /health is 503 meanwhile)",
+    )
+    group.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="with --restart-on-failure: exit with status 1 after more restarts than this "
+        "within --restart-window (default: %(default)s)",
+    )
+    group.add_argument(
+        "--restart-window",
+        type=float,
+        default=300.0,
+        help="seconds over which --max-restarts counts (default: %(default)s)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -157,6 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .server.app import serve
     from .server.state import ServerSettings
+    from .supervise import RestartLimitExceeded, RestartPolicy
 
     try:
         settings = ServerSettings(
@@ -172,11 +191,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             shutdown_grace=args.shutdown_grace,
             log_requests=not args.disable_log_requests,
         )
+        restart = None
+        if args.restart_on_failure:
+            restart = RestartPolicy(args.max_restarts, args.restart_window)
     except ValueError as exc:
         print(f"legato serve: {exc}", file=sys.stderr)
         return 2
     try:
-        trio.run(serve, args.model, engine_kwargs(args), settings)
+        trio.run(
+            functools.partial(serve, restart=restart), args.model, engine_kwargs(args), settings
+        )
+    except RestartLimitExceeded as exc:
+        print(f"legato serve: {exc}", file=sys.stderr)
+        return 1
     except (OSError, BaseExceptionGroup) as exc:  # e.g. a port is taken (hypercorn nests groups)
         found = _leaf(exc, OSError)
         if found is None:

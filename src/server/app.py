@@ -9,7 +9,10 @@ WebSocket connections (1001), stop both listeners.
 
 ``serve(model, engine_args, settings)`` is ``legato serve``: the engine and
 the servers in one trio run, SIGINT / SIGTERM for a graceful shutdown (a
-second signal skips the grace period), and the "listening on" line.
+second signal skips the grace period), and the "listening on" line. With a
+``RestartPolicy`` the engine runs under ``legato.supervise``: a dead engine is
+replaced by a fresh one while both servers keep their ports and connections;
+past the policy's limit ``serve`` raises ``RestartLimitExceeded``.
 
 Imports trio, hypercorn and trio-websocket; never torch.
 """
@@ -20,7 +23,7 @@ import functools
 import logging
 import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, cast
 
 import trio
@@ -30,6 +33,7 @@ from hypercorn.typing import ASGIFramework
 from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
+from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
 from .state import ServerSettings, ServingState
 from .websocket import WebSocketEndpoint
@@ -110,15 +114,21 @@ class Server:
 
 @asynccontextmanager
 async def open_server(
-    engine: AsyncEngine, settings: ServerSettings, *, model_name: str | None = None
+    engine: AsyncEngine | SupervisedEngine,
+    settings: ServerSettings,
+    *,
+    model_name: str | None = None,
 ) -> AsyncIterator[Server]:
     """Serve ``engine`` over HTTP and WebSocket until the block exits, then shut down gracefully.
 
-    ``model_name`` is the served model name (default: ``settings.served_model_name``,
-    else the engine's). If the block raises or is cancelled, the servers stop
-    without waiting for requests in flight.
+    ``engine`` may be a ``SupervisedEngine``: requests then always go to its
+    current engine, and while it restarts they (and ``/health``) get 503
+    ``engine_restarting``. ``model_name`` is the served model name (default:
+    ``settings.served_model_name``, else the engine's). If the block raises or
+    is cancelled, the servers stop without waiting for requests in flight.
     """
-    name = settings.served_model_name or model_name or engine.model_name
+    current = engine.engine if isinstance(engine, SupervisedEngine) else engine
+    name = settings.served_model_name or model_name or current.model_name
     state = ServingState(engine, settings, model_name=name)
     endpoint = WebSocketEndpoint(state)
     config = HypercornConfig()
@@ -174,6 +184,7 @@ async def serve(
     engine_args: dict[str, Any],
     settings: ServerSettings,
     *,
+    restart: RestartPolicy | None = None,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """``legato serve``: run the engine and both servers until SIGINT / SIGTERM.
@@ -181,6 +192,11 @@ async def serve(
     The first signal starts a graceful shutdown; a second one ends the grace
     period at once. Returns normally after a shutdown (exit status 0).
     A signal that arrives while the engine is still starting ends start-up.
+
+    Without ``restart`` a dead engine stays dead (503 until the process is
+    restarted from outside). With it, the engine is restarted in place
+    (``open_supervised_engine``); past the limit the servers stop at once and
+    ``RestartLimitExceeded`` is raised.
     """
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -210,7 +226,17 @@ async def serve(
                 name = settings.served_model_name or (
                     model if model is not None else TOY_MODEL_NAME
                 )
-                async with open_engine(model, **engine_args) as engine:
+                engines: AbstractAsyncContextManager[AsyncEngine | SupervisedEngine]
+                if restart is None:
+                    engines = open_engine(model, **engine_args)
+                else:
+                    engines = open_supervised_engine(
+                        model,
+                        max_restarts=restart.max_restarts,
+                        window=restart.window,
+                        **engine_args,
+                    )
+                async with engines as engine:
                     async with open_server(engine, settings, model_name=name) as server:
                         started.append(server)
                         print(

@@ -499,12 +499,13 @@ async def list_models(request: Request, state: ServingState) -> None:
 
 
 async def health(request: Request, state: ServingState) -> None:
-    """``GET /health``: 200 while serving; 503 once the engine is dead or the server drains."""
-    if state.draining:
-        raise Unavailable("shutting_down", "the server is shutting down")
+    """``GET /health``: 200 while serving; 503 while the server drains or the engine is
+    dead or restarting."""
+    state.check_available()
     try:
         await state.engine.check_health()
     except EngineDeadError as exc:
+        state.check_available()  # died just now: engine_restarting if supervised
         raise Unavailable("engine_dead", f"the engine is dead: {exc}") from None
     await send_json(request.send, 200, {"status": "ok"})
 

@@ -1,10 +1,16 @@
 """What the HTTP and WebSocket front ends share: settings, admission, in-flight requests, drain.
 
 ``ServingState`` decides whether a new request may start (not while the
-server drains, not once the engine is dead), keeps a cancel scope and the
-engine request ids of every request in flight, and runs the graceful drain:
-wait up to a grace period, abort what is left through the engine (so clients
-see finish_reason "abort"), then cancel what still has not ended.
+server drains, not while the engine is dead or restarting), keeps a cancel
+scope and the engine request ids of every request in flight, and runs the
+graceful drain: wait up to a grace period, abort what is left through the
+engine (so clients see finish_reason "abort"), then cancel what still has not
+ended.
+
+It serves either one ``AsyncEngine`` or a ``SupervisedEngine``
+(``legato.supervise``): then ``engine`` is always the current engine, and a
+dead one that is being replaced makes requests ``Unavailable`` with
+``code="engine_restarting"`` rather than ``"engine_dead"``.
 
 Imports trio; never torch, never hypercorn or trio-websocket.
 """
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..engine import AsyncEngine
+from ..supervise import SupervisedEngine
 
 logger = logging.getLogger("legato.server")
 
@@ -61,8 +68,9 @@ class ServerSettings:
 
 
 class Unavailable(Exception):
-    """The server cannot take a new request: it is draining (``code="shutting_down"``)
-    or the engine is dead (``code="engine_dead"``)."""
+    """The server cannot take a new request: it is draining (``code="shutting_down"``),
+    the engine is dead (``code="engine_dead"``) or being restarted
+    (``code="engine_restarting"``)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -83,8 +91,14 @@ class LiveRequest:
 class ServingState:
     """Shared by every front end of one server over one engine."""
 
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings, *, model_name: str) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        engine: AsyncEngine | SupervisedEngine,
+        settings: ServerSettings,
+        *,
+        model_name: str,
+    ) -> None:
+        self._source = engine
         self.settings = settings
         self.model_name = model_name
         self.created = int(time.time())
@@ -92,6 +106,18 @@ class ServingState:
         self._live: dict[str, LiveRequest] = {}
         self._emptied = trio.Event()
         self._emptied.set()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine to use now (under supervision: the current one, maybe dead and restarting)."""
+        if isinstance(self._source, SupervisedEngine):
+            return self._source.engine
+        return self._source
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the engine is dead and a supervisor is starting a new one."""
+        return isinstance(self._source, SupervisedEngine) and self._source.restarting
 
     @property
     def aliases(self) -> frozenset[str]:
@@ -106,8 +132,14 @@ class ServingState:
         """Raise ``Unavailable`` if no new request may start now. Never blocks."""
         if self.draining:
             raise Unavailable("shutting_down", "the server is shutting down")
-        if self.engine.errored or self.engine.is_stopped:
-            raise Unavailable("engine_dead", f"the engine is dead: {self.engine.dead_error}")
+        engine = self.engine
+        if engine.errored or engine.is_stopped:
+            if self.restarting:
+                raise Unavailable(
+                    "engine_restarting", "the engine died and is being restarted: retry shortly"
+                )
+            why = engine.dead_error if engine.errored else "it has been shut down"
+            raise Unavailable("engine_dead", f"the engine is dead: {why}")
 
     @contextmanager
     def track(self, request_id: str, engine_ids: list[str]) -> Iterator[LiveRequest]:
