@@ -12,7 +12,11 @@
 A backend gives the model its elementwise ops (``rms_norm``,
 ``fused_add_rms_norm``, ``silu_and_mul``) and, once per step,
 :meth:`begin_step` turns the step's :class:`AttentionMetadata` into a
-:class:`StepContext` whose ``rotary`` and ``attention`` every layer calls.
+:class:`StepContext` whose ``rotary`` and ``attention`` (KV write included)
+every layer calls: every hot path of the model goes through the backend, none
+bypasses it. ``graph_safe`` says whether a forward can be captured in a CUDA
+graph: only the Triton backend qualifies (no host syncs, no shapes or plans
+taken from host-side lengths once the hints are fixed).
 
 Never imports trio.
 """
@@ -77,6 +81,7 @@ class Backend(Protocol):
     """Elementwise ops plus the per-step context factory."""
 
     name: str
+    graph_safe: bool  # a forward may be captured in a CUDA graph and replayed
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -126,9 +131,13 @@ class _TorchStep:
 
 
 class TorchBackend:
-    """Vectorised plain torch (:mod:`legato.models.torch_ops`)."""
+    """Vectorised plain torch (:mod:`legato.models.torch_ops`).
+
+    Not graph-safe: the attention plan's shapes come from host-side lengths.
+    """
 
     name = "torch"
+    graph_safe = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_ops.rms_norm(x, weight, eps)
@@ -193,12 +202,18 @@ class _KernelStep:
 
 
 class KernelBackend:
-    """Functions with the reference signatures: the references or the Triton kernels."""
+    """Functions with the reference signatures: the references or the Triton kernels.
+
+    Graph-safe when the kernels take the host-side hints (Triton): with
+    ``max_query_len`` and ``max_seq_len`` given, no call syncs with the device.
+    The references read lengths back (``.tolist()``) and are not.
+    """
 
     def __init__(self, name: str, kernels: Any, *, hints: bool) -> None:
         self.name = name
         self.kernels = kernels
         self.hints = hints  # whether paged_attention takes max_query_len / max_seq_len
+        self.graph_safe = hints
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out: torch.Tensor = self.kernels.rms_norm(x, weight, eps)
