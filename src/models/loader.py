@@ -4,21 +4,32 @@ Weights stream from ``*.safetensors`` (a single file, or shards listed by
 ``model.safetensors.index.json``) straight into our modules, one tensor at a
 time, cast to the chosen dtype on the way. No transformers model is built.
 
+A directory may instead declare random weights (vLLM's "dummy" load format):
+:func:`write_random_model_dir` writes a ``config.json`` plus a
+``legato-random-weights.json`` marker naming a seed, and loading it fills the
+parameters on the target device, so benchmarks can run a model of any shape
+(a Llama-3-8B-shaped one included) without a checkpoint on disk.
+
 Never imports trio or transformers.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
+from .layers import RMSNorm
 from .llama import LlamaForCausalLM
 from .registry import resolve_architecture
+
+RANDOM_WEIGHTS_FILE = "legato-random-weights.json"
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -46,6 +57,53 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def write_random_model_dir(
+    out_dir: str | Path, config: dict[str, Any], *, seed: int = 0, std: float = 0.02
+) -> Path:
+    """Write a weightless model directory: ``config`` as config.json plus the random-weights marker.
+
+    Loading it gives parameters drawn as :func:`init_random_weights` does
+    (``seed``, ``std``). Returns the directory (created if needed).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed, "std": std}))
+    return out
+
+
+def init_random_weights(model: torch.nn.Module, *, seed: int = 0, std: float = 0.02) -> None:
+    """Fill ``model`` in place: RMSNorm weights 1, biases 0, every other parameter N(0, std).
+
+    Drawn on the parameters' device from one generator seeded ``seed`` (the
+    values differ between CPU and CUDA); tied parameters are drawn once.
+    """
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generator: torch.Generator | None = None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            if id(param) in norms:
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+
+
+def fill_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+    """Fill ``model``'s parameters from ``model_dir``: its checkpoint, or random weights
+    when the directory carries the :data:`RANDOM_WEIGHTS_FILE` marker."""
+    marker = Path(model_dir) / RANDOM_WEIGHTS_FILE
+    if marker.exists():
+        spec = read_json(marker)
+        init_random_weights(model, seed=int(spec.get("seed", 0)), std=float(spec.get("std", 0.02)))
+        return
+    with torch.no_grad():
+        model.load_weights(iter_weights(model_dir))
+
+
 def build_model(
     cfg: ModelConfig,
     backend: Backend,
@@ -68,8 +126,7 @@ def load_model(
     device: torch.device,
     max_positions: int,
 ) -> LlamaForCausalLM:
-    """Build the model and fill it from the checkpoint in ``model_dir``."""
+    """Build the model and fill it from ``model_dir`` (see :func:`fill_weights`)."""
     model = build_model(cfg, backend, dtype, device, max_positions)
-    with torch.no_grad():
-        model.load_weights(iter_weights(model_dir))
+    fill_weights(model, model_dir)
     return model

@@ -108,3 +108,31 @@ def test_no_weights_is_a_clear_error(tmp_path: Path, llama: Any) -> None:
     shutil.copy(llama.path / "config.json", tmp_path / "config.json")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         _logits(tmp_path)
+
+
+def test_random_weights_directory(tmp_path: Path, make_checkpoint: Callable[..., Any]) -> None:
+    """A config.json plus the marker loads as seeded random weights: no safetensors needed."""
+    from legato.config import EngineConfig
+    from legato.models.loader import write_random_model_dir
+    from legato.models.runner import ModelRunner
+
+    raw = json.loads((make_checkpoint("qwen3").path / "config.json").read_text())
+    path = write_random_model_dir(tmp_path / "random", raw, seed=3, std=0.05)
+    assert not list(path.glob("*.safetensors"))
+    runners = [
+        ModelRunner(EngineConfig(model=str(path), device="cpu", num_kv_blocks=8)) for _ in range(2)
+    ]
+    params = [dict(r.model.named_parameters()) for r in runners]
+    assert params[0].keys() == params[1].keys()
+    for name, value in params[0].items():
+        assert torch.equal(value, params[1][name]), name
+    norm = params[0]["model.layers.0.self_attn.q_norm.weight"]
+    assert torch.equal(norm, torch.ones_like(norm))
+    embed = params[0]["model.embed_tokens.weight"]
+    assert abs(embed.std().item() - 0.05) < 0.005
+    assert runners[0].model.lm_head.weight is embed  # tied, drawn once
+    runners[0].sleep(2)
+    runners[0].wake_up()  # level 2 reloads: the same draw again
+    assert torch.equal(
+        runners[0].model.model.embed_tokens.weight, params[1]["model.embed_tokens.weight"]
+    )
