@@ -8,6 +8,12 @@ metadata built once, and samples a token for every request whose scheduled
 tokens reach the end of its known tokens. It never decides policy: finishing,
 admission and block allocation are the scheduler's.
 
+On CUDA with a graph-safe backend (Triton) and without ``enforce_eager``,
+pure-decode steps of up to :data:`~legato.models.cuda_graphs.MAX_CAPTURE_SIZE`
+requests replay CUDA graphs captured at start-up
+(:mod:`legato.models.cuda_graphs`); every other step, and everything on CPU,
+runs eagerly. Sampling always runs outside the graphs.
+
 Never imports trio. Sets no global torch state (threads, default dtype, grad mode).
 """
 
@@ -17,6 +23,7 @@ import gc
 import logging
 import resource
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +34,10 @@ from ..config import EngineConfig
 from ..protocol.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from .attention_backend import AttentionMetadata, select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
+from .cuda_graphs import CaptureMode, DecodeGraphRunner, capture_sizes, wants_decode_graphs
 from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
-from .loader import iter_weights, load_model
+from .loader import fill_weights, load_model
 from .registry import resolve_architecture
 from .sampler import SamplingMetadata, sample, token_logprobs
 
@@ -99,7 +107,8 @@ class ModelRunner:
     after the weights and a profile run, else (CPU) 1 GiB capped at what
     ``max_model_len * max_num_seqs`` tokens need. ``attention_backend``
     overrides ``config.attention_backend`` (tests use "reference").
-    Construction blocks while the weights load.
+    Construction blocks while the weights load and, on CUDA, while the decode
+    graphs are captured (``decode_graphs``; None when steps run eagerly).
     """
 
     def __init__(self, config: EngineConfig, *, attention_backend: str | None = None) -> None:
@@ -152,6 +161,12 @@ class ModelRunner:
             config.seed,
         )
         self._weights_state = "loaded"  # "loaded" | "offloaded" | "dropped"
+        self.decode_graphs: DecodeGraphRunner | None = None
+        self._graph_settings: tuple[CaptureMode, list[int]] | None = None
+        if wants_decode_graphs(self.device, config.enforce_eager, self.backend):
+            self.capture_decode_graphs()
+        elif self.device.type == "cuda" and not config.enforce_eager:
+            logger.info("backend %r is not graph-safe: decode runs eagerly", self.backend.name)
 
     # ------------------------------------------------------------ sizing
 
@@ -186,6 +201,42 @@ class ModelRunner:
             )
             for _ in range(mcfg.num_layers)
         ]
+
+    # ------------------------------------------------------- decode graphs
+
+    def capture_decode_graphs(
+        self, sizes: Sequence[int] | None = None, *, mode: CaptureMode = "cuda"
+    ) -> None:
+        """Capture the decode forward at ``sizes`` (default :func:`capture_sizes` of
+        ``max_num_seqs``); from then on pure-decode steps that fit replay them.
+
+        ``mode="emulate"`` (tests, CPU) records the forward over the static
+        buffers and replays it eagerly. Raises ``ValueError`` for a backend that
+        is not graph-safe and ``RuntimeError`` when a CUDA capture fails.
+        Recaptured by :meth:`wake_up` after a :meth:`sleep`. Blocks while capturing.
+        """
+        chosen = list(sizes) if sizes is not None else capture_sizes(self.config.max_num_seqs)
+        self.decode_graphs = None
+        graphs = DecodeGraphRunner(
+            self.model,
+            self.kv_caches,
+            sizes=chosen,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=self.device,
+            mode=mode,
+        )
+        try:
+            graphs.capture()
+        except Exception as exc:
+            if mode != "cuda":
+                raise
+            raise RuntimeError(
+                f"capturing the decode CUDA graphs failed ({exc}); "
+                "enforce_eager=True runs without them"
+            ) from exc
+        self.decode_graphs = graphs
+        self._graph_settings = (mode, graphs.sizes)
 
     # ------------------------------------------------------------- steps
 
@@ -225,17 +276,28 @@ class ModelRunner:
         known = batch.num_tokens[rows]
         self._check_step(req_ids, order, rows, ends, known)
 
-        meta, seq_of_token, positions = build_metadata(
-            starts, q_lens, batch.block_table[rows], self.block_size, self.device
-        )
-        input_ids = torch.from_numpy(
-            batch.token_ids[rows[seq_of_token], positions].astype(np.int64)
-        ).to(self.device)
-        hidden = self.model(input_ids, self.kv_caches, meta)
+        graphs = self.decode_graphs
+        query_start_loc: list[int]
+        if (
+            graphs is not None
+            and int(q_lens.max()) == 1
+            and graphs.fits(len(rows), int(ends.max()))
+        ):
+            hidden = graphs.run(batch.token_ids[rows, starts], starts, batch.block_table[rows])
+            query_start_loc = list(range(len(rows) + 1))
+        else:
+            meta, seq_of_token, positions = build_metadata(
+                starts, q_lens, batch.block_table[rows], self.block_size, self.device
+            )
+            input_ids = torch.from_numpy(
+                batch.token_ids[rows[seq_of_token], positions].astype(np.int64)
+            ).to(self.device)
+            hidden = self.model(input_ids, self.kv_caches, meta)
+            query_start_loc = meta.query_start_loc_host
 
         sampling = np.flatnonzero(ends == known)
         if len(sampling):
-            last_rows = np.asarray(meta.query_start_loc_host[1:], dtype=np.int64)[sampling] - 1
+            last_rows = np.asarray(query_start_loc[1:], dtype=np.int64)[sampling] - 1
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
             )
@@ -247,7 +309,7 @@ class ModelRunner:
                 out.sampled_token_ids[k] = [tokens[j]]
                 if j in result.logprobs:
                     out.logprobs[req_ids[k]] = [result.logprobs[j]]
-        self._prompt_logprobs(out, req_ids, order, rows, starts, ends, meta, hidden)
+        self._prompt_logprobs(out, req_ids, order, rows, starts, ends, query_start_loc, hidden)
         batch.num_computed[rows] = ends
         return out
 
@@ -283,7 +345,7 @@ class ModelRunner:
         rows: np.ndarray,
         starts: np.ndarray,
         ends: np.ndarray,
-        meta: AttentionMetadata,
+        query_start_loc: list[int],
         hidden: torch.Tensor,
     ) -> None:
         """Prompt logprobs for the prompt tokens whose predecessors were computed this step.
@@ -304,7 +366,7 @@ class ModelRunner:
             entries: list[TokenLogprobs | None] = [None] if start == 0 else []
             last = min(end, n_prompt - 1)  # last target position
             if last > start:
-                base = meta.query_start_loc_host[i]
+                base = query_start_loc[i]
                 idx = torch.arange(base, base + last - start, device=self.device)
                 targets = torch.from_numpy(
                     batch.token_ids[row, start + 1 : last + 1].astype(np.int64)
@@ -405,6 +467,7 @@ class ModelRunner:
         """
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
+        self.decode_graphs = None  # they hold the cache and weight addresses
         self.kv_caches = []
         if level == 2:
             for param in self.model.parameters():
@@ -433,7 +496,7 @@ class ModelRunner:
                 param.data = torch.empty(
                     self._param_shapes[name], dtype=self.dtype, device=self.device
                 )
-            self.model.load_weights(iter_weights(self.model_dir))
+            fill_weights(self.model, self.model_dir)
             self._weights_state = "loaded"
         elif "weights" in wanted and self._weights_state == "offloaded":
             for param in self.model.parameters():
@@ -441,6 +504,9 @@ class ModelRunner:
             self._weights_state = "loaded"
         if "kv_cache" in wanted and not self.kv_caches:
             self.kv_caches = self._allocate_kv_cache()
+        if not self.sleeping and self.decode_graphs is None and self._graph_settings is not None:
+            mode, sizes = self._graph_settings
+            self.capture_decode_graphs(sizes, mode=mode)
 
     @torch.inference_mode()
     def reset_kv_cache(self) -> None:

@@ -1,0 +1,289 @@
+"""CUDA graphs for pure-decode steps: capture at a ladder of batch sizes, pad, replay.
+
+A decode step (every scheduled request computes one token) launches a few
+hundred small kernels whose Python launch cost dominates at small batches.
+:class:`DecodeGraphRunner` captures the model forward once per batch size of
+:func:`capture_sizes` (1, 2, 4, 8, 16, 24, ... as in vLLM) into
+``torch.cuda.CUDAGraph`` objects that share one memory pool, each reading the
+first ``B`` rows of one set of static input buffers. At run time a batch of
+``n`` requests is padded up to the next captured size, its inputs are copied
+into the static buffers and the graph is replayed; the caller slices the real
+rows out of the static output. Padded rows write no KV (slot -1) and read one
+token of the null block 0 (seq_len 1, block table row 0), so they touch only
+valid memory and never change the cache.
+
+The captured forward must be graph-safe: no host syncs and no shapes or
+launch plans taken from the step's data. The Triton backend is, given the
+hints the graph metadata fixes: ``max_query_len=1`` (decode kernels) and
+``max_seq_len=max_model_len`` (a static split plan).
+
+Tests have no GPU, so a runner built with ``mode="emulate"`` "captures" by
+recording the same forward over the same static buffers and metadata and
+"replays" by calling it eagerly: the padding and buffer logic is exercised
+unchanged on CPU.
+
+Never imports trio.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from .attention_backend import AttentionMetadata, Backend
+from .llama import KVCache, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+CaptureMode = Literal["cuda", "emulate"]
+
+MAX_CAPTURE_SIZE = 256  # no graph above this batch size (vLLM's default ceiling)
+_WARMUP_RUNS = 2  # eager forwards before each capture: compile kernels, settle the allocator
+
+
+def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
+    """The batch sizes to capture: 1, 2, 4, then multiples of 8, up to ``min(max_num_seqs, limit)``.
+
+    The ceiling itself is always included, so every batch up to it has a graph.
+    """
+    cap = max(1, min(max_num_seqs, limit))
+    sizes = [s for s in (1, 2, 4, *range(8, limit + 1, 8)) if s <= cap]
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return sizes
+
+
+def wants_decode_graphs(device: torch.device, enforce_eager: bool, backend: Backend) -> bool:
+    """Whether a runner should capture decode graphs: on CUDA, not eager, a graph-safe backend."""
+    return device.type == "cuda" and not enforce_eager and backend.graph_safe
+
+
+@dataclass(slots=True)
+class _Captured:
+    """One batch size's graph (None when emulated), its metadata and static output."""
+
+    size: int
+    meta: AttentionMetadata
+    graph: torch.cuda.CUDAGraph | None
+    output: torch.Tensor | None  # [size, hidden]; set at capture on CUDA
+
+
+class DecodeGraphRunner:
+    """The model forward for pure-decode batches, captured at fixed batch sizes.
+
+    Static inputs, sized for the largest captured batch ``M``: ``input_ids``,
+    ``positions``, ``slot_mapping`` ``[M]`` int64; ``seq_lens`` ``[M]`` int32;
+    ``query_start_loc`` ``[M + 1]`` int32, the constant ``0..M`` (one query row
+    per sequence); ``block_tables`` ``[M, max_blocks]`` int32 with
+    ``max_blocks`` the blocks of ``max_model_len + 1`` tokens. The graph of
+    size ``B`` reads their first ``B`` rows and writes its own static output
+    ``[B, hidden]``. Capture holds on to ``model``'s parameters and to the
+    ``kv_caches`` tensors: if either moves (sleep, offload), drop this runner
+    and build a new one.
+
+    Not thread-safe; the model runner owns it. :meth:`capture` must run before
+    :meth:`run`.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        *,
+        sizes: Sequence[int],
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        mode: CaptureMode = "cuda",
+    ) -> None:
+        if mode not in ("cuda", "emulate"):
+            raise ValueError(f"mode: expected 'cuda' or 'emulate', got {mode!r}")
+        if mode == "cuda" and device.type != "cuda":
+            raise ValueError(f"mode 'cuda' needs a CUDA device, got {device}")
+        if not model.backend.graph_safe:
+            raise ValueError(
+                f"attention backend {model.backend.name!r} is not graph-safe "
+                "(it plans attention from host-side lengths or syncs); use 'triton'"
+            )
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"sizes: need positive batch sizes, got {list(sizes)}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = sorted(set(sizes))
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device = device
+        self.mode: CaptureMode = mode
+        self.max_blocks = -(-(max_model_len + 1) // block_size)
+        self.replays: Counter[int] = Counter()  # replays per captured size
+        self._captured: dict[int, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None  # shared by all
+        self._copied: torch.cuda.Event | None = None  # staging may be rewritten once it fires
+
+        m, cols = self.max_batch_size, self.max_blocks
+
+        def dev(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+        self.input_ids = dev(m, dtype=torch.int64)
+        self.positions = dev(m, dtype=torch.int64)
+        self.slot_mapping = dev(m, dtype=torch.int64).fill_(-1)
+        self.seq_lens = dev(m, dtype=torch.int32).fill_(1)
+        self.query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=device)
+        self.block_tables = dev(m, cols, dtype=torch.int32)
+        self._table_staging = dev(m * cols, dtype=torch.int32)
+        # Host staging: int64 rows (ids, positions, slots), seq_lens, block-table rows.
+        self._host_i64 = host(3, m, dtype=torch.int64)
+        self._host_lens = host(m, dtype=torch.int32)
+        self._host_table = host(m * cols, dtype=torch.int32)
+
+    @property
+    def max_batch_size(self) -> int:
+        """The largest captured batch size; larger batches run eagerly."""
+        return self.sizes[-1]
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._captured)
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a batch of ``num_seqs`` is padded to; None above the largest."""
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def fits(self, num_seqs: int, max_seq_len: int) -> bool:
+        """Whether a decode batch of ``num_seqs`` sequences of at most ``max_seq_len`` tokens
+        (the new token included) can be replayed."""
+        return (
+            self.captured
+            and 0 < num_seqs <= self.max_batch_size
+            and max_seq_len <= self.max_blocks * self.block_size
+        )
+
+    # ------------------------------------------------------------ capture
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the first ``size`` rows of the static buffers, with fixed hints.
+
+        The host-side lengths are upper bounds (every row ``max_model_len``):
+        a graph-safe backend never reads them.
+        """
+        return AttentionMetadata(
+            positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens_host=[self.max_model_len] * size,
+            query_start_loc_host=list(range(size + 1)),
+            num_decodes=size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
+
+    def _forward(self, entry: _Captured) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(self.input_ids[: entry.size], self.kv_caches, entry.meta)
+        return hidden
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, so that smaller graphs reuse the shared pool.
+
+        The static buffers hold padding while capturing (slot -1, seq_len 1,
+        block 0), so the warm-up runs and the capture leave the KV cache as it
+        was. Blocks while capturing (seconds for a large model).
+        """
+        began = time.perf_counter()
+        for size in reversed(self.sizes):
+            entry = _Captured(size, self._metadata(size), None, None)
+            if self.mode == "cuda":
+                self._capture_cuda(entry)
+            self._captured[size] = entry
+        if self.mode == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info(
+            "decode graphs (%s) captured for batch sizes %s in %.1f s",
+            self.mode,
+            self.sizes,
+            time.perf_counter() - began,
+        )
+
+    def _capture_cuda(self, entry: _Captured) -> None:
+        for _ in range(_WARMUP_RUNS):
+            self._forward(entry)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            entry.output = self._forward(entry)
+        entry.graph = graph
+
+    # ---------------------------------------------------------------- run
+
+    def run(
+        self, token_ids: np.ndarray, positions: np.ndarray, block_table: np.ndarray
+    ) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of one decode step of ``n`` sequences.
+
+        Row ``i`` computes token ``token_ids[i]`` at position ``positions[i]``
+        (its ``positions[i]`` earlier tokens are in the cache) with blocks
+        ``block_table[i]`` (at least the first ``positions[i] // block_size +
+        1`` entries valid). Writes each row's K/V into the cache. The result is
+        a view of the static output: valid until the next call. Requires
+        :meth:`fits` for ``(n, max(positions) + 1)``; never syncs the host with
+        the device except to wait for the previous call's input copies.
+        """
+        n = len(positions)
+        size = self.padded_size(n)
+        entry = self._captured.get(size) if size is not None else None
+        if entry is None or size is None:
+            raise ValueError(f"no decode graph for a batch of {n} (captured: {self.sizes})")
+        bs = self.block_size
+        cols = -(-(int(positions.max()) + 1) // bs)
+        if cols > self.max_blocks:
+            raise ValueError(f"a sequence of {int(positions.max()) + 1} tokens exceeds the graphs")
+        if self._copied is not None:
+            self._copied.synchronize()
+        i64 = self._host_i64.numpy()
+        i64[:2, n:size] = 0
+        i64[0, :n] = token_ids
+        i64[1, :n] = positions
+        rows = np.arange(n)
+        i64[2, :n] = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        i64[2, n:size] = -1
+        lens = self._host_lens.numpy()
+        lens[:n] = positions + 1
+        lens[n:size] = 1
+        table = self._host_table.numpy()[: size * cols].reshape(size, cols)
+        table[:n] = block_table[:, :cols]
+        table[n:] = 0
+        nb = self.device.type == "cuda"
+        self.input_ids[:size].copy_(self._host_i64[0, :size], non_blocking=nb)
+        self.positions[:size].copy_(self._host_i64[1, :size], non_blocking=nb)
+        self.slot_mapping[:size].copy_(self._host_i64[2, :size], non_blocking=nb)
+        self.seq_lens[:size].copy_(self._host_lens[:size], non_blocking=nb)
+        staged = self._table_staging[: size * cols]
+        staged.copy_(self._host_table[: size * cols], non_blocking=nb)
+        self.block_tables[:size, :cols].copy_(staged.view(size, cols))
+        if nb:
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._copied.record()
+        self.replays[size] += 1
+        if entry.graph is not None:
+            entry.graph.replay()
+            assert entry.output is not None
+            return entry.output[:n]
+        entry.output = self._forward(entry)
+        return entry.output[:n]
