@@ -1,41 +1,120 @@
-"""Roofline benchmark of the GPU path: device rates, then kernels against their memory floor.
+"""Roofline benchmark of the GPU path: device rates, kernels, decode steps, end to end.
 
-One run prints one table per section. ``measure_device`` measures what the
-floors are computed from (device-to-device copy bandwidth, dense matmul rate);
-every later section is a function ``(args, rates) -> Table`` listed in
-``SECTIONS``, so model-level sections (a full decode step, end to end) are
-added beside ``attention_decode_section`` when the model runner lands.
+One run prints one table per section, then one summary table of them all.
+``measure_device`` measures what the floors are computed from
+(device-to-device copy bandwidth, dense matmul rate); every later section is a
+function ``(args, rates, device, dtype) -> Table`` listed in ``SECTIONS``:
 
-Decode attention is memory bound: its floor is the KV bytes it must read
-(``batch * context * num_kv_heads * head_dim * 2 * itemsize``) divided by the
-measured copy bandwidth, and "% roofline" is floor / measured time. On CUDA the
-L2 cache is flushed before every timed call and times are CUDA-event medians;
-``--cuda-graph`` replays a captured graph to take Python launch cost out.
+- ``attention``: decode paged attention alone, against the KV bytes it reads.
+  On CUDA the L2 cache is flushed before every timed call and times are
+  CUDA-event medians; ``--cuda-graph`` replays a captured graph.
+- ``decode``: one engine decode step (``ModelRunner.execute``: metadata, the
+  forward, greedy sampling, the output message) of a Llama-3-8B-shaped model
+  with random weights built on the device (no checkpoint on disk), per batch
+  and context, with the runner's decode CUDA graphs and eagerly. Its floor is
+  the larger of the memory floor (weights read per step, i.e. all but the
+  embedding table, plus the KV of every sequence, over the copy bandwidth) and
+  the compute floor (2 FLOP per weight per token plus attention, over the
+  matmul rate); "% roofline" is floor / measured. Configurations whose KV does
+  not fit beside the weights are listed as skipped.
+- ``e2e``: nano-vllm's published workload (256 requests, prompt and output
+  lengths uniform in 100..1024, token ids below 10000, seed 0, temperature
+  0.6, ignore_eos) on a Qwen3-0.6B-shaped random model, through
+  ``legato.llm.LLMEngine`` stepped in-process, and through transformers'
+  ``generate`` on the same shapes and device in static batches (requests
+  sorted by output length, left-padded; each batch runs to its longest
+  output), best batch size reported. Throughput is requested output tokens
+  per second of wall time, prefill included.
 
 Usage::
 
-    python benchmarks/gpu/roofline.py                      # Llama-3-8B shapes on cuda
+    python benchmarks/gpu/roofline.py                      # full sizes on cuda
     python benchmarks/gpu/roofline.py --device cpu --tiny  # interpreter smoke run
+    python benchmarks/gpu/roofline.py --sections decode --batches 1 64
 
-On CPU the Triton kernels run under ``TRITON_INTERPRET=1``: the figures then
-say nothing about GPU performance, the run only exercises the script.
+On CPU the Triton kernels run under ``TRITON_INTERPRET=1`` and the decode
+"graphs" are emulated (the same static buffers and padding, replayed
+eagerly): the figures then say nothing about GPU performance, the run only
+exercises the code paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
+import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+    from legato.models.runner import ModelRunner
+
 _L2_FLUSH_BYTES = 256 * 1024 * 1024
+_GIB = 1 << 30
+_CUDA_MARGIN_BYTES = 4 * _GIB  # activations, logits, graph pool, allocator slack
+
+# Llama-3-8B's config.json figures (random weights stand in for the checkpoint).
+LLAMA3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+# Qwen3-0.6B's, for the end-to-end run.
+QWEN3_0_6B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+# --tiny: the same architectures at toy sizes (head_dim 16, the Triton minimum).
+_TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+}
 
 
 @dataclass(frozen=True)
@@ -48,9 +127,18 @@ class DeviceRates:
 
 @dataclass(frozen=True)
 class Table:
+    """One section's detail table, plus its rows for the summary table.
+
+    Summary rows are ``(section, case, measured, floor or reference, fraction)``.
+    """
+
     title: str
     header: tuple[str, ...]
     rows: list[tuple[str, ...]]
+    summary: list[tuple[str, str, str, str, str]] = field(default_factory=list)
+
+
+SUMMARY_HEADER = ("section", "case", "measured", "floor / reference", "% floor / ratio")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -69,11 +157,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays")
+    p.add_argument(
+        "--sections",
+        nargs="+",
+        choices=[name for name, _ in SECTIONS],
+        default=[name for name, _ in SECTIONS],
+        help="which sections run after the device rates",
+    )
+    p.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per case")
+    p.add_argument("--decode-warmup", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=256, help="e2e requests")
+    p.add_argument("--min-len", type=int, default=100, help="e2e shortest prompt and output")
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="e2e engine max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args(argv)
     if args.tiny:
-        args.batches, args.contexts = [1, 3], [40, 100]
+        args.batches, args.contexts = [1, 3, 5], [40, 100]  # 3 pads to the graph of 4
         args.num_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
         args.copy_mib, args.matmul_size, args.warmup, args.iters = 8, 128, 1, 3
+        args.decode_steps, args.decode_warmup = 3, 1
+        args.num_requests, args.min_len, args.max_input_len, args.max_output_len = 6, 8, 40, 20
+        args.max_num_seqs, args.max_num_batched_tokens = 4, 64
+        args.hf_batch_sizes = [2, 6]
     return args
 
 
@@ -159,6 +268,16 @@ def device_section(args: argparse.Namespace, rates: DeviceRates, device: str) ->
                 f"{rates.matmul_flop_per_s / 1e12:.3g} TFLOP/s",
             ),
         ],
+        summary=[
+            ("device", "copy bandwidth", f"{rates.copy_bytes_per_s / 1e9:.1f} GB/s", "", ""),
+            (
+                "device",
+                f"{mm} matmul",
+                f"{rates.matmul_flop_per_s / 1e12:.3g} TFLOP/s",
+                "",
+                "",
+            ),
+        ],
     )
 
 
@@ -189,6 +308,7 @@ def attention_decode_section(
     from legato.kernels import attention, reference
 
     rows: list[tuple[str, ...]] = []
+    summary: list[tuple[str, str, str, str, str]] = []
     checked = False
     for context in args.contexts:
         for batch in args.batches:
@@ -217,6 +337,15 @@ def attention_decode_section(
                     f"{kv_bytes / seconds / 1e9:.1f}",
                 )
             )
+            summary.append(
+                (
+                    "decode attention",
+                    f"batch {batch} ctx {context}",
+                    f"{seconds * 1e6:.1f} us",
+                    f"{floor * 1e6:.1f} us",
+                    f"{100 * floor / seconds:.0f}%",
+                )
+            )
             del inputs
     shape = (
         f"H={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
@@ -227,7 +356,427 @@ def attention_decode_section(
         title=f"decode paged attention ({shape})",
         header=("batch", "context", "KV MiB", "time us", "floor us", "roofline", "GB/s"),
         rows=rows,
+        summary=summary,
     )
+
+
+# ------------------------------------------------------------ model shapes
+
+
+def _shape(base: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``base`` (a config.json dict), shrunk to toy sizes under ``--tiny``."""
+    return {**base, **_TINY_SHAPE} if args.tiny else dict(base)
+
+
+def _param_count(shape: dict[str, Any]) -> tuple[int, int]:
+    """``(all parameters, embedding-table parameters)`` of a Llama-family config."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    embed = shape["vocab_size"] * hidden
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden
+    if shape["model_type"] == "qwen3":
+        per_layer += 2 * shape["head_dim"]
+    head = 0 if shape["tie_word_embeddings"] else embed
+    return embed + head + shape["num_hidden_layers"] * per_layer + hidden, embed
+
+
+def _kv_bytes_per_token(shape: dict[str, Any], dtype: torch.dtype) -> int:
+    return int(
+        2
+        * shape["num_hidden_layers"]
+        * shape["num_key_value_heads"]
+        * shape["head_dim"]
+        * dtype.itemsize
+    )
+
+
+def _free_memory(device: str) -> int:
+    import torch
+
+    gc.collect()
+    if device != "cuda":
+        return 1 << 62
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+# ----------------------------------------------------------- decode step
+
+
+class DecodeCase:
+    """``batch`` requests held by ``runner`` with ``context`` tokens of context; :meth:`step`
+    runs one decode step of all of them.
+
+    Requests are admitted as if their prompt were cached (``num_computed_tokens
+    = context - 1``): no prefill runs, the KV cache holds whatever it held, which
+    changes nothing the step reads or writes.
+    """
+
+    def __init__(self, runner: ModelRunner, batch: int, context: int, max_steps: int) -> None:
+        from legato.protocol.messages import NewRequestData
+        from legato.protocol.params import SamplingParams
+
+        self.runner = runner
+        bs = runner.block_size
+        per_seq = -(-(context + max_steps + 1) // bs)
+        rng = random.Random(batch * 100003 + context)
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_steps + 1)
+        self.new = [
+            NewRequestData(
+                f"b{batch}c{context}r{i}",
+                [rng.randrange(runner.vocab_size) for _ in range(context)],
+                params,
+                list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),  # block 0 is the null block
+                context - 1,
+            )
+            for i in range(batch)
+        ]
+        self.ids = [r.request_id for r in self.new]
+        self.computed = context - 1
+        self.last: dict[str, int] = {}
+        self.step_id = 0
+
+    def step(self) -> float:
+        """Seconds for one decode step of every request (the runner syncs when it samples)."""
+        from legato.protocol.messages import CachedRequestData, SchedulerOutput
+
+        cached = [CachedRequestData(r, [self.last[r]], [], self.computed) for r in self.last]
+        scheduled = dict.fromkeys(self.ids, 1)
+        plan = SchedulerOutput(self.step_id, self.new, cached, scheduled, len(scheduled))
+        began = time.perf_counter()
+        out = self.runner.execute(plan)
+        elapsed = time.perf_counter() - began
+        self.new = []
+        self.step_id += 1
+        self.computed += 1
+        self.last = {r: t[0] for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True)}
+        return elapsed
+
+    def finish(self) -> None:
+        from legato.protocol.messages import SchedulerOutput
+
+        self.runner.execute(SchedulerOutput(self.step_id, [], [], {}, 0, finished_req_ids=self.ids))
+
+
+def _build_decode_runner(
+    args: argparse.Namespace, shape: dict[str, Any], path: str, device: str, dtype: torch.dtype
+) -> tuple[ModelRunner, int]:
+    """A runner on the random model at ``path`` with room for the largest case that fits;
+    returns it and its usable KV blocks."""
+    from legato.config import EngineConfig
+    from legato.models.runner import ModelRunner
+
+    steps = 2 * (args.decode_warmup + args.decode_steps) + 2
+    bs = args.block_size
+    need = max(b * -(-(c + steps + 1) // bs) for b in args.batches for c in args.contexts)
+    params, _ = _param_count(shape)
+    block_bytes = _kv_bytes_per_token(shape, dtype) * bs
+    budget = _free_memory(device) * 0.9 - params * dtype.itemsize - _CUDA_MARGIN_BYTES
+    blocks = int(min(need, budget // block_bytes)) if device == "cuda" else need
+    if blocks < 1:
+        raise RuntimeError("the model's weights leave no room for a KV cache")
+    config = EngineConfig(
+        model=path,
+        device=device,
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max(args.contexts) + steps + 1,
+        num_kv_blocks=blocks + 1,
+        max_num_seqs=max(args.batches),
+        attention_backend="triton",
+    )
+    runner = ModelRunner(config)  # captures the decode graphs on CUDA
+    if runner.decode_graphs is None:  # CPU: the same static buffers, replayed eagerly
+        runner.capture_decode_graphs(mode="emulate")
+    return runner, blocks
+
+
+def model_decode_section(
+    args: argparse.Namespace, rates: DeviceRates, device: str, dtype: torch.dtype
+) -> Table:
+    """One engine decode step of a Llama-3-8B-shaped model, with and without decode graphs."""
+    from legato.models.loader import write_random_model_dir
+
+    shape = _shape(LLAMA3_8B, args)
+    params, embed = _param_count(shape)
+    itemsize = dtype.itemsize
+    kv_per_token = _kv_bytes_per_token(shape, dtype)
+    attn_flop_per_token = 4 * shape["num_hidden_layers"] * shape["num_attention_heads"]
+    attn_flop_per_token *= shape["head_dim"]
+    # Per step every weight but the embedding table is read once (tied: the head is it).
+    streamed = params - (0 if shape["tie_word_embeddings"] else embed)
+    rows: list[tuple[str, ...]] = []
+    summary: list[tuple[str, str, str, str, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(write_random_model_dir(tmp, shape, seed=0))
+        began = time.perf_counter()
+        runner, blocks = _build_decode_runner(args, shape, path, device, dtype)
+        graphs = runner.decode_graphs
+        assert graphs is not None
+        print(
+            f"decode model: {params / 1e9:.2f}B parameters, {blocks} KV blocks, "
+            f"graphs ({graphs.mode}) for batch sizes {graphs.sizes[0]}..{graphs.sizes[-1]}, "
+            f"ready in {time.perf_counter() - began:.1f} s",
+            flush=True,
+        )
+        max_steps = 2 * (args.decode_warmup + args.decode_steps)
+        for context in args.contexts:
+            for batch in args.batches:
+                per_seq = -(-(context + max_steps + 2) // args.block_size)
+                if batch * per_seq > blocks:
+                    gib = batch * per_seq * args.block_size * kv_per_token / _GIB
+                    rows.append(
+                        (str(batch), str(context), "skipped", f"KV {gib:.1f} GiB", *("",) * 4)
+                    )
+                    summary.append(
+                        ("decode step", f"batch {batch} ctx {context}", "skipped", "", "")
+                    )
+                    continue
+                case = DecodeCase(runner, batch, context, max_steps)
+                timed: dict[str, float] = {}
+                for mode in ("graph", "eager"):
+                    runner.decode_graphs = graphs if mode == "graph" else None
+                    before = sum(graphs.replays.values())
+                    times = [case.step() for _ in range(args.decode_warmup + args.decode_steps)]
+                    if mode == "graph" and sum(graphs.replays.values()) == before:
+                        raise RuntimeError(f"batch {batch}: no decode graph was replayed")
+                    timed[mode] = statistics.median(times[args.decode_warmup :])
+                runner.decode_graphs = graphs
+                case.finish()
+                seq_len = context + args.decode_warmup + args.decode_steps  # mid-run average
+                mem_floor = (
+                    streamed * itemsize + batch * shape["hidden_size"] * itemsize
+                ) / rates.copy_bytes_per_s
+                mem_floor += batch * seq_len * kv_per_token / rates.copy_bytes_per_s
+                flops = 2 * batch * streamed + batch * seq_len * attn_flop_per_token
+                flop_floor = flops / rates.matmul_flop_per_s
+                floor = max(mem_floor, flop_floor)
+                for mode, seconds in timed.items():
+                    label = f"{mode} ({graphs.mode})" if mode == "graph" else mode
+                    rows.append(
+                        (
+                            str(batch),
+                            str(context),
+                            label,
+                            f"{seconds * 1e3:.2f}",
+                            f"{mem_floor * 1e3:.2f}",
+                            f"{flop_floor * 1e3:.2f}",
+                            f"{100 * floor / seconds:.0f}%",
+                            f"{batch / seconds:.0f}",
+                        )
+                    )
+                    summary.append(
+                        (
+                            "decode step",
+                            f"batch {batch} ctx {context} {label}",
+                            f"{seconds * 1e3:.2f} ms",
+                            f"{floor * 1e3:.2f} ms",
+                            f"{100 * floor / seconds:.0f}%",
+                        )
+                    )
+        del runner, graphs
+    name = "Llama-3-8B" if not args.tiny else "tiny Llama-3"
+    return Table(
+        title=(
+            f"decode step, {name}-shaped random model, {str(dtype).removeprefix('torch.')}, "
+            f"median of {args.decode_steps} steps"
+        ),
+        header=(
+            "batch",
+            "context",
+            "mode",
+            "ms/step",
+            "mem floor",
+            "flop floor",
+            "roofline",
+            "tok/s",
+        ),
+        rows=rows,
+        summary=summary,
+    )
+
+
+# ------------------------------------------------------------ end to end
+
+
+def nano_vllm_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py: prompts of ``randint(min, max_input)`` ids below 10000 (or the
+    vocabulary), then output lengths ``randint(min, max_output)``, from ``random.seed(0)``."""
+    rng = random.Random(0)
+    top = min(10000, vocab - 1)
+    prompts = [
+        [rng.randint(0, top) for _ in range(rng.randint(args.min_len, args.max_input_len))]
+        for _ in range(args.num_requests)
+    ]
+    outputs = [rng.randint(args.min_len, args.max_output_len) for _ in range(args.num_requests)]
+    return prompts, outputs
+
+
+def _run_legato(
+    args: argparse.Namespace,
+    path: str,
+    device: str,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    outputs: list[int],
+) -> tuple[float, str]:
+    """Seconds for the whole workload through LLMEngine (stepped here), and how decode ran."""
+    from legato.llm import LLMEngine
+    from legato.protocol.params import RequestOutputKind, SamplingParams
+    from legato.toy_model import default_toy_model_dir
+
+    engine = LLMEngine.from_engine_args(
+        path,
+        tokenizer=str(default_toy_model_dir()),  # ids beyond its vocabulary decode to ""
+        device=device,
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=args.max_input_len + args.max_output_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        disable_log_stats=True,
+    )
+    graphs = engine.runner.decode_graphs
+    how = f"decode graphs {graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "eager"
+    engine.add_request(
+        "warmup", {"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=8)
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    began = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(prompts, outputs, strict=True)):
+        params = SamplingParams(
+            temperature=0.6,
+            ignore_eos=True,
+            max_tokens=n,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    generated = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated += len(out.outputs[0].token_ids)
+    seconds = time.perf_counter() - began
+    if generated != sum(outputs):
+        raise RuntimeError(f"legato generated {generated} tokens, expected {sum(outputs)}")
+    del engine, graphs
+    return seconds, how
+
+
+def _run_transformers(
+    shape: dict[str, Any],
+    device: str,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    outputs: list[int],
+    batch_size: int,
+) -> float:
+    """Seconds for the workload through ``generate`` in static batches of ``batch_size``
+    (sorted by output length, left-padded, each batch run to its longest output)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3Config(
+        **{
+            k: v
+            for k, v in shape.items()
+            if k not in ("architectures", "model_type", "torch_dtype")
+        }
+    )
+    with torch.device(device):
+        model: Any = transformers.Qwen3ForCausalLM(config)
+    model = model.to(dtype).eval()
+    order = sorted(range(len(prompts)), key=lambda i: -outputs[i])
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    began = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros(len(idx), width, dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
+            new = max(outputs[i] for i in idx)
+            model.generate(
+                ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=True,
+                temperature=0.6,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+    sync()
+    seconds = time.perf_counter() - began
+    del model
+    return seconds
+
+
+def end_to_end_section(
+    args: argparse.Namespace, rates: DeviceRates, device: str, dtype: torch.dtype
+) -> Table:
+    """nano-vllm's offline workload: legato's LLMEngine against transformers' generate."""
+    import torch
+
+    from legato.models.loader import write_random_model_dir
+
+    del rates
+    shape = _shape(QWEN3_0_6B, args)
+    prompts, outputs = nano_vllm_workload(args, shape["vocab_size"])
+    tokens = sum(outputs)
+    rows: list[tuple[str, ...]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(write_random_model_dir(tmp, shape, seed=0))
+        seconds, how = _run_legato(args, path, device, dtype, prompts, outputs)
+    ours = tokens / seconds
+    rows.append(("legato LLMEngine", how, f"{seconds:.3g}", f"{ours:.0f}"))
+    print(f"e2e legato: {ours:.0f} tok/s ({how})", flush=True)
+    _free_memory(device)
+    best: tuple[float, int] | None = None
+    for batch_size in [] if args.skip_transformers else args.hf_batch_sizes:
+        try:
+            hf_seconds = _run_transformers(shape, device, dtype, prompts, outputs, batch_size)
+        except torch.OutOfMemoryError:
+            rows.append(("transformers generate", f"batch {batch_size}", "out of memory", ""))
+            _free_memory(device)
+            continue
+        rate = tokens / hf_seconds
+        rows.append(
+            (
+                "transformers generate",
+                f"static batch {batch_size}",
+                f"{hf_seconds:.3g}",
+                f"{rate:.0f}",
+            )
+        )
+        print(f"e2e transformers batch {batch_size}: {rate:.0f} tok/s", flush=True)
+        best = max(best or (0.0, 0), (rate, batch_size))
+        _free_memory(device)
+    reference = f"transformers {best[0]:.0f} tok/s (batch {best[1]})" if best else "-"
+    ratio = f"{ours / best[0]:.2f}x" if best else "-"
+    name = "Qwen3-0.6B" if not args.tiny else "tiny Qwen3"
+    return Table(
+        title=(
+            f"end to end, {name}-shaped random model, {str(dtype).removeprefix('torch.')}: "
+            f"{args.num_requests} requests, prompts and outputs {args.min_len}.."
+            f"{args.max_input_len}/{args.max_output_len} tokens, {tokens} output tokens"
+        ),
+        header=("engine", "how", "seconds", "out tok/s"),
+        rows=rows,
+        summary=[("end to end", "legato LLMEngine", f"{ours:.0f} tok/s", reference, ratio)],
+    )
+
+
+# ----------------------------------------------------------------- output
 
 
 def print_table(table: Table) -> None:
@@ -241,8 +790,12 @@ def print_table(table: Table) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
 
 
-SECTIONS: tuple[Callable[[argparse.Namespace, DeviceRates, str, torch.dtype], Table], ...] = (
-    attention_decode_section,
+SectionFn = Callable[[argparse.Namespace, DeviceRates, str, "torch.dtype"], Table]
+
+SECTIONS: tuple[tuple[str, SectionFn], ...] = (
+    ("attention", attention_decode_section),
+    ("decode", model_decode_section),
+    ("e2e", end_to_end_section),
 )
 
 
@@ -253,12 +806,23 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     default_dtype = "bfloat16" if device == "cuda" else "float32"
     dtype = getattr(torch, args.dtype or default_dtype)
+    banner = ""
     if device == "cpu":
-        print("cpu: Triton kernels run under the interpreter; timings are not GPU figures")
+        banner = "CPU run: Triton kernels under the interpreter; NOT GPU figures"
+        print(banner)
     rates = measure_device(args, device)
-    print_table(device_section(args, rates, device))
-    for section in SECTIONS:
-        print_table(section(args, rates, device, dtype))
+    tables = [device_section(args, rates, device)]
+    print_table(tables[0])
+    for name, section in SECTIONS:
+        if name in args.sections:
+            tables.append(section(args, rates, device, dtype))
+            print_table(tables[-1])
+    summary = Table(
+        title=f"summary ({device}{', ' + banner if banner else ''})",
+        header=SUMMARY_HEADER,
+        rows=[row for table in tables for row in table.summary],
+    )
+    print_table(summary)
 
 
 if __name__ == "__main__":

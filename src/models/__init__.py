@@ -4,11 +4,13 @@ Modules (import them directly; this package imports nothing, so that importing
 one submodule stays cheap):
 
 - ``runner``: :class:`ModelRunner`, one scheduler step in, sampled tokens out;
+- ``cuda_graphs``: decode steps captured as CUDA graphs, padded to captured sizes;
 - ``input_batch``: the runner's persistent per-request state;
 - ``sampler``: vectorised sampling with vLLM's semantics, logprobs;
 - ``llama``: one model class for Llama 2/3, Mistral, Qwen2, Qwen3;
 - ``layers``: linear, embedding, RMSNorm, rotary, MLP, attention;
 - ``attention_backend``: the dispatch point (torch / triton / reference);
 - ``torch_ops``: vectorised plain-torch hot paths for CPU;
-- ``config``, ``registry``, ``loader``: config.json, architectures, safetensors.
+- ``config``, ``registry``, ``loader``: config.json, architectures, safetensors
+  (or seeded random weights for a weightless model directory).
 """

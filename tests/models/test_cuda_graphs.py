@@ -1,12 +1,13 @@
-"""Decode CUDA graphs: the padding and static-buffer path, checked on CPU.
+"""Decode CUDA graphs: the padding and static-buffer path, on CPU and (where one is) a GPU.
 
-There is no GPU here, so the graphs are emulated (``mode="emulate"``): the
-runner records the forward over the same static buffers and metadata and
-replays it eagerly, on the Triton kernels under the interpreter, which are the
-ones a GPU captures. Greedy outputs must equal the eager runner's at batch
-sizes on and between the captured sizes and above the largest (eager
-fallback); mixed prefill + decode steps must bypass the graphs; CPU and
-``enforce_eager`` must never build real ones.
+Without a GPU the graphs are emulated (``mode="emulate"``): the runner records
+the forward over the same static buffers and metadata and replays it eagerly,
+on the Triton kernels under the interpreter, which are the ones a GPU
+captures. With a GPU the same tests also run real captures (``mode="cuda"``).
+Greedy outputs must equal the eager runner's at batch sizes on and between
+the captured sizes and above the largest (eager fallback); mixed prefill +
+decode steps must bypass the graphs; CPU and ``enforce_eager`` must never
+build real ones.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from legato.models.runner import ModelRunner
 from legato.protocol.params import SamplingParams
 
 CAPTURED = [1, 2, 4]
+MODES = [
+    "emulate",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -37,12 +45,18 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _graph_runner(make_runner: Callable[..., ModelRunner], ck: Any) -> ModelRunner:
-    runner = make_runner(ck, attention_backend="triton")
-    assert runner.decode_graphs is None  # CPU: nothing captured at start-up
-    runner.capture_decode_graphs(CAPTURED, mode="emulate")
-    assert runner.decode_graphs is not None and runner.decode_graphs.sizes == CAPTURED
-    return runner
+def _runners(
+    make_runner: Callable[..., ModelRunner], ck: Any, mode: str
+) -> tuple[ModelRunner, ModelRunner]:
+    """``(eager, graphed)`` runners on the Triton kernels; graphs captured at ``CAPTURED``."""
+    device = "cuda" if mode == "cuda" else "cpu"
+    eager = make_runner(ck, attention_backend="triton", device=device, enforce_eager=True)
+    assert eager.decode_graphs is None
+    graphed = make_runner(ck, attention_backend="triton", device=device)
+    assert (graphed.decode_graphs is None) == (mode != "cuda")  # CUDA captures at start-up
+    graphed.capture_decode_graphs(CAPTURED, mode=mode)  # type: ignore[arg-type]
+    assert graphed.decode_graphs is not None and graphed.decode_graphs.sizes == CAPTURED
+    return eager, graphed
 
 
 def _pure_decode(sched: Any) -> int | None:
@@ -112,7 +126,9 @@ def test_refuses_what_cannot_be_captured(
         )
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_padded_replay_matches_eager(
+    mode: str,
     llama: Any,
     make_runner: Callable[..., ModelRunner],
     mini_scheduler: Any,
@@ -126,12 +142,7 @@ def test_padded_replay_matches_eager(
     late = _prompt(12, 99)
     params = SamplingParams(temperature=0.0, logprobs=1)
     results = []
-    for graphs in (False, True):
-        runner = (
-            _graph_runner(make_runner, llama)
-            if graphs
-            else make_runner(llama, attention_backend="triton")
-        )
+    for graphs, runner in zip((False, True), _runners(make_runner, llama, mode)):
         sched = mini_scheduler(runner)
         for i, (prompt, (_, max_tokens)) in enumerate(zip(prompts, lengths)):
             sched.add(f"r{i}", prompt, params, max_tokens=max_tokens)
@@ -166,7 +177,9 @@ def test_padded_replay_matches_eager(
         assert graphed[f"r{i}"] == hf_greedy(llama, prompt, max_tokens)[0]
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_one_token_chunks_replay_with_prompt_logprobs(
+    mode: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., ModelRunner],
     mini_scheduler: Any,
@@ -176,12 +189,7 @@ def test_one_token_chunks_replay_with_prompt_logprobs(
     head, q/k norm)."""
     ck = make_checkpoint("qwen3")
     runs = []
-    for graphs in (False, True):
-        runner = (
-            _graph_runner(make_runner, ck)
-            if graphs
-            else make_runner(ck, attention_backend="triton")
-        )
+    for graphs, runner in zip((False, True), _runners(make_runner, ck, mode)):
         sched = mini_scheduler(runner, chunk=1)
         sched.add("a", _prompt(6, 1), SamplingParams(temperature=0.0, prompt_logprobs=1), 4)
         sched.add("b", _prompt(9, 2), max_tokens=3)
@@ -200,10 +208,11 @@ def test_one_token_chunks_replay_with_prompt_logprobs(
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_sleep_drops_and_wake_up_recaptures(
-    llama: Any, make_runner: Callable[..., ModelRunner], mini_scheduler: Any
+    mode: str, llama: Any, make_runner: Callable[..., ModelRunner], mini_scheduler: Any
 ) -> None:
-    runner = _graph_runner(make_runner, llama)
+    eager_runner, runner = _runners(make_runner, llama, mode)
     before = runner.decode_graphs
     runner.sleep(1)
     assert runner.decode_graphs is None
@@ -215,7 +224,7 @@ def test_sleep_drops_and_wake_up_recaptures(
     sched.add("a", _prompt(7, 4), max_tokens=4)
     sched.add("b", _prompt(11, 5), max_tokens=4)
     out = sched.run()
-    eager = mini_scheduler(make_runner(llama, attention_backend="triton"))
+    eager = mini_scheduler(eager_runner)
     eager.add("a", _prompt(7, 4), max_tokens=4)
     eager.add("b", _prompt(11, 5), max_tokens=4)
     assert out == eager.run()
