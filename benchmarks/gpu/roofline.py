@@ -24,7 +24,8 @@ function ``(args, rates, device, dtype) -> Table`` listed in ``SECTIONS``:
   ``generate`` on the same shapes and device in static batches (requests
   sorted by output length, left-padded; each batch runs to its longest
   output), best batch size reported. Throughput is requested output tokens
-  per second of wall time, prefill included.
+  per second of wall time, prefill included; both engines are warmed up first
+  (legato: 1 then 17 short requests, so the Triton kernels compile untimed).
 
 Usage::
 
@@ -404,6 +405,16 @@ def _free_memory(device: str) -> int:
 # ----------------------------------------------------------- decode step
 
 
+def _decode_steps(args: argparse.Namespace) -> int:
+    """Steps one case runs: warm-up and timed steps, with graphs and then eagerly."""
+    return 2 * int(args.decode_warmup + args.decode_steps)
+
+
+def _blocks_per_seq(args: argparse.Namespace, context: int) -> int:
+    """KV blocks one request of a case needs: its context plus every step's token."""
+    return -(-(context + _decode_steps(args) + 1) // int(args.block_size))
+
+
 class DecodeCase:
     """``batch`` requests held by ``runner`` with ``context`` tokens of context; :meth:`step`
     runs one decode step of all of them.
@@ -413,13 +424,13 @@ class DecodeCase:
     changes nothing the step reads or writes.
     """
 
-    def __init__(self, runner: ModelRunner, batch: int, context: int, max_steps: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, batch: int, context: int, max_steps: int, per_seq: int
+    ) -> None:
         from legato.protocol.messages import NewRequestData
         from legato.protocol.params import SamplingParams
 
         self.runner = runner
-        bs = runner.block_size
-        per_seq = -(-(context + max_steps + 1) // bs)
         rng = random.Random(batch * 100003 + context)
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_steps + 1)
         self.new = [
@@ -467,11 +478,9 @@ def _build_decode_runner(
     from legato.config import EngineConfig
     from legato.models.runner import ModelRunner
 
-    steps = 2 * (args.decode_warmup + args.decode_steps) + 2
-    bs = args.block_size
-    need = max(b * -(-(c + steps + 1) // bs) for b in args.batches for c in args.contexts)
+    need = max(b * _blocks_per_seq(args, c) for b in args.batches for c in args.contexts)
     params, _ = _param_count(shape)
-    block_bytes = _kv_bytes_per_token(shape, dtype) * bs
+    block_bytes = _kv_bytes_per_token(shape, dtype) * args.block_size
     budget = _free_memory(device) * 0.9 - params * dtype.itemsize - _CUDA_MARGIN_BYTES
     blocks = int(min(need, budget // block_bytes)) if device == "cuda" else need
     if blocks < 1:
@@ -480,7 +489,7 @@ def _build_decode_runner(
         model=path,
         device=device,
         dtype=str(dtype).removeprefix("torch."),
-        max_model_len=max(args.contexts) + steps + 1,
+        max_model_len=max(args.contexts) + _decode_steps(args) + 1,
         num_kv_blocks=blocks + 1,
         max_num_seqs=max(args.batches),
         attention_backend="triton",
@@ -519,10 +528,9 @@ def model_decode_section(
             f"ready in {time.perf_counter() - began:.1f} s",
             flush=True,
         )
-        max_steps = 2 * (args.decode_warmup + args.decode_steps)
         for context in args.contexts:
             for batch in args.batches:
-                per_seq = -(-(context + max_steps + 2) // args.block_size)
+                per_seq = _blocks_per_seq(args, context)
                 if batch * per_seq > blocks:
                     gib = batch * per_seq * args.block_size * kv_per_token / _GIB
                     rows.append(
@@ -532,7 +540,7 @@ def model_decode_section(
                         ("decode step", f"batch {batch} ctx {context}", "skipped", "", "")
                     )
                     continue
-                case = DecodeCase(runner, batch, context, max_steps)
+                case = DecodeCase(runner, batch, context, _decode_steps(args), per_seq)
                 timed: dict[str, float] = {}
                 for mode in ("graph", "eager"):
                     runner.decode_graphs = graphs if mode == "graph" else None
@@ -637,11 +645,14 @@ def _run_legato(
     )
     graphs = engine.runner.decode_graphs
     how = f"decode graphs {graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "eager"
-    engine.add_request(
-        "warmup", {"prompt_token_ids": prompts[0][:16]}, SamplingParams(max_tokens=8)
-    )
-    while engine.has_unfinished_requests():
-        engine.step()
+    # Warm-up: one request (as nano-vllm) and a batch of 17, so that the Triton kernels'
+    # specialisations (one sequence, multiples of 16, other counts) compile before timing.
+    for group in (1, 17):
+        for j in range(min(group, len(prompts))):
+            warm = {"prompt_token_ids": prompts[j][:32]}
+            engine.add_request(f"warmup{group}-{j}", warm, SamplingParams(max_tokens=4))
+        while engine.has_unfinished_requests():
+            engine.step()
     began = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, outputs, strict=True)):
         params = SamplingParams(
@@ -692,6 +703,11 @@ def _run_transformers(
         if device == "cuda":
             torch.cuda.synchronize()
 
+    with torch.inference_mode():  # warm-up: library initialisation, allocator
+        pair = [prompts[0], prompts[1 % len(prompts)]]
+        width = min(16, *map(len, pair))
+        warm = torch.tensor([p[:width] for p in pair], device=device)
+        model.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=0)
     sync()
     began = time.perf_counter()
     with torch.inference_mode():
@@ -730,6 +746,7 @@ def end_to_end_section(
     from legato.models.loader import write_random_model_dir
 
     del rates
+    _free_memory(device)  # what earlier sections held, before the engine sizes its KV cache
     shape = _shape(QWEN3_0_6B, args)
     prompts, outputs = nano_vllm_workload(args, shape["vocab_size"])
     tokens = sum(outputs)

@@ -27,6 +27,7 @@ Never imports trio.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import Counter
@@ -158,10 +159,8 @@ class DecodeGraphRunner:
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of ``num_seqs`` is padded to; None above the largest."""
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
 
     def fits(self, num_seqs: int, max_seq_len: int) -> bool:
         """Whether a decode batch of ``num_seqs`` sequences of at most ``max_seq_len`` tokens
