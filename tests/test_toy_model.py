@@ -14,6 +14,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
 from legato import toy_model
 from legato.toy_model import (
     MARKER_FILE,
@@ -22,7 +24,6 @@ from legato.toy_model import (
     describe,
     legato_home,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 
 def _digests(directory: Path) -> dict[str, str]:

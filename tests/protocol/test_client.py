@@ -8,8 +8,9 @@ from collections.abc import AsyncGenerator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import legato.protocol.client as client_module
 import pytest
+
+import legato.protocol.client as client_module
 from legato.protocol import (
     EngineClient,
     EngineDeadError,

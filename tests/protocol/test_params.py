@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import pytest
+
 from legato.protocol.params import PoolingParams, RequestOutputKind, SamplingParams
 
 NAN = math.nan

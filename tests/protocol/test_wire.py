@@ -7,11 +7,12 @@ import enum
 import inspect
 from typing import Any
 
-import legato.protocol
 import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import legato.protocol
 from legato.config import EngineConfig
 from legato.protocol import messages
 from legato.protocol.messages import (
