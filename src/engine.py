@@ -192,7 +192,6 @@ class AsyncEngine(EngineClient):
         self._resumed = trio.Event()
         self._resumed.set()
         self._stopped = False
-        self._profiling = False
         self.supervisor.on_death(self._on_death)
 
     # ------------------------------------------------------------ start-up
@@ -221,7 +220,7 @@ class AsyncEngine(EngineClient):
             tokenizer,
             max_model_len=max_len,
             vocab_size=ready.vocab_size,
-            eos_token_id=ready.eos_token_ids[0] if ready.eos_token_ids else None,
+            eos_token_ids=ready.eos_token_ids,
             max_logprobs=config.max_logprobs,
         )
         self.tokenizer = tokenizer
@@ -532,12 +531,10 @@ class AsyncEngine(EngineClient):
         self._check_alive()
         trace_dir = self.config.profile_dir or os.path.join(os.getcwd(), "legato-profile")
         await self.executor.call("start_profile", trace_dir)
-        self._profiling = True
 
     async def stop_profile(self) -> None:
         self._check_alive()
         path = await self.executor.call("stop_profile")
-        self._profiling = False
         logger.info("profiler trace written to %s", path)
 
     async def add_lora(self, lora_request: Any) -> bool:

@@ -164,7 +164,7 @@ class LLMEngine:
             self.tokenizer,
             max_model_len=self.config.max_model_len or 0,
             vocab_size=self.runner.vocab_size,
-            eos_token_id=eos[0] if eos else None,
+            eos_token_ids=eos,
             max_logprobs=config.max_logprobs,
         )
         self.scheduler = Scheduler(self.config)

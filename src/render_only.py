@@ -53,7 +53,9 @@ class RenderOnlyClient(EngineClient):
             self.tokenizer,
             max_model_len=limit if 0 < limit < 10**9 else 2048,
             vocab_size=len(self.tokenizer),
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_ids=[]
+            if self.tokenizer.eos_token_id is None
+            else [self.tokenizer.eos_token_id],
         )
         self._stopped = False
 

@@ -50,13 +50,16 @@ class Renderer:
         *,
         max_model_len: int,
         vocab_size: int,
-        eos_token_id: int | None,
+        eos_token_ids: Sequence[int],
         max_logprobs: int = 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        # The first EOS id ends a request as EOS; any others (Llama 3 lists several in
+        # generation_config.json) are added to each request's stop ids, as vLLM does.
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.extra_eos_ids = [int(t) for t in eos_token_ids[1:]]
         self.max_logprobs = max_logprobs
 
     # ------------------------------------------------------------ prompts
@@ -206,6 +209,10 @@ class Renderer:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_model_len={self.max_model_len}",
             )
+        if self.extra_eos_ids and not params.ignore_eos:
+            stop_ids = list(params.stop_token_ids or [])
+            stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
+            params = params.clone(stop_token_ids=stop_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
             return [
