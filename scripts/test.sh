@@ -6,5 +6,5 @@ scripts/setup.sh
 VENV=${LEGATO_VENV:-.venv}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 "$VENV/bin/ruff" check src tests benchmarks examples
-"$VENV/bin/mypy" src
+"$VENV/bin/mypy" --strict src
 "$VENV/bin/python" -m pytest "$@"

@@ -132,7 +132,7 @@ class Fault:
         """The fault's row in the table: ``kill:<actor>`` or the kind's value."""
         if self.kind is FaultKind.KILL_ACTOR:
             return f"kill:{self.actor}"
-        return self.kind.value
+        return str(self.kind.value)
 
     @property
     def is_live(self) -> bool:
@@ -891,7 +891,7 @@ def _child_pids() -> set[int]:
 
 def _alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 
