@@ -5,10 +5,14 @@ through ``send_json`` / ``send_error`` / ``SSEResponse``. Errors a handler
 raises as ``HTTPError`` become OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``.
 
-Two ASGI traps are handled here: the body is read with a byte limit while it
-arrives (never buffered unbounded), and ``watch_disconnect`` turns a client's
+Three ASGI traps are handled here: the body is read with a byte limit while
+it arrives (never buffered unbounded); ``watch_disconnect`` turns a client's
 ``http.disconnect`` into a cancelled scope (``send`` after a disconnect
-silently does nothing, so a streaming handler must watch ``receive``).
+silently does nothing, so a streaming handler must watch ``receive``); and
+``Request.linger`` reads and drops a body that was answered without being
+read (a 413, a 404 ...), since hypercorn closes the connection as soon as the
+response ends, and closing a socket with unread input resets it: a client
+still sending its body would get a reset instead of the answer.
 
 Imports trio; never torch.
 """
@@ -75,6 +79,10 @@ class ClientDisconnected(Exception):
     """The client went away while the request body was being read."""
 
 
+LINGER_SECONDS = 2.0
+"""How long ``Request.linger`` waits for the rest of an unread body."""
+
+
 @dataclass
 class Request:
     """One HTTP request as the handlers see it."""
@@ -82,6 +90,13 @@ class Request:
     scope: Scope
     receive: Receive
     send: Send
+    body_done: bool = False
+    """Whether the whole body has arrived (or the client left): nothing more to read."""
+
+    def __post_init__(self) -> None:
+        # Without Content-Length or Transfer-Encoding a request has no body (RFC 9112 6.3).
+        if self.header("transfer-encoding") is None and not self.declared_length():
+            self.body_done = True
 
     @property
     def method(self) -> str:
@@ -106,37 +121,98 @@ class Request:
         the bytes received so far exceed ``limit`` (the rest is never read),
         and ``ClientDisconnected`` if the client leaves first. Checkpoints.
         """
-        declared = self.header("content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        declared = self.declared_length()
+        if declared is not None and declared > limit:
             raise _too_large(limit)
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
+                self.body_done = True
                 raise ClientDisconnected()
             if message["type"] != "http.request":
                 continue
             chunk = bytes(message.get("body", b""))
             size += len(chunk)
+            if not message.get("more_body", False):
+                self.body_done = True
             if size > limit:
                 raise _too_large(limit)
             chunks.append(chunk)
-            if not message.get("more_body", False):
+            if self.body_done:
                 return b"".join(chunks)
+
+    def declared_length(self) -> int | None:
+        """The Content-Length header as a number, if there is a valid one."""
+        declared = self.header("content-length")
+        if declared is not None and declared.strip().isdigit():
+            return int(declared)
+        return None
+
+    async def linger(self, max_bytes: int) -> None:
+        """Read and drop what is left of the body: at most ``max_bytes``, for at most
+        ``LINGER_SECONDS``. Returns at once if the body was read (or is declared
+        longer than ``max_bytes``: not worth waiting for). Checkpoints.
+        """
+        await trio.lowlevel.checkpoint()
+        declared = self.declared_length()
+        if self.body_done or (declared is not None and declared > max_bytes):
+            return
+        dropped = 0
+        with trio.move_on_after(LINGER_SECONDS):
+            while not self.body_done and dropped <= max_bytes:
+                message = await self.receive()
+                if message["type"] == "http.disconnect":
+                    self.body_done = True
+                elif message["type"] == "http.request":
+                    dropped += len(message.get("body", b""))
+                    self.body_done = not message.get("more_body", False)
 
     async def json(self, limit: int) -> dict[str, Any]:
         """The body as a JSON object. ``HTTPError(400)`` if it is not one, 413 if too large."""
         raw = await self.body(limit)
         try:
             value = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
             raise HTTPError(
                 400, f"the body is not valid JSON: {exc}", code="invalid_json"
             ) from None
+        except RecursionError:
+            raise HTTPError(400, "the body is nested too deeply", code="invalid_json") from None
+        if has_lone_surrogate(value):
+            raise HTTPError(
+                400, f"the body is not valid JSON: {LONE_SURROGATE}", code="invalid_json"
+            )
         if not isinstance(value, dict):
             raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
         return value
+
+
+LONE_SURROGATE = "a string has a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a decoded JSON value has a string (or key) with a lone surrogate.
+
+    Python's ``json`` accepts ``"\\ud800"`` and gives a ``str`` that cannot be
+    encoded as UTF-8: the tokenizer, and every later ``encode``, would fail on
+    it. Iterative, so any depth ``json.loads`` returns is fine.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _too_large(limit: int) -> HTTPError:

@@ -17,6 +17,12 @@ draining / engine dead                503     ``shutting_down`` / ``engine_dead`
 anything else                         500     ``internal_error``
 ====================================  ======  ===========================
 
+A response that ends before the request body was read (an error, or a GET
+with a body) says ``Connection: close`` and holds its last byte back while
+``Request.linger`` drops the rest of the body (up to ``LINGER_FACTOR`` x
+``max_body_bytes``), so that a client still sending gets the answer rather
+than a connection reset.
+
 Imports trio; never torch.
 """
 
@@ -58,6 +64,10 @@ ROUTES: dict[str, dict[str, Handler]] = {
 OPEN_PATHS = frozenset({"/health"})
 """Paths served without the API key."""
 
+LINGER_FACTOR = 4
+"""An unread body up to this many times ``max_body_bytes`` is read and dropped before the
+response ends; a longer one is cut off (the client may then see a reset)."""
+
 
 class OpenAIApp:
     """The ASGI application over one ``ServingState``."""
@@ -88,11 +98,20 @@ class OpenAIApp:
     async def _http(self, request: Request) -> None:
         started = False
         send = request.send
+        linger_bytes = LINGER_FACTOR * self.state.settings.max_body_bytes
 
         async def tracked_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                if not request.body_done:  # answered unread: the connection will not be reused
+                    headers = [*message.get("headers", ()), (b"connection", b"close")]
+                    message = {**message, "headers": headers}
+            last = message["type"] == "http.response.body" and not message.get("more_body")
+            if last and not request.body_done:
+                await send({**message, "more_body": True})
+                await request.linger(linger_bytes)
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(message)
 
         request.send = tracked_send
@@ -120,7 +139,7 @@ class OpenAIApp:
                 "%s %s failed after its response started: %s", request.method, request.path, error
             )
             return
-        await send_error(send, error)
+        await send_error(request.send, error)
 
     def _route(self, request: Request) -> Handler:
         settings = self.state.settings

@@ -16,6 +16,7 @@ Pure code: never imports trio or torch.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,38 +35,59 @@ DecodeToken = Callable[[int, Logprob | None], str]
 # ------------------------------------------------------------------ field checks
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Integers a client gives must fit in 64 bits: the engine stores them in int64 arrays."""
+
+_REPR = reprlib.Repr()  # (keyword arguments need Python 3.12)
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+
+
+def show(value: object) -> str:
+    """A short repr of a client's value for an error message (bounded in size and depth)."""
+    return _REPR.repr(value)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _check_range(name: str, value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValidationError(name, f"must fit in a signed 64-bit integer, got {show(value)}")
+    return value
+
+
 def check_int(name: str, value: object) -> int:
     if not _is_int(value):
-        raise ValidationError(name, f"must be an integer, got {value!r}")
+        raise ValidationError(name, f"must be an integer, got {show(value)}")
     assert isinstance(value, int)
-    return value
+    return _check_range(name, value)
 
 
 def check_number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValidationError(name, f"must be a number, got {value!r}")
-    return float(value)
+        raise ValidationError(name, f"must be a number, got {show(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer past the float range
+        raise ValidationError(name, f"is out of range, got {show(value)}") from None
 
 
 def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValidationError(name, f"must be a boolean, got {value!r}")
+        raise ValidationError(name, f"must be a boolean, got {show(value)}")
     return value
 
 
 def check_str(name: str, value: object) -> str:
     if not isinstance(value, str):
-        raise ValidationError(name, f"must be a string, got {value!r}")
+        raise ValidationError(name, f"must be a string, got {show(value)}")
     return value
 
 
 def check_strs(name: str, value: object) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValidationError(name, f"must be a list of strings, got {value!r}")
+        raise ValidationError(name, f"must be a list of strings, got {show(value)}")
     return list(value)
 
 
@@ -75,22 +97,28 @@ def check_str_or_strs(name: str, value: object) -> str | list[str]:
     return check_strs(name, value)
 
 
+def check_object(name: str, value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValidationError(name, f"must be an object, got {show(value)}")
+    return value
+
+
 def check_ints(name: str, value: object) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(v) for v in value):
-        raise ValidationError(name, f"must be a list of integers, got {value!r}")
-    return list(value)
+        raise ValidationError(name, f"must be a list of integers, got {show(value)}")
+    return [_check_range(name, v) for v in value]
 
 
 def check_logit_bias(name: str, value: object) -> dict[int, float]:
     if not isinstance(value, dict):
-        raise ValidationError(name, f"must be an object of token id -> bias, got {value!r}")
+        raise ValidationError(name, f"must be an object of token id -> bias, got {show(value)}")
     out: dict[int, float] = {}
     for key, bias in value.items():
         try:
             token_id = int(key)
         except (TypeError, ValueError):
-            raise ValidationError(name, f"keys must be token ids, got {key!r}") from None
-        out[token_id] = check_number(name, bias)
+            raise ValidationError(name, f"keys must be token ids, got {show(key)}") from None
+        out[_check_range(name, token_id)] = check_number(name, bias)
     return out
 
 
@@ -120,6 +148,18 @@ _SAMPLING_FIELDS: dict[str, tuple[str, Checker]] = {
     "allowed_token_ids": ("allowed_token_ids", check_ints),
     "bad_words": ("bad_words", check_strs),
 }
+
+PARAM_CHECKS: dict[str, Checker] = {
+    **dict(_SAMPLING_FIELDS.values()),
+    "best_of": check_int,
+    "max_tokens": check_int,
+    "logprobs": check_int,
+    "prompt_logprobs": check_int,
+    "detokenize": check_bool,
+    "extra_args": check_object,
+}
+"""SamplingParams field -> its type check, for every field a client may set by name
+(the WebSocket protocol's ``params``). SamplingParams itself checks ranges, not every type."""
 
 
 def _given(body: Mapping[str, Any], name: str) -> bool:
@@ -162,7 +202,7 @@ def _common(body: Mapping[str, Any]) -> tuple[str | None, bool, bool, int]:
     if _given(body, "stream_options"):
         options = body["stream_options"]
         if not isinstance(options, dict):
-            raise ValidationError("stream_options", f"must be an object, got {options!r}")
+            raise ValidationError("stream_options", f"must be an object, got {show(options)}")
         if not stream:
             raise ValidationError("stream_options", "is only allowed with stream=true")
         if options.get("include_usage") is not None:

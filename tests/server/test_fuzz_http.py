@@ -1,0 +1,427 @@
+"""Hostile input on the HTTP API: random bodies, wrong types for every known field, junk bytes,
+wrong content types, huge bodies, junk queries, paths and methods, raw garbage on the socket.
+
+Every answer must be a documented status with OpenAI's error body (never a 500
+for client input), the server must keep serving, and nothing may pile up:
+no request left in flight, RSS bounded over repeated rounds.
+
+One server per module, in trio in a background thread (``ServerThread``), so
+that hypothesis' ``@given`` drives plain synchronous tests with httpx.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from legato.engine import open_engine
+from legato.server import Server, ServerSettings, open_server
+
+MODEL = "legato-toy"
+FUZZ_ENGINE_ARGS: dict[str, Any] = dict(
+    executor="inproc", max_model_len=128, num_kv_blocks=200, disable_log_stats=True
+)
+FUZZ_SETTINGS: dict[str, Any] = dict(
+    port=0, ws_port=0, shutdown_grace=1.0, max_body_bytes=64 * 1024, max_n=2, log_requests=False
+)
+FUZZ = settings(
+    max_examples=int(os.environ.get("LEGATO_FUZZ_EXAMPLES", "120")),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+class ServerThread:
+    """A real server over the toy model, running in ``trio.run`` in a background thread.
+
+    ``with ServerThread(...) as st:`` starts it and returns once it listens
+    (start-up errors are raised there); leaving the block shuts it down
+    gracefully and joins the thread. ``call(fn)`` runs ``fn()`` in the
+    server's trio thread (to read its state safely) and returns the result.
+    """
+
+    def __init__(self, model_dir: Path, **settings: Any) -> None:
+        self._model_dir = model_dir
+        self._settings = ServerSettings(**{**FUZZ_SETTINGS, **settings})
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="fuzz-server", daemon=True)
+        self._error: BaseException | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self.server: Server | None = None
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        if not self._ready.wait(120):
+            raise TimeoutError("the server thread did not start within 120 s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None and self._stop is not None:
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the server thread did not stop"
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # reported to the test thread
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._stop = trio.Event()
+        async with (
+            open_engine(str(self._model_dir), **FUZZ_ENGINE_ARGS) as engine,
+            open_server(engine, self._settings, model_name=MODEL) as server,
+        ):
+            self.server = server
+            self._token = trio.lowlevel.current_trio_token()
+            self._ready.set()
+            await self._stop.wait()
+
+    def call(self, fn: Any) -> Any:
+        """``fn()`` in the server's trio thread; its result."""
+        assert self._token is not None
+        return trio.from_thread.run_sync(fn, trio_token=self._token)
+
+    @property
+    def http_url(self) -> str:
+        assert self.server is not None
+        return self.server.http_url
+
+    @property
+    def ws_url(self) -> str:
+        assert self.server is not None
+        return self.server.ws_url
+
+    def run(self, async_fn: Any) -> Any:
+        """``await async_fn()`` in the server's trio thread; its result."""
+        assert self._token is not None
+        return trio.from_thread.run(async_fn, trio_token=self._token)
+
+    def num_live(self) -> int:
+        """Requests in flight, read in the server's thread."""
+        return int(self.call(lambda: self.server.state.num_live))  # type: ignore[union-attr]
+
+    def wait_idle(self, seconds: float = 10.0) -> None:
+        """Block until no request is in flight; fail after ``seconds``."""
+
+        async def idle() -> None:
+            with trio.fail_after(seconds):
+                await self.server.state.wait_idle()  # type: ignore[union-attr]
+
+        self.run(idle)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(toy_model_dir: Path) -> Iterator[ServerThread]:
+    with ServerThread(toy_model_dir) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(fuzz_server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fuzz_server.http_url, timeout=60) as client:
+        yield client
+
+
+# ------------------------------------------------------------------ what an answer may be
+
+DOCUMENTED = {
+    400: {"invalid_json", "invalid_value"},
+    401: {"invalid_api_key"},
+    404: {"not_found", "model_not_found"},
+    405: {"method_not_allowed"},
+    413: {"body_too_large"},
+}
+
+
+def check_answer(response: httpx.Response, *, allowed: set[int]) -> None:
+    """A documented status; errors have OpenAI's body with a documented code; 200s parse."""
+    status = response.status_code
+    assert status in allowed, (status, response.text[:500])
+    if response.request.method == "HEAD":
+        return
+    if status != 200:
+        body = response.json()
+        assert set(body) == {"error"}, body
+        error = body["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert error["code"] in DOCUMENTED[status], error
+        assert isinstance(error["message"], str) and error["message"], error
+        assert error["param"] is None or isinstance(error["param"], str), error
+        return
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line for line in response.text.split("\n") if line]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        for event in events[:-1]:
+            assert event.startswith("data: "), event
+            chunk = json.loads(event[len("data: ") :])
+            assert "error" not in chunk, chunk  # an error event is for engine death only
+    elif response.headers["content-type"].startswith("application/json"):
+        response.json()
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+    assert http.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------ strategies
+
+TEXT = st.text(st.characters(exclude_categories=()) | st.characters(categories=["Cs"]), max_size=12)
+NUMBERS = (
+    st.integers(min_value=-(2**70), max_value=2**70)
+    | st.integers(min_value=-3, max_value=140)
+    | st.floats()
+    | st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324])
+)
+SCALARS = st.none() | st.booleans() | NUMBERS | TEXT
+JSON_VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=10,
+)
+# Values that get past the type checks more often, so that the engine sees them.
+PLAUSIBLE = (
+    JSON_VALUES
+    | st.lists(st.integers(min_value=-2, max_value=70000), min_size=1, max_size=6)
+    | st.lists(TEXT, min_size=1, max_size=3)
+    | st.dictionaries(st.integers(-2, 70000).map(str), NUMBERS, max_size=3)
+    | st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})
+    | st.fixed_dictionaries({"include_usage": JSON_VALUES})
+    | st.lists(st.fixed_dictionaries({"role": JSON_VALUES, "content": JSON_VALUES}), max_size=2)
+)
+
+SAMPLING_FIELDS = [
+    "temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
+    "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
+]  # fmt: skip
+COMMON_FIELDS = [
+    "model", "stream", "stream_options", "priority", "user", "tools", "functions",
+    "tool_choice", "response_format", "max_tokens", "logprobs", "best_of",
+]  # fmt: skip
+ENDPOINTS: dict[str, tuple[dict[str, Any], list[str]]] = {
+    # path: (a valid body, the fields it knows)
+    "/v1/completions": (
+        {"prompt": "Hi", "max_tokens": 2},
+        ["prompt", "echo", "suffix", *COMMON_FIELDS, *SAMPLING_FIELDS],
+    ),
+    "/v1/chat/completions": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        [
+            "messages",
+            "max_completion_tokens",
+            "top_logprobs",
+            "add_generation_prompt",
+            *COMMON_FIELDS,
+            *SAMPLING_FIELDS,
+        ],
+    ),  # fmt: skip
+    "/tokenize": (
+        {"prompt": "hi"},
+        ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "model"],
+    ),
+    "/detokenize": ({"tokens": [5, 6]}, ["tokens", "model"]),
+}
+POST_ALLOWED = {200, 400, 404, 413}
+
+
+@st.composite
+def mutated_bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """An endpoint and its valid body with 1-3 known fields set to hostile values."""
+    path = draw(st.sampled_from(sorted(ENDPOINTS)))
+    base, fields = ENDPOINTS[path]
+    body = dict(base)
+    for field in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
+        body[field] = draw(PLAUSIBLE)
+    return path, body
+
+
+def post_json(http: httpx.Client, path: str, value: Any) -> httpx.Response:
+    """POST ``value`` as JSON the way Python writes it (NaN and lone surrogates included)."""
+    content = json.dumps(value).encode()
+    return http.post(path, content=content, headers={"content-type": "application/json"})
+
+
+# ------------------------------------------------------------------ the fuzzers
+
+
+@FUZZ
+@given(case=mutated_bodies())
+def test_known_fields_with_hostile_values(
+    http: httpx.Client, case: tuple[str, dict[str, Any]]
+) -> None:
+    path, body = case
+    check_answer(post_json(http, path, body), allowed=POST_ALLOWED)
+
+
+@FUZZ
+@given(path=st.sampled_from(sorted(ENDPOINTS)), value=JSON_VALUES)
+def test_random_json_values_as_bodies(http: httpx.Client, path: str, value: Any) -> None:
+    check_answer(post_json(http, path, value), allowed=POST_ALLOWED)
+
+
+@FUZZ
+@given(
+    path=st.sampled_from(sorted(ENDPOINTS)),
+    body=st.binary(max_size=300)
+    | st.sampled_from([b"", b"{", b"[" * 5000, b'{"prompt": "\xff\xfe"}', b"\x00" * 64])
+    | st.text(max_size=50).map(lambda t: f'{{"prompt": "{t}'.encode(errors="surrogatepass")),
+    content_type=st.sampled_from(
+        ["application/json", "text/plain", "application/x-www-form-urlencoded",
+         "multipart/form-data; boundary=x", "application/msgpack", "", "json; charset=ebcdic"]
+    ),
+)  # fmt: skip
+def test_random_bytes_and_content_types(
+    http: httpx.Client, path: str, body: bytes, content_type: str
+) -> None:
+    check_answer(
+        http.post(path, content=body, headers={"content-type": content_type}),
+        allowed=POST_ALLOWED,
+    )
+
+
+@FUZZ
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
+    path=st.sampled_from(["/v1/models", "/health", "/metrics", "/version", *ENDPOINTS])
+    | st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=20).map(
+        lambda t: "/" + "".join(c for c in t if c not in "?#%")
+    ),
+    query=st.dictionaries(TEXT, TEXT, max_size=3),
+    body=st.binary(max_size=100),
+)
+def test_methods_paths_queries_and_bodies(
+    http: httpx.Client, method: str, path: str, query: dict[str, str], body: bytes
+) -> None:
+    def clean(text: str) -> str:
+        return text.encode(errors="replace").decode()
+
+    response = http.request(
+        method, path, params={clean(k): clean(v) for k, v in query.items()}, content=body
+    )
+    if method == "GET":
+        allowed = {200, 404, 405}
+    elif method == "POST" and path in ENDPOINTS:
+        allowed = POST_ALLOWED
+    else:
+        allowed = {404, 405}
+    check_answer(response, allowed=allowed)
+
+
+def test_every_known_field_with_every_wrong_type(
+    fuzz_server: ServerThread, http: httpx.Client
+) -> None:
+    wrong: list[Any] = [
+        None, True, False, -1, 0, 2**64, 1.5, math.nan, math.inf, "", "s", "\ud800",
+        [], [1], ["a"], [[1]], {}, {"a": 1}, {"1": "x"}, [None], "x" * 3000,
+    ]  # fmt: skip
+    for path, (base, fields) in ENDPOINTS.items():
+        for field in fields:
+            for value in wrong:
+                response = post_json(http, path, {**base, field: value})
+                check_answer(response, allowed=POST_ALLOWED)
+    assert_still_serving(http)
+    fuzz_server.wait_idle()
+
+
+def test_huge_bodies_get_413_and_the_server_keeps_serving(http: httpx.Client) -> None:
+    """Sent whole before the answer is read (as httpx does): a body up to 4x the limit is
+    read and dropped, so the client gets its 413; a far larger one may be cut off instead."""
+    limit = FUZZ_SETTINGS["max_body_bytes"]
+
+    def chunks(body: bytes) -> Iterator[bytes]:  # no Content-Length: the limit counts bytes
+        for start in range(0, len(body), 8192):
+            yield body[start : start + 8192]
+
+    for path in ENDPOINTS:
+        for size in (limit + 1, 2 * limit, 3 * limit, 64 * limit):
+            body = b'{"prompt": "' + b"x" * size + b'"}'
+            for content in (body, chunks(body)):
+                try:
+                    response = http.post(path, content=content)
+                except (httpx.RemoteProtocolError, httpx.WriteError):
+                    assert size > 4 * limit
+                    continue
+                check_answer(response, allowed={413})
+                assert response.headers["connection"] == "close"  # answered unread
+        # just under the limit: a valid body with a prompt far too long for the model
+        body = json.dumps({**ENDPOINTS[path][0], "prompt": "ab " * (limit // 4)}).encode()
+        assert len(body) <= limit
+        check_answer(http.post(path, content=body), allowed={200, 400})
+    assert_still_serving(http)
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(garbage=st.binary(min_size=1, max_size=400))
+def test_raw_garbage_on_the_socket(fuzz_server: ServerThread, garbage: bytes) -> None:
+    """Not HTTP at all: the connection ends (or gets a 400); the server is unharmed."""
+    host, port = fuzz_server.http_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(garbage)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    if answer:
+        assert answer.startswith(b"HTTP/1.1 "), answer[:200]
+        status = int(answer.split(b" ", 2)[1])
+        assert status in (200, 400, 404, 405, 413, 431), answer[:300]
+
+
+def _rss() -> int:
+    gc.collect()
+    return int(psutil.Process().memory_info().rss)
+
+
+def test_memory_and_in_flight_state_stay_bounded(
+    fuzz_server: ServerThread, http: httpx.Client
+) -> None:
+    """The same hostile round, twice after a warm-up: RSS grows by less than a generous bound."""
+    limit = FUZZ_SETTINGS["max_body_bytes"]
+
+    def hostile_round() -> None:
+        for i in range(40):
+            path = sorted(ENDPOINTS)[i % len(ENDPOINTS)]
+            post_json(http, path, {**ENDPOINTS[path][0], "stop": [i] * 50, "n": "x"})
+            http.post(path, content=b'{"prompt": "' + b"y" * (2 * limit) + b'"}')
+            http.post(path, content=bytes(range(256)) * 4)
+            http.post(path, content=b"[" * 3000)
+            post_json(http, path, {**ENDPOINTS[path][0], "max_tokens": 3, "stream": i % 2 == 0})
+
+    hostile_round()
+    fuzz_server.wait_idle()
+    before = _rss()
+    for _ in range(3):
+        hostile_round()
+    fuzz_server.wait_idle()
+    grown = _rss() - before
+    assert grown < 64 * 1024 * 1024, f"RSS grew by {grown / 2**20:.1f} MiB over 3 rounds"
+    assert fuzz_server.num_live() == 0
+    assert_still_serving(http)
