@@ -37,8 +37,8 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from ..protocol.outputs import CompletionOutput, RequestOutput
 from ..protocol.params import RequestOutputKind, SamplingParams
-from .asgi import bearer_token_ok, dumps
-from .openai_schemas import check_logit_bias, parse_messages
+from .asgi import LONE_SURROGATE, bearer_token_ok, dumps, has_lone_surrogate
+from .openai_schemas import PARAM_CHECKS, check_int, parse_messages, show
 from .state import ServingState, Unavailable
 
 logger = logging.getLogger("legato.server")
@@ -52,6 +52,9 @@ MAX_REQUEST_ID_LEN = 256
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _FIXED_PARAMS = frozenset({"output_kind", "logits_processors"})
+_NULLABLE_PARAMS = frozenset(  # fields typed "X | None": null is a value of theirs
+    f.name for f in dataclasses.fields(SamplingParams) if "None" in str(f.type)
+)
 
 
 class FrameError(Exception):
@@ -115,6 +118,8 @@ def decode_frame(message: str | bytes, limit: int) -> tuple[dict[str, Any], Enco
         ) from None
     if not isinstance(value, dict):
         raise FrameError("invalid_frame", "a frame must be an object")
+    if encoding == "json" and has_lone_surrogate(value):
+        raise FrameError("invalid_frame", f"not valid json: {LONE_SURROGATE}")
     return value, encoding
 
 
@@ -172,15 +177,22 @@ def parse_generate(
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise invalid("params", "must be an object of SamplingParams fields")
-    for key in raw:
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
         if key not in _PARAM_FIELDS:
-            raise invalid(f"params.{key}", "is not a SamplingParams field")
+            name = key if isinstance(key, str) else show(key)  # msgpack keys may be anything
+            raise invalid(f"params.{name}", "is not a SamplingParams field")
         if key in _FIXED_PARAMS:
             raise invalid(f"params.{key}", "cannot be set over the WebSocket protocol")
-    kwargs = dict(raw)
+        if value is None:  # null: "not given", or the field's own None (max_tokens: no limit)
+            if key in _NULLABLE_PARAMS:
+                kwargs[key] = None
+            continue
+        try:  # the types first: SamplingParams checks ranges, and not every type
+            kwargs[key] = PARAM_CHECKS[key](key, value)
+        except ValidationError as exc:
+            raise invalid(f"params.{key}", str(exc).partition(": ")[2]) from None
     try:
-        if kwargs.get("logit_bias") is not None:
-            kwargs["logit_bias"] = check_logit_bias("logit_bias", kwargs["logit_bias"])
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
     except ValidationError as exc:
         raise invalid(f"params.{exc.field}", str(exc).partition(": ")[2]) from None
@@ -192,9 +204,10 @@ def parse_generate(
         raise invalid(f"params.{field}", message) from None
     if params.n > state.settings.max_n:
         raise invalid("params.n", f"must be <= {state.settings.max_n}, got {params.n}")
-    priority = frame.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise invalid("priority", "must be an integer")
+    try:
+        priority = check_int("priority", frame.get("priority", 0))
+    except ValidationError as exc:
+        raise invalid("priority", str(exc).partition(": ")[2]) from None
     return GenerateRequest(request_id, prompt, params, priority, encoding)
 
 
@@ -337,7 +350,9 @@ class Connection:
             elif kind == "abort":
                 await self._abort(frame)
             else:
-                raise FrameError("unknown_type", f"type: unknown frame type {kind!r}", param="type")
+                raise FrameError(
+                    "unknown_type", f"type: unknown frame type {show(kind)}", param="type"
+                )
         except FrameError as exc:
             await self.send(exc.frame(), encoding)
         return True
@@ -360,7 +375,7 @@ class Connection:
         rid = request.request_id
         if rid in self._live:
             raise FrameError(
-                "duplicate_request_id", f"request {rid!r} is already running", request_id=rid
+                "duplicate_request_id", f"request {show(rid)} is already running", request_id=rid
             )
         if len(self._live) >= self.state.settings.ws_max_requests:
             raise FrameError(
