@@ -10,7 +10,7 @@ Never imports torch or trio.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,12 @@ class RequestOutputKind(enum.IntEnum):
 
 def _fail(field_name: str, message: str) -> ValueError:
     return ValueError(f"{field_name}: {message}")
+
+
+def _as_list(field_name: str, value: Any) -> list[Any]:
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise _fail(field_name, f"must be a list, got {type(value).__name__}")
+    return list(value)
 
 
 def _check_token_ids(field_name: str, ids: Sequence[int]) -> list[int]:
@@ -83,15 +89,18 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is not None:
-            self.stop = list(self.stop)
+            self.stop = _as_list("stop", self.stop)
         if self.stop_token_ids is not None:
-            self.stop_token_ids = list(self.stop_token_ids)
+            self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
         if self.bad_words is not None:
-            self.bad_words = list(self.bad_words)
+            self.bad_words = _as_list("bad_words", self.bad_words)
         if self.logit_bias is not None:
-            self.logit_bias = dict(self.logit_bias)
+            try:
+                self.logit_bias = dict(self.logit_bias)
+            except (TypeError, ValueError):
+                raise _fail("logit_bias", "must be a mapping of token id to bias") from None
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
@@ -113,6 +122,14 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first field that breaks a rule."""
         _int("n", self.n, minimum=1)
+        for flag in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            _bool(flag, getattr(self, flag))
         if self.best_of is not None and self.best_of != self.n:
             raise _fail("best_of", "is not supported (use n); only best_of == n is accepted")
         _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
@@ -127,7 +144,7 @@ class SamplingParams:
         _int("top_k", self.top_k, minimum=-1)
         _num("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _int("seed", self.seed, minimum=None)
+            _int("seed", self.seed, minimum=None, maximum=_MAX_SEED)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, minimum=1)
         _int("min_tokens", self.min_tokens, minimum=0)
@@ -213,11 +230,24 @@ class PoolingParams:
             _int("dimensions", self.dimensions, minimum=1)
 
 
-def _int(name: str, value: object, *, minimum: int | None) -> None:
+# Counts and sizes fit in int32 and seeds in int64, so no value that passes
+# validation can overflow a tensor in the model worker (and kill the engine).
+_MAX_COUNT = 2**31 - 1
+_MAX_SEED = 2**63 - 1
+
+
+def _int(name: str, value: object, *, minimum: int | None, maximum: int = _MAX_COUNT) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(name, f"must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
         raise _fail(name, f"must be >= {minimum}, got {value}")
+    if value > maximum or value < -maximum - 1:
+        raise _fail(name, f"must be <= {maximum}, got {value}")
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise _fail(name, f"must be true or false, got {value!r}")
 
 
 def _num(name: str, value: object, low: float | None, high: float | None) -> None:

@@ -199,3 +199,25 @@ def test_pooling_params() -> None:
         PoolingParams(dimensions=0)
     with pytest.raises(ValueError, match="^dimensions: "):
         PoolingParams(dimensions=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"top_k": 2**64}, "top_k"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"n": 2**31}, "n"),
+        ({"seed": 2**64}, "seed"),
+        ({"skip_special_tokens": {}}, "skip_special_tokens"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"detokenize": "yes"}, "detokenize"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"allowed_token_ids": "12"}, "allowed_token_ids"),
+        ({"logit_bias": [1]}, "logit_bias"),
+    ],
+)
+def test_values_no_worker_could_hold_are_refused_by_name(kwargs: dict[str, Any], field: str) -> None:
+    # Such values used to pass validation and then kill the engine inside the model worker.
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs)
