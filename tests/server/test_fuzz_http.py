@@ -120,6 +120,13 @@ class ServerThread:
         assert self._token is not None
         return trio.from_thread.run(async_fn, trio_token=self._token)
 
+    def assert_engine_alive(self) -> None:
+        """Fail (on the example that did it) if client input has killed the engine."""
+        error = self.call(
+            lambda: self.server.state.engine.supervisor.dead_error  # type: ignore[union-attr]
+        )
+        assert error is None, f"client input killed the engine: {error!r} ({error.__cause__!r})"
+
     def num_live(self) -> int:
         """Requests in flight, read in the server's thread."""
         return int(self.call(lambda: self.server.state.num_live))  # type: ignore[union-attr]
@@ -275,16 +282,20 @@ def post_json(http: httpx.Client, path: str, value: Any) -> httpx.Response:
 @FUZZ
 @given(case=mutated_bodies())
 def test_known_fields_with_hostile_values(
-    http: httpx.Client, case: tuple[str, dict[str, Any]]
+    fuzz_server: ServerThread, http: httpx.Client, case: tuple[str, dict[str, Any]]
 ) -> None:
     path, body = case
     check_answer(post_json(http, path, body), allowed=POST_ALLOWED)
+    fuzz_server.assert_engine_alive()
 
 
 @FUZZ
 @given(path=st.sampled_from(sorted(ENDPOINTS)), value=JSON_VALUES)
-def test_random_json_values_as_bodies(http: httpx.Client, path: str, value: Any) -> None:
+def test_random_json_values_as_bodies(
+    fuzz_server: ServerThread, http: httpx.Client, path: str, value: Any
+) -> None:
     check_answer(post_json(http, path, value), allowed=POST_ALLOWED)
+    fuzz_server.assert_engine_alive()
 
 
 @FUZZ
@@ -347,6 +358,7 @@ def test_every_known_field_with_every_wrong_type(
             for value in wrong:
                 response = post_json(http, path, {**base, field: value})
                 check_answer(response, allowed=POST_ALLOWED)
+                fuzz_server.assert_engine_alive()
     assert_still_serving(http)
     fuzz_server.wait_idle()
 

@@ -127,14 +127,16 @@ async def exchange(ws: WebSocketConnection, message: str | bytes) -> list[dict[s
 
 
 def run_exchange(server: ServerThread, message: str | bytes) -> list[dict[str, Any]]:
-    """``exchange`` on a fresh connection, in a trio run of its own."""
+    """``exchange`` on a fresh connection, in a trio run of its own; the engine must live on."""
 
     async def main() -> list[dict[str, Any]]:
         assert server.server is not None
         async with connect(server.server) as ws:
             return await exchange(ws, message)
 
-    return trio.run(main)
+    frames = trio.run(main)
+    server.assert_engine_alive()
+    return frames
 
 
 def assert_still_serving(server: ServerThread) -> None:
@@ -270,6 +272,7 @@ def test_every_param_and_field_with_every_wrong_type(fuzz_server: ServerThread) 
         None, True, -1, 2**63, 1.5, math.inf, "s", [], [1], ["a"], {}, {"1": "x"}, [None],
     ]  # fmt: skip
     base = {"type": "generate", "request_id": "r", "prompt": "Hi", "params": {"max_tokens": 1}}
+    engine = fuzz_server.call(lambda: fuzz_server.server.state.engine)  # type: ignore[union-attr]
 
     async def main() -> None:
         assert fuzz_server.server is not None
@@ -279,6 +282,7 @@ def test_every_param_and_field_with_every_wrong_type(fuzz_server: ServerThread) 
                     await exchange(
                         ws, json.dumps({**base, "params": {"max_tokens": 1, field: value}})
                     )
+                    assert not engine.errored, (field, value, engine.dead_error.__cause__)
                 for key in ("request_id", "prompt", "prompt_token_ids", "messages", "params",
                             "priority", "type"):  # fmt: skip
                     await exchange(ws, msgpack.packb(_msgpack_safe({**base, key: value})))
