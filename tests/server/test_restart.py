@@ -77,7 +77,7 @@ async def test_supervised_engine_restarts_within_the_limit_then_gives_up(
     assert second.is_stopped
 
 
-async def test_restart_policy_and_flags_are_checked() -> None:
+def test_restart_policy_and_flags_are_checked() -> None:
     for bad in (dict(max_restarts=-1), dict(max_restarts=True), dict(window=0)):
         with pytest.raises(ValueError):
             RestartPolicy(**bad)
