@@ -260,6 +260,8 @@ class WebSocketEndpoint:
         self.state = state
         self.connections: set[WebSocketConnection] = set()
         self._numbers = itertools.count()
+        self._none_open = trio.Event()  # set whenever ``connections`` is empty
+        self._none_open.set()
 
     @property
     def hard_limit(self) -> int:
@@ -280,6 +282,8 @@ class WebSocketEndpoint:
                 return
             authed = True
         ws = await request.accept()
+        if not self.connections:
+            self._none_open = trio.Event()
         self.connections.add(ws)
         try:
             await Connection(self.state, ws, next(self._numbers), authed).run()
@@ -289,6 +293,14 @@ class WebSocketEndpoint:
                 await ws.aclose(1011, "internal error")
         finally:
             self.connections.discard(ws)
+            if not self.connections:
+                self._none_open.set()
+
+    async def wait_all_closed(self) -> None:
+        """Return once no connection is open (each one's requests ended). A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        while self.connections:
+            await self._none_open.wait()
 
     async def close_all(self, close_timeout: float = 2.0) -> None:
         """Close every connection with 1001 (going away), each within ``close_timeout`` seconds."""
