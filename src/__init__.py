@@ -20,6 +20,7 @@ from .protocol import (
     SamplingParams,
 )
 from .render_only import RenderOnlyClient
+from .supervise import open_supervised_engine
 
 __version__ = "0.1.0"
 
@@ -43,4 +44,5 @@ __all__ = [
     "SamplingParams",
     "__version__",
     "open_engine",
+    "open_supervised_engine",
 ]

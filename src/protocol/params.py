@@ -253,8 +253,8 @@ def _bool(name: str, value: object) -> None:
 def _num(name: str, value: object, low: float | None, high: float | None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _fail(name, f"must be a number, got {value!r}")
-    if value != value:
-        raise _fail(name, "must not be NaN")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _fail(name, f"must be a finite number, got {value}")
     if low is not None and value < low:
         raise _fail(name, f"must be >= {low}, got {value}")
     if high is not None and value > high:

@@ -221,3 +221,9 @@ def test_values_no_worker_could_hold_are_refused_by_name(kwargs: dict[str, Any],
     # Such values used to pass validation and then kill the engine inside the model worker.
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "presence_penalty", "top_p"])
+def test_infinities_are_refused_by_name(field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: must be a finite number"):
+        SamplingParams(**{field: math.inf})
