@@ -357,7 +357,9 @@ async def create_completion(request: Request, state: ServingState) -> None:
         )
 
     def make_chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        return schemas.completion_chunk(
+        # OpenAI's streamed completions are "text_completion" objects too.
+        return schemas.openai_object(
+            "text_completion",
             request_id,
             generation.created,
             model,
@@ -382,7 +384,9 @@ async def create_completion(request: Request, state: ServingState) -> None:
                         choice.stop_reason,
                     )
                 )
-        return schemas.completion_response(request_id, generation.created, model, choices, usage)
+        return schemas.openai_object(
+            "text_completion", request_id, generation.created, model, choices, usage
+        )
 
     generation = Generation(
         state,
@@ -410,8 +414,9 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
     parsed = schemas.parse_chat_request(body, max_n=state.settings.max_n)
     check_model(state, parsed.model)
     renderer = state.engine.renderer
-    text = renderer.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt)
-    prompt = {"prompt": text, "prompt_token_ids": renderer.encode(text, add_special_tokens=False)}
+    prompt = renderer.render_chat_prompt(
+        parsed.messages, add_generation_prompt=parsed.add_generation_prompt
+    )
     request_id = _new_id("chatcmpl")
     model = state.model_name
     decode = decoder(state)
@@ -425,7 +430,8 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
         return schemas.chat_logprobs(token_ids, list(entries or ()), decode, parsed.top_logprobs)
 
     def make_chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
-        return schemas.chat_chunk(
+        return schemas.openai_object(
+            "chat.completion.chunk",
             request_id,
             generation.created,
             model,
@@ -463,7 +469,9 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
             )
             for index, choice in sorted(job.choices.items())
         ]
-        return schemas.chat_response(request_id, generation.created, model, choices, usage)
+        return schemas.openai_object(
+            "chat.completion", request_id, generation.created, model, choices, usage
+        )
 
     generation = Generation(
         state,
@@ -529,8 +537,10 @@ async def tokenize(request: Request, state: ServingState) -> None:
         messages = schemas.parse_messages(body["messages"])
         add_generation_prompt = body.get("add_generation_prompt", True)
         schemas.check_bool("add_generation_prompt", add_generation_prompt)
-        text = renderer.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        tokens = renderer.encode(text, add_special_tokens=False)
+        rendered = renderer.render_chat_prompt(
+            messages, add_generation_prompt=add_generation_prompt
+        )
+        tokens = rendered["prompt_token_ids"]
     elif body.get("prompt") is not None:
         text = schemas.check_str("prompt", body["prompt"])
         add_special_tokens = body.get("add_special_tokens", True)

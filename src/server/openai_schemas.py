@@ -489,18 +489,30 @@ def chat_logprobs(
     return {"content": content, "refusal": None}
 
 
-def completion_response(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
+def openai_object(
+    kind: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, int] | None = None,
+    *,
+    include_usage: bool = True,
 ) -> dict[str, Any]:
-    return {
+    """A response or streamed chunk: ``kind`` is its ``object`` ("text_completion",
+    "chat.completion", "chat.completion.chunk"). Chunks carry ``usage`` only when
+    the client asked for it (null until the last one)."""
+    obj: dict[str, Any] = {
         "id": request_id,
-        "object": "text_completion",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage_,
-        "system_fingerprint": None,
     }
+    if include_usage:
+        obj["usage"] = usage_
+    obj["system_fingerprint"] = None
+    return obj
 
 
 def completion_choice(
@@ -519,20 +531,6 @@ def completion_choice(
     }
 
 
-def chat_response(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, int]
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-        "system_fingerprint": None,
-    }
-
-
 def chat_choice(
     index: int,
     text: str,
@@ -547,52 +545,6 @@ def chat_choice(
         "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }
-
-
-def completion_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_: dict[str, int] | None = None,
-    *,
-    include_usage: bool = False,
-) -> dict[str, Any]:
-    """A streamed completions event (OpenAI's streamed objects are ``text_completion`` too)."""
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "system_fingerprint": None,
-    }
-    if include_usage:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def chat_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_: dict[str, int] | None = None,
-    *,
-    include_usage: bool = False,
-) -> dict[str, Any]:
-    """A streamed chat event (``chat.completion.chunk``)."""
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "system_fingerprint": None,
-    }
-    if include_usage:
-        chunk["usage"] = usage_
-    return chunk
 
 
 def chat_delta_choice(

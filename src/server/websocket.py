@@ -165,12 +165,7 @@ def parse_generate(
         elif given[0] == "prompt_token_ids":
             prompt = {"prompt_token_ids": frame["prompt_token_ids"]}
         else:
-            renderer = state.engine.renderer
-            text = renderer.render_chat(parse_messages(frame["messages"]))
-            prompt = {
-                "prompt": text,
-                "prompt_token_ids": renderer.encode(text, add_special_tokens=False),
-            }
+            prompt = state.engine.renderer.render_chat_prompt(parse_messages(frame["messages"]))
     except ValidationError as exc:
         raise invalid(exc.field, str(exc).partition(": ")[2]) from None
     raw = frame.get("params")
