@@ -552,7 +552,7 @@ class AsyncEngine(EngineClient):
     ) -> list[Any]:
         """Call ``method`` on every worker (there is one) and return their results."""
         self._check_alive()
-        with trio.fail_after(timeout) if timeout is not None else _null_scope():
+        with trio.fail_after(math.inf if timeout is None else timeout):
             return [await self.executor.call(method, *args, **(kwargs or {}))]
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -586,14 +586,6 @@ class AsyncEngine(EngineClient):
     @property
     def num_kv_blocks_used(self) -> int:
         return int(self.scheduler.make_stats().num_blocks_used)
-
-
-class _null_scope:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @asynccontextmanager

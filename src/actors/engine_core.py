@@ -52,11 +52,6 @@ CoreMessage = AddRequests | m.AbortRequests | FinishRequests | Control
 
 
 @dataclass
-class _PendingWait:
-    reply: Callable[[object], None]
-
-
-@dataclass
 class EngineCore:
     """State of the scheduler actor; ``run`` is the actor."""
 
@@ -67,9 +62,8 @@ class EngineCore:
     sleeping: bool = False
     _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
-    _waiters: list[_PendingWait] = field(default_factory=list)
-    _seen: set[str] = field(default_factory=set)
-    _arrivals: dict[str, float] = field(default_factory=dict)
+    _waiters: list[Callable[[object], None]] = field(default_factory=list)  # pause(WAIT) replies
+    _arrivals: dict[str, float] = field(default_factory=dict)  # requests not yet scheduled
 
     def __post_init__(self) -> None:
         self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
@@ -145,12 +139,10 @@ class EngineCore:
             return
         now = time.monotonic()
         queue_times = []
-        for new in plan.new_requests:
-            if new.request_id not in self._seen:
-                self._seen.add(new.request_id)
-                arrival = self._arrivals.pop(new.request_id, None)
-                if arrival is not None:
-                    queue_times.append(now - arrival)
+        for new in plan.new_requests:  # also requests resumed after preemption: not queued
+            arrival = self._arrivals.pop(new.request_id, None)
+            if arrival is not None:
+                queue_times.append(now - arrival)
         runner_out = await self.executor.execute(plan)
         core_out = self.scheduler.update_from_output(plan, runner_out)
         self._forget_finished(core_out.outputs)
@@ -175,7 +167,6 @@ class EngineCore:
     def _forget_finished(self, outputs: list[m.EngineCoreOutput]) -> None:
         for out in outputs:
             if out.finish_reason is not None:
-                self._seen.discard(out.request_id)
                 self._arrivals.pop(out.request_id, None)
 
     def _emit(self, outputs: list[m.EngineCoreOutput]) -> None:
@@ -194,7 +185,6 @@ class EngineCore:
         elif isinstance(message, FinishRequests):
             self.scheduler.finish_requests(message.request_ids, m.FinishReason.STOP)
             for request_id in message.request_ids:
-                self._seen.discard(request_id)
                 self._arrivals.pop(request_id, None)
         elif isinstance(message, Control):
             self._control(message)
@@ -206,7 +196,7 @@ class EngineCore:
         if isinstance(message, m.PauseGeneration):
             self._emit(self.scheduler.pause(message.mode))
             if message.mode == m.PauseMode.WAIT:
-                self._waiters.append(_PendingWait(control.reply))
+                self._waiters.append(control.reply)
                 return
             control.reply(None)
         elif isinstance(message, m.ResumeGeneration):
@@ -218,7 +208,8 @@ class EngineCore:
             control.reply(m.HealthPong(message.seq, message.sent_time))
         elif isinstance(message, m.Sleep):
             # Nothing may run on a worker without its KV cache: finish everything first.
-            self.abort_all()
+            self._emit(self.scheduler.pause(m.PauseMode.ABORT))
+            self.scheduler.resume()
             self.scheduler.reset_prefix_cache(True)
             self.sleeping = True
             control.reply(None)
@@ -231,12 +222,5 @@ class EngineCore:
     def _answer_waiters(self) -> None:
         if self._waiters and not self.scheduler.has_in_flight_requests():
             waiters, self._waiters = self._waiters, []
-            for waiter in waiters:
-                waiter.reply(None)
-
-    def abort_all(self) -> list[m.EngineCoreOutput]:
-        """Finish every request with reason abort (used by sleep)."""
-        outputs = self.scheduler.pause(m.PauseMode.ABORT)
-        self.scheduler.resume()
-        self._emit(outputs)
-        return outputs
+            for reply in waiters:
+                reply(None)
