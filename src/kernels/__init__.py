@@ -124,27 +124,10 @@ class KernelSet:
 def _torch_kernels() -> KernelSet:
     from . import reference
 
-    def paged_attention(
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        scale: float,
-        *,
-        max_query_len: int | None = None,
-        max_seq_len: int | None = None,
-    ) -> torch.Tensor:
-        del max_query_len, max_seq_len  # hints only matter to the Triton path
-        return reference.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
-        )
-
     return KernelSet(
         backend="torch",
         write_kv=reference.write_kv,
-        paged_attention=paged_attention,
+        paged_attention=reference.paged_attention,
         rms_norm=reference.rms_norm,
         fused_add_rms_norm=reference.fused_add_rms_norm,
         apply_rotary=reference.apply_rotary,

@@ -50,6 +50,9 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
 
@@ -58,7 +61,10 @@ def paged_attention(
     described in the module docstring. The new tokens' K/V must already be
     written. GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
     Returns ``[T, num_heads, head_dim]`` in the query's dtype.
+    ``max_query_len`` / ``max_seq_len`` are the Triton path's sync-free hints;
+    the reference reads the lengths itself and ignores them.
     """
+    del max_query_len, max_seq_len
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
