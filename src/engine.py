@@ -49,6 +49,7 @@ from .actors.scheduler import Scheduler
 from .actors.stats import FinishedRequest, StatsCollector, StepStats, run_stats
 from .actors.supervisor import Supervisor
 from .config import EngineConfig
+from .exception_groups import unwrap_single_error
 from .protocol import messages as m
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError, ValidationError
@@ -601,7 +602,9 @@ async def open_engine(
     """
     config = EngineConfig.from_kwargs(model=model, **engine_args)
     config = await trio.to_thread.run_sync(resolve_model, config)
-    try:
+    # The actors never raise into this nursery: a group here wraps one error from
+    # start-up or from the caller's own block.
+    with unwrap_single_error():
         async with trio.open_nursery() as nursery:
             engine = AsyncEngine(config, nursery, faults=faults)
             try:
@@ -609,10 +612,3 @@ async def open_engine(
                 yield engine
             finally:
                 engine.shutdown()
-    except BaseExceptionGroup as group:
-        # The actors never raise into this nursery, so a group here wraps one error
-        # from start-up or from the caller's own block: give it back unwrapped.
-        if len(group.exceptions) == 1:
-            inner = group.exceptions[0]
-            raise inner from inner.__cause__
-        raise

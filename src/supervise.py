@@ -30,6 +30,7 @@ from typing import Any
 import trio
 
 from .engine import AsyncEngine, open_engine
+from .exception_groups import unwrap_single_error
 from .protocol.errors import LegatoError
 
 logger = logging.getLogger("legato.supervise")
@@ -197,19 +198,13 @@ async def open_supervised_engine(
     down. ``opener`` replaces ``open_engine`` (to wrap start-up, or in tests).
     """
     handle = SupervisedEngine(RestartPolicy(max_restarts, window))
-    try:
+    with unwrap_single_error():
         async with trio.open_nursery() as nursery:
             await nursery.start(handle._run, opener, model, engine_args)
             try:
                 yield handle
             finally:
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # One error (start-up, the limit, or the caller's block): give it back unwrapped.
-        if len(group.exceptions) == 1:
-            inner = group.exceptions[0]
-            raise inner from inner.__cause__
-        raise
 
 
 __all__ = [

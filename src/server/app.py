@@ -33,6 +33,7 @@ from hypercorn.typing import ASGIFramework
 from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
+from ..exception_groups import unwrap_single_error
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
 from .state import ServerSettings, ServingState
@@ -138,7 +139,7 @@ async def open_server(
     config.graceful_timeout = 2.0
     config.h11_max_incomplete_size = 64 * 1024
     stop_http = trio.Event()
-    try:
+    with unwrap_single_error():
         async with trio.open_nursery() as nursery:
             # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
             app = cast("ASGIFramework", OpenAIApp(state))
@@ -171,12 +172,6 @@ async def open_server(
                 nursery.cancel_scope.cancel()
                 raise
             await server.shutdown()
-    except BaseExceptionGroup as group:
-        # One error (the caller's block, or a server failing to bind): give it back unwrapped.
-        if len(group.exceptions) == 1:
-            inner = group.exceptions[0]
-            raise inner from inner.__cause__
-        raise
 
 
 async def serve(
@@ -198,7 +193,7 @@ async def serve(
     (``open_supervised_engine``); past the limit the servers stop at once and
     ``RestartLimitExceeded`` is raised.
     """
-    try:
+    with unwrap_single_error():
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 started: list[Server] = []
@@ -246,11 +241,5 @@ async def serve(
                         task_status.started(server)
                         await server.wait_stopped()
                 nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # One error (start-up failed, a port was taken): give it back unwrapped.
-        if len(group.exceptions) == 1:
-            inner = group.exceptions[0]
-            raise inner from inner.__cause__
-        raise
 
     logger.info("server stopped")
