@@ -10,26 +10,42 @@ dtype and batch size, every sequence gets a ``--context``-token prompt, then
   request (metadata, forward on the paged cache, sampling, output message);
 - transformers: ``model(next_tokens, past_key_values=DynamicCache)`` plus argmax.
 
+Beside them, the ``floor``: the same step's weight matmuls alone (``F.linear``
+over every layer's weights of the loaded model plus the LM head, at the same
+batch, timed interleaved), the time no step can beat without a faster GEMM.
+``--profile`` adds, per dtype and batch, where one legato step's time goes:
+matmuls, attention (KV write included), norm+rope+activation, input
+preparation (metadata and attention plan), sampling, and the rest of
+``execute`` (overhead). The run ends with ``other_cpu_frac``: the share of the
+machine other processes used meanwhile (figures above 0.1 are void).
+
 Prints a table; never asserted in tests. Example::
 
-    python benchmarks/decode_step.py --batch-sizes 1 16 64 --dtypes float32 bfloat16
+    python benchmarks/decode_step.py --batch-sizes 1 16 64 --dtypes float32 bfloat16 --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from legato.config import EngineConfig  # noqa: E402
+from legato.models import layers as legato_layers  # noqa: E402
+from legato.models import runner as legato_runner  # noqa: E402
+from legato.models.input_batch import InputBatch  # noqa: E402
 from legato.models.runner import ModelRunner  # noqa: E402
 from legato.protocol.messages import (  # noqa: E402
     CachedRequestData,
@@ -51,7 +67,7 @@ def make_checkpoint(args: argparse.Namespace, path: str) -> Any:
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.context + args.steps + args.warmup + 16,
+        max_position_embeddings=args.context + 2 * args.steps + args.warmup + 16,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
@@ -72,7 +88,7 @@ class LegatoDecode:
         self, args: argparse.Namespace, path: str, dtype: str, batch: int, prompts: torch.Tensor
     ) -> None:
         bs = args.block_size
-        total = args.context + args.warmup + args.steps + 1
+        total = args.context + args.warmup + args.steps * (2 if args.profile else 1) + 1
         blocks_per_seq = -(-total // bs)
         self.runner = ModelRunner(
             EngineConfig(
@@ -143,22 +159,121 @@ class TransformersDecode:
         return time.perf_counter() - began
 
 
+class LinearFloor:
+    """The weight matmuls of one decode step of ``batch`` rows, alone: ``F.linear`` over
+    weights of the shape of every weight matrix of the loaded model (the LM head
+    included; the embedding table only where it is the tied head)."""
+
+    def __init__(self, runner: ModelRunner, batch: int) -> None:
+        tied = runner.model_config.tie_word_embeddings
+        shapes = [
+            shape
+            for name, shape in runner._param_shapes.items()
+            if len(shape) == 2 and (tied or not name.endswith("embed_tokens.weight"))
+        ]
+        gen = torch.Generator().manual_seed(0)
+        self.weights = [torch.randn(*s, generator=gen).mul_(0.02).to(runner.dtype) for s in shapes]
+        self.inputs = {
+            w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in self.weights
+        }
+
+    def step(self) -> float:
+        began = time.perf_counter()
+        with torch.inference_mode():
+            for w in self.weights:
+                F.linear(self.inputs[w.shape[1]], w)
+        return time.perf_counter() - began
+
+
+@contextlib.contextmanager
+def profiled(runner: ModelRunner) -> Iterator[dict[str, float]]:
+    """Accumulate seconds per category while legato steps run inside the block.
+
+    Wraps the model's hot-path entry points with timers (the runner runs
+    synchronously on the CPU, so wall time per call is the cost of the call).
+    """
+    totals: dict[str, float] = defaultdict(float)
+    undo: list[Callable[[], None]] = []
+
+    def timed(category: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[category] += time.perf_counter() - began
+
+        return wrapper
+
+    def patch(owner: Any, name: str, category: str) -> None:
+        """Wrap ``owner.name`` (a class, module or instance attribute) until the block ends."""
+        had_own = name in vars(owner)
+        original = vars(owner).get(name)
+        setattr(owner, name, timed(category, getattr(owner, name)))
+        if had_own:
+            undo.append(lambda: setattr(owner, name, original))
+        else:  # an instance's method, found on its class
+            undo.append(lambda: delattr(owner, name))
+
+    backend = runner.model.backend
+    patch(legato_layers.Linear, "forward", "matmuls")
+    patch(legato_layers.Embedding, "forward", "norm+rope+act")
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul"):
+        patch(backend, name, "norm+rope+act")
+    original_begin = backend.begin_step
+
+    def begin_step(*a: Any, **kw: Any) -> Any:
+        began = time.perf_counter()
+        ctx = original_begin(*a, **kw)
+        totals["input prep"] += time.perf_counter() - began
+        ctx.rotary = timed("norm+rope+act", ctx.rotary)
+        ctx.attention = timed("attention", ctx.attention)
+        return ctx
+
+    backend.begin_step = begin_step
+    undo.append(lambda: delattr(backend, "begin_step"))
+    patch(legato_runner, "build_metadata", "input prep")
+    patch(legato_runner, "sample", "sampling")
+    patch(InputBatch, "sampling_metadata", "sampling")
+    try:
+        yield totals
+    finally:
+        for fn in reversed(undo):
+            fn()
+
+
+CATEGORIES = ("matmuls", "attention", "norm+rope+act", "input prep", "sampling", "overhead")
+
+
 def bench(
     args: argparse.Namespace, path: str, model: Any, dtype: str, batch: int, prompts: torch.Tensor
-) -> tuple[list[float], list[float]]:
-    """Per-step seconds for legato and transformers, their steps interleaved so that
-    both see the same machine load."""
+) -> tuple[list[float], list[float], list[float], dict[str, float] | None]:
+    """Per-step seconds for legato, transformers and the matmul floor, their steps
+    interleaved so that all see the same machine load; then, with ``--profile``,
+    legato's seconds per step by category."""
     ours = LegatoDecode(args, path, dtype, batch, prompts)
     theirs = None if args.skip_transformers else TransformersDecode(model, dtype, batch, prompts)
+    floor = LinearFloor(ours.runner, batch)
     ours_t: list[float] = []
     theirs_t: list[float] = []
+    floor_t: list[float] = []
     for i in range(args.warmup + args.steps):
         a = ours.step()
         b = theirs.step() if theirs is not None else float("nan")
+        c = floor.step()
         if i >= args.warmup:
             ours_t.append(a)
             theirs_t.append(b)
-    return ours_t, theirs_t
+            floor_t.append(c)
+    profile = None
+    if args.profile:
+        total = 0.0
+        with profiled(ours.runner) as totals:
+            for _ in range(args.steps):
+                total += ours.step()
+        profile = {k: v / args.steps for k, v in totals.items()}
+        profile["overhead"] = total / args.steps - sum(profile.values())
+    return ours_t, theirs_t, floor_t, profile
 
 
 def main() -> None:
@@ -177,16 +292,19 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="legato's step by category")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    busy0, own0, wall0 = _machine_cpu(), time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory() as path:
         hf_model = make_checkpoint(args, path)
         prompts = torch.randint(0, args.vocab, (max(args.batch_sizes), args.context))
         rows = []
+        profiles = []
         for dtype in args.dtypes:
             for batch in args.batch_sizes:
-                ours, theirs = bench(args, path, hf_model, dtype, batch, prompts)
+                ours, theirs, floor, profile = bench(args, path, hf_model, dtype, batch, prompts)
                 row = (
                     dtype,
                     batch,
@@ -194,26 +312,50 @@ def main() -> None:
                     min(ours) * 1e3,
                     statistics.median(theirs) * 1e3,
                     min(theirs) * 1e3,
+                    statistics.median(floor) * 1e3,
                 )
                 rows.append(row)
+                if profile is not None:
+                    profiles.append((dtype, batch, profile))
                 print("  " + _format(*row), flush=True)
+    wall = time.perf_counter() - wall0
+    other = ((_machine_cpu() - busy0) - (time.process_time() - own0)) / (
+        (os.cpu_count() or 1) * wall
+    )
 
     print(
-        f"\nms per decode step, {args.context} tokens of context, {args.threads} threads; "
-        f"median (min) of {args.steps} steps, legato and transformers interleaved"
+        f"\nms per decode step, {args.context} tokens of context, {args.threads} threads, "
+        f"cpu {torch.backends.cpu.get_cpu_capability()}; median (min) of {args.steps} steps, "
+        "legato, transformers and the F.linear floor interleaved"
     )
     print(
         f"{'dtype':<9} {'batch':>5} {'legato':>16} {'transformers':>16} {'speedup':>8} "
-        f"{'legato tok/s':>12}"
+        f"{'legato tok/s':>12} {'floor':>8} {'legato/floor':>12}"
     )
     for row in rows:
         print(_format(*row))
+    if profiles:
+        print("\nms per legato decode step by category (mean of the profiled steps)")
+        print(f"{'dtype':<9} {'batch':>5} " + " ".join(f"{c:>13}" for c in CATEGORIES))
+        for dtype, batch, profile in profiles:
+            cells = " ".join(f"{profile.get(c, 0.0) * 1e3:>13.2f}" for c in CATEGORIES)
+            print(f"{dtype:<9} {batch:>5} {cells}")
+    print(f"\nother_cpu_frac {max(0.0, other):.3f} (above 0.1: the machine was busy, rerun)")
 
 
-def _format(dtype: str, batch: int, ours: float, ours_min: float, hf: float, hf_min: float) -> str:
+def _machine_cpu() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def _format(
+    dtype: str, batch: int, ours: float, ours_min: float, hf: float, hf_min: float, floor: float
+) -> str:
     return (
         f"{dtype:<9} {batch:>5} {ours:>8.2f} ({ours_min:>5.2f}) {hf:>8.2f} ({hf_min:>5.2f}) "
-        f"{hf / ours:>7.2f}x {batch / ours * 1e3:>12.0f}"
+        f"{hf / ours:>7.2f}x {batch / ours * 1e3:>12.0f} {floor:>8.2f} {ours / floor:>11.2f}x"
     )
 
 
