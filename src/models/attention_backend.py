@@ -112,6 +112,7 @@ class _TorchStep:
             meta.block_size,
             dtype,
             meta.num_decodes,
+            seq_lens_tensor=meta.seq_lens,
         )
 
     def rotary(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

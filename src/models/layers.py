@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention_backend import Backend, StepContext
 from .config import RopeConfig
+from .cpu_linear import PackedLinear
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -25,7 +26,11 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``; ``W`` is ``[out_features, in_features]`` as in checkpoints."""
+    """``y = x W^T (+ b)``; ``W`` is ``[out_features, in_features]`` as in checkpoints.
+
+    ``packed``, when set (:func:`legato.models.cpu_linear.pack_linears`), computes
+    the same product from a prepacked copy of the weights and replaces them.
+    """
 
     def __init__(
         self,
@@ -38,8 +43,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: PackedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 

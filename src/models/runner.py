@@ -34,6 +34,7 @@ from ..config import EngineConfig
 from ..protocol.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from .attention_backend import AttentionMetadata, select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
+from .cpu_linear import pack_linears, unpack_linears
 from .cuda_graphs import CaptureMode, DecodeGraphRunner, capture_sizes, wants_decode_graphs
 from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
@@ -133,6 +134,7 @@ class ModelRunner:
             self.model_dir, mcfg, self.backend, self.dtype, self.device, wanted_len + 1
         )
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self._packed_bytes = pack_linears(self.model)  # CPU: oneDNN-packed matmul weights
         self.kv_block_bytes = (
             2
             * mcfg.num_layers
@@ -429,6 +431,7 @@ class ModelRunner:
         torch.softmax(logits.float(), dim=-1).argmax(dim=-1).tolist()
         seconds = time.perf_counter() - began
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights += getattr(self, "_packed_bytes", 0)
         scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
         if is_cuda:
             torch.cuda.synchronize(self.device)
@@ -470,6 +473,8 @@ class ModelRunner:
         self.decode_graphs = None  # they hold the cache and weight addresses
         self.kv_caches = []
         if level == 2:
+            unpack_linears(self.model)
+            self._packed_bytes = 0
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=self.dtype, device=self.device)
             self._weights_state = "dropped"
@@ -497,6 +502,7 @@ class ModelRunner:
                     self._param_shapes[name], dtype=self.dtype, device=self.device
                 )
             fill_weights(self.model, self.model_dir)
+            self._packed_bytes = pack_linears(self.model)
             self._weights_state = "loaded"
         elif "weights" in wanted and self._weights_state == "offloaded":
             for param in self.model.parameters():

@@ -5,10 +5,12 @@ but vectorised over the batch and with per-step work hoisted out of the layers:
 
 - :func:`plan_attention` turns one step's attention metadata into a
   :class:`AttentionPlan` once; :func:`attend` then runs each layer. Decode
-  sequences (query length 1, leading the batch) are handled together, one
-  gather of their KV blocks and one batched attention; prefill sequences,
-  which carry enough work to amortise a Python call, one
-  ``scaled_dot_product_attention`` each.
+  sequences (query length 1, leading the batch) are handled together: on the
+  CPU by the native kernel of :mod:`legato.models.cpu_kernels`, which reads
+  their K/V in place through the block table, else (no compiler, another
+  device or dtype) by one gather of their KV blocks and one batched attention.
+  Prefill sequences, which carry enough work to amortise a Python call, run
+  one ``scaled_dot_product_attention`` each.
 - :func:`rotary_tables` gathers cos/sin for the step's positions once;
   :func:`rotate_neox` applies them to queries and keys in one pass.
 
@@ -21,6 +23,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native decode kernel takes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,8 +120,10 @@ class AttentionPlan:
     """Per-step attention work shared by every layer.
 
     The first ``num_decodes`` sequences have one query row each (rows
-    ``0..num_decodes-1``); their KV blocks are ``decode_block_ids``
-    (``[num_decodes * decode_blocks]``) and ``decode_mask`` hides the padding.
+    ``0..num_decodes-1``). With ``native`` the CPU kernel reads their blocks in
+    place through ``decode_table`` / ``decode_lens``; otherwise their KV blocks
+    are gathered as ``decode_block_ids`` (``[num_decodes * decode_blocks]``) and
+    ``decode_mask`` hides the padding.
     """
 
     slot_mapping: torch.Tensor
@@ -125,6 +133,14 @@ class AttentionPlan:
     decode_block_ids: torch.Tensor | None
     decode_mask: torch.Tensor | None  # [nd,1,1,L]: bool (fp32), else additive in the dtype
     prefills: tuple[PrefillSegment, ...]
+    native: bool = False
+    decode_table: torch.Tensor | None = None  # [nd, >= blocks] int32
+    decode_lens: torch.Tensor | None = None  # [nd] int32
+
+
+def native_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention on ``device`` in ``dtype`` can use the native CPU kernel."""
+    return device.type == "cpu" and dtype in NATIVE_DTYPES and cpu_kernels.available()
 
 
 def plan_attention(
@@ -135,11 +151,16 @@ def plan_attention(
     block_size: int,
     dtype: torch.dtype,
     num_decodes: int | None = None,
+    seq_lens_tensor: torch.Tensor | None = None,
+    native: bool | None = None,
 ) -> AttentionPlan:
     """Build the :class:`AttentionPlan` for one step (host lists for lengths).
 
     ``num_decodes``: how many leading sequences have query length 1 (counted
     when None). Unused block-table entries may hold anything.
+    ``seq_lens_tensor``: ``seq_lens`` as an int32 tensor, when the caller has it.
+    ``native``: use the native CPU decode kernel (None: where
+    :func:`native_decode_available`).
     """
     num_seqs = len(seq_lens)
     device = block_tables.device
@@ -150,9 +171,19 @@ def plan_attention(
             and query_start_loc[num_decodes + 1] - query_start_loc[num_decodes] == 1
         ):
             num_decodes += 1
-    decode_block_ids = decode_mask = None
+    decode_block_ids = decode_mask = decode_table = decode_lens = None
     decode_blocks = 0
-    if num_decodes:
+    if native is None:
+        native = native_decode_available(device, dtype)
+    if num_decodes and native:
+        decode_table = block_tables[:num_decodes]
+        if decode_table.dtype != torch.int32 or decode_table.stride(-1) != 1:
+            decode_table = decode_table.to(torch.int32).contiguous()
+        if seq_lens_tensor is not None and seq_lens_tensor.dtype == torch.int32:
+            decode_lens = seq_lens_tensor[:num_decodes].contiguous()
+        else:
+            decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=device)
+    elif num_decodes:
         dec_lens = seq_lens[:num_decodes]
         decode_blocks = (max(dec_lens) + block_size - 1) // block_size
         table = block_tables[:num_decodes, :decode_blocks].long()
@@ -189,6 +220,9 @@ def plan_attention(
         decode_block_ids=decode_block_ids,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
+        native=native,
+        decode_table=decode_table,
+        decode_lens=decode_lens,
     )
 
 
@@ -206,9 +240,9 @@ def attend(
     nd = plan.num_decodes
     if nd == plan.num_tokens:
         return _decode(query, key_cache, value_cache, plan, scale)
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape)
     if nd:
-        out[:nd] = _decode(query[:nd], key_cache, value_cache, plan, scale)
+        _decode(query[:nd], key_cache, value_cache, plan, scale, out=out[:nd])
     for seg in plan.prefills:
         out[seg.start : seg.end] = _prefill(query, key, value, key_cache, value_cache, seg, scale)
     return out
@@ -220,13 +254,41 @@ def _decode(
     value_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if plan.native:
+        assert plan.decode_table is not None and plan.decode_lens is not None
+        return cpu_kernels.decode_attention(
+            query, key_cache, value_cache, plan.decode_table, plan.decode_lens, scale, out=out
+        )
+    result = _gathered_decode(query, key_cache, value_cache, plan, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """``cache[block_ids]``; bf16/fp16 move as int16 (index_select is several times
+    faster on a 16-bit integer than on a 16-bit float)."""
+    if cache.dtype in (torch.bfloat16, torch.float16):
+        return cache.view(torch.int16).index_select(0, block_ids).view(cache.dtype)
+    return cache.index_select(0, block_ids)
+
+
+def _gathered_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
 ) -> torch.Tensor:
     nd, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert plan.decode_block_ids is not None and plan.decode_mask is not None
     ctx = plan.decode_blocks * block_size
-    k = key_cache.index_select(0, plan.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
-    v = value_cache.index_select(0, plan.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
+    k = _gather_blocks(key_cache, plan.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
+    v = _gather_blocks(value_cache, plan.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
     if query.dtype == torch.float32:
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),
@@ -264,8 +326,8 @@ def _prefill(
         k = key[seg.start : seg.end]
         v = value[seg.start : seg.end]
     else:
-        k = key_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
-        v = value_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
+        k = _gather_blocks(key_cache, seg.block_ids).view(-1, num_kv_heads, head_dim)
+        v = _gather_blocks(value_cache, seg.block_ids).view(-1, num_kv_heads, head_dim)
         k, v = k[: seg.context_len], v[: seg.context_len]
     out = F.scaled_dot_product_attention(
         q,
@@ -297,11 +359,13 @@ def paged_attention(
     starts = [int(x) for x in query_start_loc.tolist()]
     block_size = key_cache.shape[1]
     empty = torch.empty(0, dtype=torch.long, device=query.device)
-    plan = plan_attention(block_tables, lens, starts, empty, block_size, query.dtype)
+    plan = plan_attention(
+        block_tables, lens, starts, empty, block_size, query.dtype, seq_lens_tensor=seq_lens
+    )
     nd = plan.num_decodes
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape)
     if nd:
-        out[:nd] = _decode(query[:nd], key_cache, value_cache, plan, scale)
+        _decode(query[:nd], key_cache, value_cache, plan, scale, out=out[:nd])
     for seg in plan.prefills:
         if seg.block_ids is None:  # the keys are not passed in here: read them from the cache
             n_blocks = (seg.context_len + block_size - 1) // block_size

@@ -185,7 +185,7 @@ def test_profile_run(llama: Any, make_runner: Callable[..., Any]) -> None:
     figures = runner.profile_run()
     assert figures["num_tokens"] == 256 and figures["num_seqs"] == 4
     assert figures["seconds"] > 0
-    params = sum(p.numel() for p in runner.model.parameters())
+    params = sum(p.numel() for p in llama.hf_model.parameters())  # packed weights count too
     assert figures["weights_bytes"] == params * 4
     assert figures["kv_cache_bytes"] == runner.num_kv_blocks * runner.kv_block_bytes
     assert figures["activation_bytes"] > 0 and figures["peak_memory_bytes"] > 0
