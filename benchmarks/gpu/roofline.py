@@ -42,6 +42,7 @@ exercises the code paths.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import os
@@ -162,11 +163,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--sections",
         nargs="+",
         choices=[name for name, _ in SECTIONS],
-        default=[name for name, _ in SECTIONS],
-        help="which sections run after the device rates",
+        default=["attention", "decode", "e2e"],
+        help="which sections run after the device rates (tune: decode-attention launch shapes)",
     )
     p.add_argument("--decode-steps", type=int, default=10, help="timed decode steps per case")
     p.add_argument("--decode-warmup", type=int, default=3)
+    p.add_argument(
+        "--profile",
+        type=int,
+        nargs=2,
+        metavar=("BATCH", "CONTEXT"),
+        help="print the kernels of a few eager decode steps of this case (CUDA)",
+    )
+    p.add_argument("--json", help="also write every table to this JSON file")
     p.add_argument("--num-requests", type=int, default=256, help="e2e requests")
     p.add_argument("--min-len", type=int, default=100, help="e2e shortest prompt and output")
     p.add_argument("--max-input-len", type=int, default=1024)
@@ -175,6 +184,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 128])
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--e2e-detokenize",
+        type=lambda v: v == "on",
+        nargs="+",
+        default=[True],
+        metavar="on|off",
+        help="legato runs: detokenize outputs (on, the default) or not (off: as nano-vllm)",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.batches, args.contexts = [1, 3, 5], [40, 100]  # 3 pads to the graph of 4
@@ -302,6 +319,17 @@ def _decode_inputs(
     return inputs, args.head_dim**-0.5
 
 
+def _check_against_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Fail loudly unless ``||out - ref|| / ||ref||`` is within bf16 rounding (METHOD.md)."""
+    import torch
+
+    err = float(torch.linalg.vector_norm(out.float() - ref.float()).item())
+    rel = err / float(torch.linalg.vector_norm(ref.float()).item())
+    print(f"decode attention check: ||triton - reference|| / ||reference|| = {rel:.2e}")
+    if not rel < 2e-2:  # NaN fails too
+        raise RuntimeError(f"decode attention disagrees with the reference (relative {rel:.2e})")
+
+
 def attention_decode_section(
     args: argparse.Namespace, rates: DeviceRates, device: str, dtype: torch.dtype
 ) -> Table:
@@ -320,8 +348,7 @@ def attention_decode_section(
             )
 
             if not checked:  # one correctness check on the smallest shape before timing
-                err = (run() - reference.paged_attention(*inputs, scale)).abs().max().item()
-                print(f"decode attention check: max |triton - reference| = {err:.2e}")
+                _check_against_reference(run(), reference.paged_attention(*inputs, scale))
                 checked = True
             fn = _graphed(run) if args.cuda_graph and device == "cuda" else run
             seconds = time_call(fn, device, args.warmup, args.iters)
@@ -356,6 +383,81 @@ def attention_decode_section(
     return Table(
         title=f"decode paged attention ({shape})",
         header=("batch", "context", "KV MiB", "time us", "floor us", "roofline", "GB/s"),
+        rows=rows,
+        summary=summary,
+    )
+
+
+# Launch shapes --tune compares for the decode kernel: (block_n, num_warps, num_stages,
+# programs_per_sm); the first is the shipped default.
+TUNE_CANDIDATES: tuple[tuple[int, int, int, int], ...] = (
+    (64, 4, 2, 2),
+    (64, 4, 3, 2),
+    (64, 8, 3, 2),
+    (128, 4, 2, 2),
+    (128, 8, 2, 2),
+    (128, 8, 3, 2),
+    (32, 4, 3, 2),
+    (32, 4, 4, 4),
+    (64, 4, 3, 4),
+    (128, 8, 3, 4),
+)
+TUNE_CASES: tuple[tuple[int, int], ...] = (
+    (1, 2048),
+    (64, 512),
+    (64, 2048),
+    (256, 512),
+    (256, 2048),
+)
+
+
+def attention_tune_section(
+    args: argparse.Namespace, rates: DeviceRates, device: str, dtype: torch.dtype
+) -> Table:
+    """Decode attention GB/s (KV bytes over time) for each of ``TUNE_CANDIDATES`` per case."""
+    from legato.kernels import attention, reference
+
+    tiny = args.tiny
+    cases = ((1, 100), (5, 40)) if tiny else TUNE_CASES
+    candidates = [attention.DecodeTiles(*c) for c in TUNE_CANDIDATES]
+    if tiny:
+        candidates = candidates[:2]
+    rates_by: dict[tuple[int, int], list[float]] = {}
+    for batch, context in cases:
+        inputs, scale = _decode_inputs(args, batch, context, dtype, device)
+        ref = reference.paged_attention(*inputs, scale) if batch * context <= 64 * 512 else None
+        kv_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * dtype.itemsize
+        for tiles in candidates:
+            run = functools.partial(
+                attention.paged_attention_decode, *inputs, scale, max_seq_len=context, tiles=tiles
+            )
+            if ref is not None:
+                _check_against_reference(run(), ref)
+            seconds = time_call(run, device, args.warmup, args.iters)
+            rates_by.setdefault((batch, context), []).append(kv_bytes / seconds)
+        del inputs, ref
+    rows = []
+    for i, tiles in enumerate(candidates):
+        cells = [f"{rates_by[case][i] / 1e9:.0f}" for case in rates_by]
+        name = f"n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
+        rows.append((name + (" (default)" if i == 0 else ""), *cells))
+    summary = []
+    for case, values in rates_by.items():
+        best = max(range(len(values)), key=values.__getitem__)
+        t = candidates[best]
+        summary.append(
+            (
+                "attention tune",
+                f"batch {case[0]} ctx {case[1]}",
+                f"best n{t.block_n} w{t.num_warps} s{t.num_stages} p{t.programs_per_sm}: "
+                f"{values[best] / 1e9:.0f} GB/s",
+                f"default {values[0] / 1e9:.0f} GB/s",
+                f"{100 * values[best] / rates.copy_bytes_per_s:.0f}% of copy",
+            )
+        )
+    return Table(
+        title=f"decode attention tuning: KV GB/s per launch shape ({str(dtype).removeprefix('torch.')})",
+        header=("tiles", *(f"b{b} c{c}" for b, c in rates_by)),
         rows=rows,
         summary=summary,
     )
@@ -431,6 +533,7 @@ class DecodeCase:
         from legato.protocol.params import SamplingParams
 
         self.runner = runner
+        self.batch, self.context = batch, context
         rng = random.Random(batch * 100003 + context)
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_steps + 1)
         self.new = [
@@ -468,6 +571,23 @@ class DecodeCase:
         from legato.protocol.messages import SchedulerOutput
 
         self.runner.execute(SchedulerOutput(self.step_id, [], [], {}, 0, finished_req_ids=self.ids))
+
+
+def _profile_steps(case: DecodeCase, device: str, steps: int = 3) -> None:
+    """Print the CUDA kernels of ``steps`` eager decode steps, most time first."""
+    if device != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            case.step()
+    print(f"profile of {steps} eager decode steps (batch {case.batch}, context {case.context}):")
+    print(
+        prof.key_averages().table(
+            sort_by="self_device_time_total", row_limit=18, max_name_column_width=60
+        )
+    )
 
 
 def _build_decode_runner(
@@ -534,7 +654,7 @@ def model_decode_section(
                 if batch * per_seq > blocks:
                     gib = batch * per_seq * args.block_size * kv_per_token / _GIB
                     rows.append(
-                        (str(batch), str(context), "skipped", f"KV {gib:.1f} GiB", *("",) * 4)
+                        (str(batch), str(context), "skipped", f"KV {gib:.1f} GiB", *("",) * 5)
                     )
                     summary.append(
                         ("decode step", f"batch {batch} ctx {context}", "skipped", "", "")
@@ -549,13 +669,15 @@ def model_decode_section(
                     if mode == "graph" and sum(graphs.replays.values()) == before:
                         raise RuntimeError(f"batch {batch}: no decode graph was replayed")
                     timed[mode] = statistics.median(times[args.decode_warmup :])
+                if args.profile and tuple(args.profile) == (batch, context):
+                    runner.decode_graphs = None
+                    _profile_steps(case, device)
                 runner.decode_graphs = graphs
                 case.finish()
                 seq_len = context + args.decode_warmup + args.decode_steps  # mid-run average
-                mem_floor = (
-                    streamed * itemsize + batch * shape["hidden_size"] * itemsize
-                ) / rates.copy_bytes_per_s
-                mem_floor += batch * seq_len * kv_per_token / rates.copy_bytes_per_s
+                moved = streamed * itemsize + batch * shape["hidden_size"] * itemsize
+                moved += batch * seq_len * kv_per_token
+                mem_floor = moved / rates.copy_bytes_per_s
                 flops = 2 * batch * streamed + batch * seq_len * attn_flop_per_token
                 flop_floor = flops / rates.matmul_flop_per_s
                 floor = max(mem_floor, flop_floor)
@@ -570,6 +692,7 @@ def model_decode_section(
                             f"{mem_floor * 1e3:.2f}",
                             f"{flop_floor * 1e3:.2f}",
                             f"{100 * floor / seconds:.0f}%",
+                            f"{moved / seconds / 1e9:.0f}",
                             f"{batch / seconds:.0f}",
                         )
                     )
@@ -597,6 +720,7 @@ def model_decode_section(
             "mem floor",
             "flop floor",
             "roofline",
+            "HBM GB/s",
             "tok/s",
         ),
         rows=rows,
@@ -620,6 +744,56 @@ def nano_vllm_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[
     return prompts, outputs
 
 
+def workload_floor(
+    shape: dict[str, Any],
+    prompts: list[list[int]],
+    outputs: list[int],
+    rates: DeviceRates,
+    dtype: torch.dtype,
+) -> tuple[float, float, float]:
+    """``(total, decode, prefill)`` seconds: the roofline bound of the workload.
+
+    Whatever the schedule, each request needs ``output - 1`` decode steps after
+    its prefill, so there are at least ``max(outputs) - 1`` steps, and a step
+    reads every streamed weight once plus the KV of every request still
+    decoding. The bound runs all requests together (the engine's best case):
+    per step the larger of (bytes / copy bandwidth, FLOPs / matmul rate);
+    prefill adds its FLOPs (2 per weight per token plus causal attention) over
+    the matmul rate.
+    """
+    params, embed = _param_count(shape)
+    streamed = params - (0 if shape["tie_word_embeddings"] else embed)
+    kv_per_token = _kv_bytes_per_token(shape, dtype)
+    attn = 4 * shape["num_hidden_layers"] * shape["num_attention_heads"] * shape["head_dim"]
+    lens = [len(p) for p in prompts]
+    prefill = sum(2 * streamed * n + attn * n * n / 2 for n in lens) / rates.matmul_flop_per_s
+    decode = 0.0
+    for t in range(1, max(outputs)):
+        active = [n for n, out in zip(lens, outputs, strict=True) if out - 1 >= t]
+        context = sum(active) + t * len(active)
+        moved = streamed * dtype.itemsize + context * kv_per_token
+        flops = 2 * streamed * len(active) + attn * context
+        decode += max(moved / rates.copy_bytes_per_s, flops / rates.matmul_flop_per_s)
+    return prefill + decode, decode, prefill
+
+
+def _timed_methods(targets: list[tuple[Any, str]]) -> dict[str, float]:
+    """Wrap each ``(object, method name)`` so that its wall time adds up under that name."""
+    spent: dict[str, float] = {}
+    for obj, name in targets:
+        inner = getattr(obj, name)
+
+        def timed(*a: Any, _inner: Any = inner, _name: str = name, **k: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - began
+
+        setattr(obj, name, timed)
+    return spent
+
+
 def _run_legato(
     args: argparse.Namespace,
     path: str,
@@ -627,8 +801,10 @@ def _run_legato(
     dtype: torch.dtype,
     prompts: list[list[int]],
     outputs: list[int],
-) -> tuple[float, str]:
-    """Seconds for the whole workload through LLMEngine (stepped here), and how decode ran."""
+    detokenize: bool,
+) -> tuple[float, str, dict[str, float], int]:
+    """Seconds for the whole workload through LLMEngine (stepped here), how decode ran,
+    the seconds spent in each phase of ``step()``, and the number of steps."""
     from legato.llm import LLMEngine
     from legato.protocol.params import RequestOutputKind, SamplingParams
     from legato.toy_model import default_toy_model_dir
@@ -645,6 +821,7 @@ def _run_legato(
     )
     graphs = engine.runner.decode_graphs
     how = f"decode graphs {graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "eager"
+    how += ", detokenized" if detokenize else ", no detokenize"
     # Warm-up: one request (as nano-vllm) and a batch of 17, so that the Triton kernels'
     # specialisations (one sequence, multiples of 16, other counts) compile before timing.
     for group in (1, 17):
@@ -653,17 +830,29 @@ def _run_legato(
             engine.add_request(f"warmup{group}-{j}", warm, SamplingParams(max_tokens=4))
         while engine.has_unfinished_requests():
             engine.step()
+    spent = _timed_methods(
+        [
+            (engine.scheduler, "schedule"),
+            (engine.runner, "execute"),
+            (engine.scheduler, "update_from_output"),
+            (engine.processor, "process_outputs"),
+        ]
+    )
+    steps = 0
     began = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, outputs, strict=True)):
         params = SamplingParams(
             temperature=0.6,
             ignore_eos=True,
             max_tokens=n,
+            detokenize=detokenize,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    spent["add_request"] = time.perf_counter() - began
     generated = 0
     while engine.has_unfinished_requests():
+        steps += 1
         for out in engine.step():
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
@@ -671,7 +860,7 @@ def _run_legato(
     if generated != sum(outputs):
         raise RuntimeError(f"legato generated {generated} tokens, expected {sum(outputs)}")
     del engine, graphs
-    return seconds, how
+    return seconds, how, spent, steps
 
 
 def _run_transformers(
@@ -740,24 +929,48 @@ def _run_transformers(
 def end_to_end_section(
     args: argparse.Namespace, rates: DeviceRates, device: str, dtype: torch.dtype
 ) -> Table:
-    """nano-vllm's offline workload: legato's LLMEngine against transformers' generate."""
+    """nano-vllm's offline workload: legato's LLMEngine against transformers' generate,
+    and against the workload's roofline bound (:func:`workload_floor`)."""
     import torch
 
     from legato.models.loader import write_random_model_dir
 
-    del rates
     _free_memory(device)  # what earlier sections held, before the engine sizes its KV cache
     shape = _shape(QWEN3_0_6B, args)
     prompts, outputs = nano_vllm_workload(args, shape["vocab_size"])
     tokens = sum(outputs)
-    rows: list[tuple[str, ...]] = []
+    bound, bound_decode, bound_prefill = workload_floor(shape, prompts, outputs, rates, dtype)
+    rows: list[tuple[str, ...]] = [
+        (
+            "roofline bound",
+            f"decode {bound_decode:.2f} s + prefill {bound_prefill:.2f} s",
+            f"{bound:.3g}",
+            f"{tokens / bound:.0f}",
+        )
+    ]
+    summary: list[tuple[str, str, str, str, str]] = []
+    legato_rates: list[tuple[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_random_model_dir(tmp, shape, seed=0))
-        seconds, how = _run_legato(args, path, device, dtype, prompts, outputs)
-    ours = tokens / seconds
-    rows.append(("legato LLMEngine", how, f"{seconds:.3g}", f"{ours:.0f}"))
-    print(f"e2e legato: {ours:.0f} tok/s ({how})", flush=True)
-    _free_memory(device)
+        for detokenize in args.e2e_detokenize:
+            seconds, how, spent, steps = _run_legato(
+                args, path, device, dtype, prompts, outputs, detokenize
+            )
+            rate = tokens / seconds
+            legato_rates.append((how, rate))
+            rows.append(("legato LLMEngine", how, f"{seconds:.3g}", f"{rate:.0f}"))
+            phases = ", ".join(f"{k} {v:.2f} s" for k, v in spent.items())
+            print(f"e2e legato ({how}): {rate:.0f} tok/s, {steps} steps; {phases}", flush=True)
+            summary.append(
+                (
+                    "end to end",
+                    f"legato ({how}) vs bound",
+                    f"{rate:.0f} tok/s",
+                    f"bound {tokens / bound:.0f} tok/s",
+                    f"{100 * bound / seconds:.0f}%",
+                )
+            )
+            _free_memory(device)
     best: tuple[float, int] | None = None
     for batch_size in [] if args.skip_transformers else args.hf_batch_sizes:
         try:
@@ -778,8 +991,18 @@ def end_to_end_section(
         print(f"e2e transformers batch {batch_size}: {rate:.0f} tok/s", flush=True)
         best = max(best or (0.0, 0), (rate, batch_size))
         _free_memory(device)
-    reference = f"transformers {best[0]:.0f} tok/s (batch {best[1]})" if best else "-"
-    ratio = f"{ours / best[0]:.2f}x" if best else "-"
+    rows.append(("vLLM", "not run: cannot be installed on the device machine", "-", "-"))
+    if best is not None:
+        for how, rate in legato_rates:
+            summary.append(
+                (
+                    "end to end",
+                    f"legato ({how}) vs transformers",
+                    f"{rate:.0f} tok/s",
+                    f"transformers {best[0]:.0f} tok/s (batch {best[1]})",
+                    f"{rate / best[0]:.2f}x",
+                )
+            )
     name = "Qwen3-0.6B" if not args.tiny else "tiny Qwen3"
     return Table(
         title=(
@@ -789,7 +1012,7 @@ def end_to_end_section(
         ),
         header=("engine", "how", "seconds", "out tok/s"),
         rows=rows,
-        summary=[("end to end", "legato LLMEngine", f"{ours:.0f} tok/s", reference, ratio)],
+        summary=summary,
     )
 
 
@@ -810,13 +1033,37 @@ def print_table(table: Table) -> None:
 SectionFn = Callable[[argparse.Namespace, DeviceRates, str, "torch.dtype"], Table]
 
 SECTIONS: tuple[tuple[str, SectionFn], ...] = (
+    ("tune", attention_tune_section),
     ("attention", attention_decode_section),
     ("decode", model_decode_section),
     ("e2e", end_to_end_section),
 )
 
 
+def environment(device: str) -> str:
+    """Device name, torch and Triton versions: the line every figure is read against."""
+    import platform
+
+    import torch
+    import triton
+
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        where = (
+            f"{props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+            f"{props.total_memory / _GIB:.0f} GiB), CUDA {torch.version.cuda}"
+        )
+    else:
+        where = f"CPU {platform.processor() or platform.machine()} "
+        where += f"({torch.backends.cpu.get_cpu_capability()})"
+    return f"{where}; torch {torch.__version__}; triton {triton.__version__}"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    import json
+    import sys
+    import traceback
+
     args = parse_args(argv)
     device = _resolve_device(args.device)
     import torch
@@ -827,19 +1074,41 @@ def main(argv: Sequence[str] | None = None) -> None:
     if device == "cpu":
         banner = "CPU run: Triton kernels under the interpreter; NOT GPU figures"
         print(banner)
+    env = environment(device)
+    print(f"{env}\ncommand: python {' '.join(sys.argv)}", flush=True)
     rates = measure_device(args, device)
     tables = [device_section(args, rates, device)]
     print_table(tables[0])
+    failed = []
     for name, section in SECTIONS:
         if name in args.sections:
-            tables.append(section(args, rates, device, dtype))
+            try:
+                tables.append(section(args, rates, device, dtype))
+            except Exception:  # report the section, run the others
+                traceback.print_exc()
+                failed.append(name)
+                _free_memory(device)
+                continue
             print_table(tables[-1])
     summary = Table(
-        title=f"summary ({device}{', ' + banner if banner else ''})",
+        title=f"summary ({device}{', ' + banner if banner else ''}; {env})",
         header=SUMMARY_HEADER,
         rows=[row for table in tables for row in table.summary],
     )
     print_table(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "environment": env,
+                    "argv": sys.argv,
+                    "tables": [dataclasses.asdict(t) for t in [*tables, summary]],
+                },
+                f,
+                indent=1,
+            )
+    if failed:
+        raise SystemExit(f"sections failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

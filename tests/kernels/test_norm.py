@@ -28,7 +28,9 @@ def test_rms_norm(
     torch.testing.assert_close(out, reference.rms_norm(x, weight, 1e-6), **tol(dtype))
 
 
-@pytest.mark.parametrize(("hidden", "dtype"), [(96, torch.float32), (1000, torch.float16)])
+@pytest.mark.parametrize(
+    ("hidden", "dtype"), [(96, torch.float32), (1000, torch.float16), (4096, torch.bfloat16)]
+)
 def test_fused_add_rms_norm(
     tol: Callable[[torch.dtype], dict[str, float]], device: str, hidden: int, dtype: torch.dtype
 ) -> None:
