@@ -158,7 +158,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--matmul-size", type=int, default=8192, help="n of the n*n*n matmul")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays")
+    p.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time attention as CUDA-graph replays, as the model runs it (CUDA; default on): "
+        "eager timings of one small launch measure Python launch overhead",
+    )
     p.add_argument(
         "--sections",
         nargs="+",
@@ -171,9 +177,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--profile",
         type=int,
+        nargs="+",
+        default=[],
+        metavar="BATCH CONTEXT",
+        help="pairs: print the kernels of a few eager decode steps of these cases (CUDA)",
+    )
+    p.add_argument(
+        "--e2e-profile",
+        type=int,
         nargs=2,
-        metavar=("BATCH", "CONTEXT"),
-        help="print the kernels of a few eager decode steps of this case (CUDA)",
+        metavar=("FIRST_STEP", "STEPS"),
+        help="print the kernels of these steps of the first e2e legato run (CUDA)",
     )
     p.add_argument("--json", help="also write every table to this JSON file")
     p.add_argument("--num-requests", type=int, default=256, help="e2e requests")
@@ -433,7 +447,8 @@ def attention_tune_section(
             )
             if ref is not None:
                 _check_against_reference(run(), ref)
-            seconds = time_call(run, device, args.warmup, args.iters)
+            fn = _graphed(run) if args.cuda_graph and device == "cuda" else run
+            seconds = time_call(fn, device, args.warmup, args.iters)
             rates_by.setdefault((batch, context), []).append(kv_bytes / seconds)
         del inputs, ref
     rows = []
@@ -456,7 +471,12 @@ def attention_tune_section(
             )
         )
     return Table(
-        title=f"decode attention tuning: KV GB/s per launch shape ({str(dtype).removeprefix('torch.')})",
+        title=(
+            f"decode attention tuning: KV GB/s per launch shape "
+            f"({str(dtype).removeprefix('torch.')}"
+            + (", cuda-graph replays" if args.cuda_graph and device == "cuda" else "")
+            + ")"
+        ),
         header=("tiles", *(f"b{b} c{c}" for b, c in rates_by)),
         rows=rows,
         summary=summary,
@@ -573,21 +593,48 @@ class DecodeCase:
         self.runner.execute(SchedulerOutput(self.step_id, [], [], {}, 0, finished_req_ids=self.ids))
 
 
-def _profile_steps(case: DecodeCase, device: str, steps: int = 3) -> None:
-    """Print the CUDA kernels of ``steps`` eager decode steps, most time first."""
+def _profiled(step: Callable[[], object], steps: int, label: str, device: str) -> None:
+    """Run ``step`` ``steps`` times under the profiler; print the CUDA kernels, most time
+    first, and how busy the GPU was (kernel time over wall time)."""
     if device != "cuda":
         return
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
         for _ in range(steps):
-            case.step()
-    print(f"profile of {steps} eager decode steps (batch {case.batch}, context {case.context}):")
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
     print(
-        prof.key_averages().table(
-            sort_by="self_device_time_total", row_limit=18, max_name_column_width=60
-        )
+        f"profile of {label}: {wall * 1e3 / steps:.2f} ms/step wall, "
+        f"{busy * 1e3 / steps:.2f} ms/step of kernels (GPU busy {100 * busy / wall:.0f}%)"
     )
+    print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+
+
+def _replay_seconds(runner: ModelRunner, batch: int, iters: int = 20) -> float | None:
+    """GPU seconds of one replay of the decode graph a batch of ``batch`` uses (CUDA), on
+    the inputs its last step staged (rewriting the same K/V)."""
+    import torch
+
+    graphs = runner.decode_graphs
+    graph = graphs.graph(batch) if graphs is not None else None
+    if graph is None:
+        return None
+    graph.replay()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3 / iters
 
 
 def _build_decode_runner(
@@ -634,6 +681,7 @@ def model_decode_section(
     attn_flop_per_token *= shape["head_dim"]
     # Per step every weight but the embedding table is read once (tied: the head is it).
     streamed = params - (0 if shape["tie_word_embeddings"] else embed)
+    head = shape["vocab_size"] * shape["hidden_size"]  # LM head weights (tied or not)
     rows: list[tuple[str, ...]] = []
     summary: list[tuple[str, str, str, str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -654,7 +702,7 @@ def model_decode_section(
                 if batch * per_seq > blocks:
                     gib = batch * per_seq * args.block_size * kv_per_token / _GIB
                     rows.append(
-                        (str(batch), str(context), "skipped", f"KV {gib:.1f} GiB", *("",) * 5)
+                        (str(batch), str(context), "skipped", f"KV {gib:.1f} GiB", *("",) * 7)
                     )
                     summary.append(
                         ("decode step", f"batch {batch} ctx {context}", "skipped", "", "")
@@ -669,9 +717,13 @@ def model_decode_section(
                     if mode == "graph" and sum(graphs.replays.values()) == before:
                         raise RuntimeError(f"batch {batch}: no decode graph was replayed")
                     timed[mode] = statistics.median(times[args.decode_warmup :])
-                if args.profile and tuple(args.profile) == (batch, context):
+                replay = _replay_seconds(runner, batch)
+                pairs = list(zip(args.profile[::2], args.profile[1::2]))
+                if (batch, context) in pairs:
                     runner.decode_graphs = None
-                    _profile_steps(case, device)
+                    _profiled(
+                        case.step, 3, f"eager decode steps, batch {batch} ctx {context}", device
+                    )
                 runner.decode_graphs = graphs
                 case.finish()
                 seq_len = context + args.decode_warmup + args.decode_steps  # mid-run average
@@ -681,8 +733,14 @@ def model_decode_section(
                 flops = 2 * batch * streamed + batch * seq_len * attn_flop_per_token
                 flop_floor = flops / rates.matmul_flop_per_s
                 floor = max(mem_floor, flop_floor)
+                # The graphs hold the forward alone: no LM head (logits are computed after).
+                fwd_floor = max(
+                    (moved - head * itemsize) / rates.copy_bytes_per_s,
+                    (flops - 2 * batch * head) / rates.matmul_flop_per_s,
+                )
                 for mode, seconds in timed.items():
                     label = f"{mode} ({graphs.mode})" if mode == "graph" else mode
+                    fwd = replay if mode == "graph" else None
                     rows.append(
                         (
                             str(batch),
@@ -694,8 +752,20 @@ def model_decode_section(
                             f"{100 * floor / seconds:.0f}%",
                             f"{moved / seconds / 1e9:.0f}",
                             f"{batch / seconds:.0f}",
+                            f"{fwd * 1e3:.2f}" if fwd else "-",
+                            f"{100 * fwd_floor / fwd:.0f}%" if fwd else "-",
                         )
                     )
+                    if fwd:
+                        summary.append(
+                            (
+                                "decode forward",
+                                f"batch {batch} ctx {context} graph replay (GPU)",
+                                f"{fwd * 1e3:.2f} ms",
+                                f"{fwd_floor * 1e3:.2f} ms",
+                                f"{100 * fwd_floor / fwd:.0f}%",
+                            )
+                        )
                     summary.append(
                         (
                             "decode step",
@@ -722,6 +792,8 @@ def model_decode_section(
             "roofline",
             "HBM GB/s",
             "tok/s",
+            "fwd GPU ms",
+            "fwd roofline",
         ),
         rows=rows,
         summary=summary,
@@ -794,6 +866,39 @@ def _timed_methods(targets: list[tuple[Any, str]]) -> dict[str, float]:
     return spent
 
 
+class _StepProfile:
+    """The profiler over a window of engine steps: kernels, and GPU busy time over wall."""
+
+    def __init__(self, device: str, first: int, count: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.label = f"e2e steps {first}..{first + count - 1}"
+        self.count = count
+        self.prof = profile(activities=[ProfilerActivity.CUDA]) if device == "cuda" else None
+        if self.prof is not None:
+            self.prof.start()
+        self.began = time.perf_counter()
+
+    def report(self, graphs: bool) -> None:
+        if self.prof is None:
+            return
+        import torch
+
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self.began
+        self.prof.stop()
+        events = self.prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        print(
+            f"profile of {self.label} (graphs {'on' if graphs else 'off'}): "
+            f"{wall * 1e3 / self.count:.2f} ms/step wall, {busy * 1e3 / self.count:.2f} "
+            f"ms/step of kernels (GPU busy {100 * busy / wall:.0f}%)"
+        )
+        print(
+            events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60)
+        )
+
+
 def _run_legato(
     args: argparse.Namespace,
     path: str,
@@ -830,14 +935,38 @@ def _run_legato(
             engine.add_request(f"warmup{group}-{j}", warm, SamplingParams(max_tokens=4))
         while engine.has_unfinished_requests():
             engine.step()
-    spent = _timed_methods(
-        [
-            (engine.scheduler, "schedule"),
-            (engine.runner, "execute"),
-            (engine.scheduler, "update_from_output"),
-            (engine.processor, "process_outputs"),
-        ]
-    )
+    import torch
+
+    import legato.models.runner as runner_module
+
+    runner = engine.runner
+    targets = [
+        (engine.scheduler, "schedule"),
+        (runner, "execute"),
+        (runner.input_batch, "update"),
+        (runner.input_batch, "sampling_metadata"),
+        (runner.model, "forward"),  # eager steps only; replays go through graphs.run
+        (runner.model, "compute_logits"),
+        (engine.scheduler, "update_from_output"),
+        (engine.processor, "process_outputs"),
+    ]
+    spent = _timed_methods(targets + ([(graphs, "run")] if graphs is not None else []))
+    sample = runner_module.sample
+
+    def sample_and_wait(*a: Any, **k: Any) -> Any:
+        """The sampler, then a wait for the GPU (execute reads the tokens right after)."""
+        began = time.perf_counter()
+        out = sample(*a, **k)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        spent["sample + GPU wait"] = spent.get("sample + GPU wait", 0.0) + (
+            time.perf_counter() - began
+        )
+        return out
+
+    runner_module.sample = sample_and_wait  # type: ignore[assignment]
+    prof = None
+    first, count = args.e2e_profile or (-1, 0)
     steps = 0
     began = time.perf_counter()
     for i, (prompt, n) in enumerate(zip(prompts, outputs, strict=True)):
@@ -851,11 +980,19 @@ def _run_legato(
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     spent["add_request"] = time.perf_counter() - began
     generated = 0
-    while engine.has_unfinished_requests():
-        steps += 1
-        for out in engine.step():
-            if out.finished:
-                generated += len(out.outputs[0].token_ids)
+    try:
+        while engine.has_unfinished_requests():
+            if steps == first and detokenize == args.e2e_detokenize[0]:
+                prof = _StepProfile(device, first, count)
+            steps += 1
+            for out in engine.step():
+                if out.finished:
+                    generated += len(out.outputs[0].token_ids)
+            if prof is not None and steps == first + count:
+                prof.report(runner.decode_graphs is not None)
+                prof = None
+    finally:
+        runner_module.sample = sample  # type: ignore[assignment]
     seconds = time.perf_counter() - began
     if generated != sum(outputs):
         raise RuntimeError(f"legato generated {generated} tokens, expected {sum(outputs)}")

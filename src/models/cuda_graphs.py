@@ -162,6 +162,16 @@ class DecodeGraphRunner:
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
+    def graph(self, num_seqs: int) -> torch.cuda.CUDAGraph | None:
+        """The CUDA graph a batch of ``num_seqs`` replays; None when emulated or none fits.
+
+        Replaying it by hand recomputes the inputs :meth:`run` staged last (and
+        rewrites the same K/V): benchmarks time it.
+        """
+        size = self.padded_size(num_seqs)
+        entry = self._captured.get(size) if size is not None else None
+        return entry.graph if entry is not None else None
+
     def fits(self, num_seqs: int, max_seq_len: int) -> bool:
         """Whether a decode batch of ``num_seqs`` sequences of at most ``max_seq_len`` tokens
         (the new token included) can be replayed."""
