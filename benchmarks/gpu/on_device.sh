@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: set up, then run the phases named (env, tests, bench).
+# One call on a lent GPU machine: set up, then run the phases named (env, tests, bf16, bench).
 #
 #   benchmarks/gpu/on_device.sh env tests bench        # from a copy of the repository root
 #
@@ -37,6 +37,12 @@ torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
         timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/kernels tests/models -q \
             -p no:cacheprovider -n "${TEST_WORKERS:-8}" --timeout 150 -rs --durations=15 \
             ${TEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" || status=1
+        ;;
+    bf16)
+        # The teacher-forced bf16 agreement per family, printed (-s; no xdist).
+        timeout 180 python3 -m pytest tests/models/test_fidelity.py -k "bf16" -s -q \
+            -p no:cacheprovider -p no:xdist 2>&1 | grep -E "bf16|passed|failed" \
+            | tee "$OUT/bf16.log" || status=1
         ;;
     bench)
         # shellcheck disable=SC2086

@@ -617,9 +617,10 @@ def _profiled(step: Callable[[], object], steps: int, label: str, device: str) -
     print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
 
 
-def _replay_seconds(runner: ModelRunner, batch: int, iters: int = 20) -> float | None:
-    """GPU seconds of one replay of the decode graph a batch of ``batch`` uses (CUDA), on
-    the inputs its last step staged (rewriting the same K/V)."""
+def _replay_seconds(runner: ModelRunner, batch: int, iters: int = 20) -> tuple[float, float] | None:
+    """``(GPU seconds, host seconds of the replay() call)`` of one replay of the decode
+    graph a batch of ``batch`` uses (CUDA), on the inputs its last step staged (rewriting
+    the same K/V); None without a CUDA graph."""
     import torch
 
     graphs = runner.decode_graphs
@@ -627,6 +628,13 @@ def _replay_seconds(runner: ModelRunner, batch: int, iters: int = 20) -> float |
     if graph is None:
         return None
     graph.replay()
+    torch.cuda.synchronize()
+    launch = []
+    for _ in range(iters):  # host cost of a launch onto an idle GPU, as in an engine step
+        began = time.perf_counter()
+        graph.replay()
+        launch.append(time.perf_counter() - began)
+        torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
@@ -634,7 +642,7 @@ def _replay_seconds(runner: ModelRunner, batch: int, iters: int = 20) -> float |
         graph.replay()
     end.record()
     end.synchronize()
-    return float(start.elapsed_time(end)) / 1e3 / iters
+    return float(start.elapsed_time(end)) / 1e3 / iters, statistics.median(launch)
 
 
 def _build_decode_runner(
@@ -710,14 +718,29 @@ def model_decode_section(
                     continue
                 case = DecodeCase(runner, batch, context, _decode_steps(args), per_seq)
                 timed: dict[str, float] = {}
+                host: dict[str, float] = {}
                 for mode in ("graph", "eager"):
                     runner.decode_graphs = graphs if mode == "graph" else None
                     before = sum(graphs.replays.values())
+                    if mode == "graph":
+                        host = _timed_methods([(graphs, "run")])
                     times = [case.step() for _ in range(args.decode_warmup + args.decode_steps)]
-                    if mode == "graph" and sum(graphs.replays.values()) == before:
-                        raise RuntimeError(f"batch {batch}: no decode graph was replayed")
+                    if mode == "graph":
+                        del graphs.run  # the instance attribute the timer set
+                        if sum(graphs.replays.values()) == before:
+                            raise RuntimeError(f"batch {batch}: no decode graph was replayed")
                     timed[mode] = statistics.median(times[args.decode_warmup :])
-                replay = _replay_seconds(runner, batch)
+                runner.decode_graphs = graphs
+                replay, launch = _replay_seconds(runner, batch) or (None, None)
+                if replay is not None and launch is not None:
+                    steps = args.decode_warmup + args.decode_steps
+                    print(
+                        f"batch {batch} ctx {context}: graph step {timed['graph'] * 1e3:.2f} ms, "
+                        f"replay on the GPU {replay * 1e3:.2f} ms, graphs.run on the host "
+                        f"{host.get('run', 0.0) / steps * 1e3:.3f} ms of which replay() "
+                        f"{launch * 1e3:.3f} ms",
+                        flush=True,
+                    )
                 pairs = list(zip(args.profile[::2], args.profile[1::2]))
                 if (batch, context) in pairs:
                     runner.decode_graphs = None
