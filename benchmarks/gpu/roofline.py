@@ -199,6 +199,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 128])
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument(
+        "--e2e-gc-freeze",
+        type=lambda v: v == "on",
+        nargs="+",
+        default=[False],
+        metavar="on|off",
+        help="legato runs: gc.freeze() once the engine is warm (on) or not (off, the default)",
+    )
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="decode section: gc.freeze() once the runner is built",
+    )
+    p.add_argument(
         "--e2e-detokenize",
         type=lambda v: v == "on",
         nargs="+",
@@ -696,6 +709,9 @@ def model_decode_section(
         path = str(write_random_model_dir(tmp, shape, seed=0))
         began = time.perf_counter()
         runner, blocks = _build_decode_runner(args, shape, path, device, dtype)
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         graphs = runner.decode_graphs
         assert graphs is not None
         print(
@@ -799,6 +815,7 @@ def model_decode_section(
                         )
                     )
         del runner, graphs
+        gc.unfreeze()
     name = "Llama-3-8B" if not args.tiny else "tiny Llama-3"
     return Table(
         title=(
@@ -930,6 +947,7 @@ def _run_legato(
     prompts: list[list[int]],
     outputs: list[int],
     detokenize: bool,
+    freeze: bool,
 ) -> tuple[float, str, dict[str, float], int]:
     """Seconds for the whole workload through LLMEngine (stepped here), how decode ran,
     the seconds spent in each phase of ``step()``, and the number of steps."""
@@ -950,6 +968,7 @@ def _run_legato(
     graphs = engine.runner.decode_graphs
     how = f"decode graphs {graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "eager"
     how += ", detokenized" if detokenize else ", no detokenize"
+    how += ", gc frozen" if freeze else ""
     # Warm-up: one request (as nano-vllm) and a batch of 17, so that the Triton kernels'
     # specialisations (one sequence, multiples of 16, other counts) compile before timing.
     for group in (1, 17):
@@ -988,6 +1007,9 @@ def _run_legato(
         return out
 
     runner_module.sample = sample_and_wait  # type: ignore[assignment]
+    if freeze:  # what exists now (weights' Python objects, the engine) is never scanned again
+        gc.collect()
+        gc.freeze()
     prof = None
     first, count = args.e2e_profile or (-1, 0)
     steps = 0
@@ -1005,7 +1027,10 @@ def _run_legato(
     generated = 0
     try:
         while engine.has_unfinished_requests():
-            if steps == first and detokenize == args.e2e_detokenize[0]:
+            if steps == first and (detokenize, freeze) == (
+                args.e2e_detokenize[0],
+                args.e2e_gc_freeze[0],
+            ):
                 prof = _StepProfile(device, first, count)
             steps += 1
             for out in engine.step():
@@ -1016,6 +1041,7 @@ def _run_legato(
                 prof = None
     finally:
         runner_module.sample = sample  # type: ignore[assignment]
+        gc.unfreeze()
     seconds = time.perf_counter() - began
     if generated != sum(outputs):
         raise RuntimeError(f"legato generated {generated} tokens, expected {sum(outputs)}")
@@ -1112,9 +1138,10 @@ def end_to_end_section(
     legato_rates: list[tuple[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_random_model_dir(tmp, shape, seed=0))
-        for detokenize in args.e2e_detokenize:
+        runs = [(d, f) for d in args.e2e_detokenize for f in args.e2e_gc_freeze]
+        for detokenize, freeze in runs:
             seconds, how, spent, steps = _run_legato(
-                args, path, device, dtype, prompts, outputs, detokenize
+                args, path, device, dtype, prompts, outputs, detokenize, freeze
             )
             rate = tokens / seconds
             legato_rates.append((how, rate))
