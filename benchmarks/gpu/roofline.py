@@ -1,38 +1,58 @@
 """Roofline benchmark of the GPU path: device rates, kernels, decode steps, end to end.
 
-One run prints one table per section, then one summary table of them all.
-``measure_device`` measures what the floors are computed from
-(device-to-device copy bandwidth, dense matmul rate); every later section is a
-function ``(args, rates, device, dtype) -> Table`` listed in ``SECTIONS``:
+One run prints one table per section, then one summary table of them all,
+headed by the device name and the torch and Triton versions (``--json PATH``
+also writes every table). ``measure_device`` measures what the floors are
+computed from (device-to-device copy bandwidth counting bytes read and
+written, dense bf16 matmul rate); every later section is a function
+``(args, rates, device, dtype) -> Table`` listed in ``SECTIONS``:
 
+- ``tune`` (not in the default run): decode attention GB/s for each launch
+  shape of ``TUNE_CANDIDATES`` (tile, warps, pipeline stages, split target)
+  over ``TUNE_CASES``; the first candidate is the shipped default.
 - ``attention``: decode paged attention alone, against the KV bytes it reads.
-  On CUDA the L2 cache is flushed before every timed call and times are
-  CUDA-event medians; ``--cuda-graph`` replays a captured graph.
+  On CUDA the L2 cache is flushed before every timed call, calls are CUDA-graph
+  replays (``--no-cuda-graph``: eager launches, which at small sizes time
+  Python's launch overhead) and times are CUDA-event medians.
 - ``decode``: one engine decode step (``ModelRunner.execute``: metadata, the
-  forward, greedy sampling, the output message) of a Llama-3-8B-shaped model
-  with random weights built on the device (no checkpoint on disk), per batch
-  and context, with the runner's decode CUDA graphs and eagerly. Its floor is
-  the larger of the memory floor (weights read per step, i.e. all but the
-  embedding table, plus the KV of every sequence, over the copy bandwidth) and
-  the compute floor (2 FLOP per weight per token plus attention, over the
-  matmul rate); "% roofline" is floor / measured. Configurations whose KV does
-  not fit beside the weights are listed as skipped.
+  forward, the LM head, greedy sampling, the output message) of a
+  Llama-3-8B-shaped model with random weights built on the device (no
+  checkpoint on disk), per batch and context, with the runner's decode CUDA
+  graphs and eagerly. Its floor is the larger of the memory floor (weights
+  read per step, i.e. all but the embedding table, plus the KV of every
+  sequence, over the copy bandwidth) and the compute floor (2 FLOP per weight
+  per token plus attention, over the matmul rate); "roofline" is floor /
+  measured and "HBM GB/s" those bytes over the step time. "fwd GPU ms" is
+  one replay of the decode graph alone, CUDA-event timed, against the same
+  floor without the LM head: the kernels' share, free of host time. A line
+  per case gives the host time of ``graphs.run`` and of ``replay()``.
+  ``--profile B C ...`` prints the kernels of three eager steps of those
+  cases. Configurations whose KV does not fit beside the weights are skipped.
 - ``e2e``: nano-vllm's published workload (256 requests, prompt and output
   lengths uniform in 100..1024, token ids below 10000, seed 0, temperature
   0.6, ignore_eos) on a Qwen3-0.6B-shaped random model, through
-  ``legato.llm.LLMEngine`` stepped in-process, and through transformers'
-  ``generate`` on the same shapes and device in static batches (requests
-  sorted by output length, left-padded; each batch runs to its longest
-  output), best batch size reported. Throughput is requested output tokens
-  per second of wall time, prefill included; both engines are warmed up first
-  (legato: 1 then 17 short requests, so the Triton kernels compile untimed).
+  ``legato.llm.LLMEngine`` stepped in-process (``--e2e-detokenize on off``:
+  with and without detokenizing, nano-vllm's own benchmark does not), and
+  through transformers' ``generate`` on the same shapes and device in static
+  batches (requests sorted by output length, left-padded; each batch runs to
+  its longest output), best batch size reported; against the workload's
+  roofline bound (:func:`workload_floor`). Throughput is requested output
+  tokens per second of wall time, prefill included; both engines are warmed
+  up first (legato: 1 then 17 short requests, so the Triton kernels compile
+  untimed). Each legato run prints the seconds spent in each phase of its
+  steps; ``--e2e-profile FIRST N`` prints the kernels of N steps and how busy
+  the GPU was. vLLM is listed as not run: it cannot be installed on the GPU
+  machines this was written for (no package index there, the wheel is too
+  large to carry).
 
 Usage::
 
     python benchmarks/gpu/roofline.py                      # full sizes on cuda
     python benchmarks/gpu/roofline.py --device cpu --tiny  # interpreter smoke run
     python benchmarks/gpu/roofline.py --sections decode --batches 1 64
+    python benchmarks/gpu/roofline.py --sections tune      # launch shapes
 
+``benchmarks/gpu/on_device.sh`` wraps a whole run on a lent GPU machine.
 On CPU the Triton kernels run under ``TRITON_INTERPRET=1`` and the decode
 "graphs" are emulated (the same static buffers and padding, replayed
 eagerly): the figures then say nothing about GPU performance, the run only
@@ -198,19 +218,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[64, 128])
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument(
-        "--e2e-gc-freeze",
-        type=lambda v: v == "on",
-        nargs="+",
-        default=[False],
-        metavar="on|off",
-        help="legato runs: gc.freeze() once the engine is warm (on) or not (off, the default)",
-    )
-    p.add_argument(
-        "--gc-freeze",
-        action="store_true",
-        help="decode section: gc.freeze() once the runner is built",
-    )
     p.add_argument(
         "--e2e-detokenize",
         type=lambda v: v == "on",
@@ -709,9 +716,6 @@ def model_decode_section(
         path = str(write_random_model_dir(tmp, shape, seed=0))
         began = time.perf_counter()
         runner, blocks = _build_decode_runner(args, shape, path, device, dtype)
-        if args.gc_freeze:
-            gc.collect()
-            gc.freeze()
         graphs = runner.decode_graphs
         assert graphs is not None
         print(
@@ -815,7 +819,6 @@ def model_decode_section(
                         )
                     )
         del runner, graphs
-        gc.unfreeze()
     name = "Llama-3-8B" if not args.tiny else "tiny Llama-3"
     return Table(
         title=(
@@ -947,7 +950,6 @@ def _run_legato(
     prompts: list[list[int]],
     outputs: list[int],
     detokenize: bool,
-    freeze: bool,
 ) -> tuple[float, str, dict[str, float], int]:
     """Seconds for the whole workload through LLMEngine (stepped here), how decode ran,
     the seconds spent in each phase of ``step()``, and the number of steps."""
@@ -968,7 +970,6 @@ def _run_legato(
     graphs = engine.runner.decode_graphs
     how = f"decode graphs {graphs.sizes[0]}..{graphs.sizes[-1]}" if graphs else "eager"
     how += ", detokenized" if detokenize else ", no detokenize"
-    how += ", gc frozen" if freeze else ""
     # Warm-up: one request (as nano-vllm) and a batch of 17, so that the Triton kernels'
     # specialisations (one sequence, multiples of 16, other counts) compile before timing.
     for group in (1, 17):
@@ -1007,9 +1008,6 @@ def _run_legato(
         return out
 
     runner_module.sample = sample_and_wait  # type: ignore[assignment]
-    if freeze:  # what exists now (weights' Python objects, the engine) is never scanned again
-        gc.collect()
-        gc.freeze()
     prof = None
     first, count = args.e2e_profile or (-1, 0)
     steps = 0
@@ -1027,10 +1025,7 @@ def _run_legato(
     generated = 0
     try:
         while engine.has_unfinished_requests():
-            if steps == first and (detokenize, freeze) == (
-                args.e2e_detokenize[0],
-                args.e2e_gc_freeze[0],
-            ):
+            if steps == first and detokenize == args.e2e_detokenize[0]:
                 prof = _StepProfile(device, first, count)
             steps += 1
             for out in engine.step():
@@ -1041,7 +1036,6 @@ def _run_legato(
                 prof = None
     finally:
         runner_module.sample = sample  # type: ignore[assignment]
-        gc.unfreeze()
     seconds = time.perf_counter() - began
     if generated != sum(outputs):
         raise RuntimeError(f"legato generated {generated} tokens, expected {sum(outputs)}")
@@ -1138,10 +1132,9 @@ def end_to_end_section(
     legato_rates: list[tuple[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = str(write_random_model_dir(tmp, shape, seed=0))
-        runs = [(d, f) for d in args.e2e_detokenize for f in args.e2e_gc_freeze]
-        for detokenize, freeze in runs:
+        for detokenize in args.e2e_detokenize:
             seconds, how, spent, steps = _run_legato(
-                args, path, device, dtype, prompts, outputs, detokenize, freeze
+                args, path, device, dtype, prompts, outputs, detokenize
             )
             rate = tokens / seconds
             legato_rates.append((how, rate))
