@@ -9,9 +9,10 @@
 - a local Hugging Face directory, or a ``.gguf`` file: itself, served under the
   argument as given (as vLLM does without ``--served-model-name``).
 
-Anything else is a ModelLoadError whose one line names the argument. A GGUF
-file is opened and checked here (:func:`legato.models.gguf_checkpoint.open_gguf`),
-in the caller's process, so a corrupt one fails before any worker starts.
+Anything else is a ModelLoadError whose one line names the argument. A
+directory's config and a GGUF file (:func:`legato.models.gguf_checkpoint.open_gguf`)
+are checked here, in the caller's process, so a corrupt or unsupported
+checkpoint fails before any worker starts.
 """
 
 from __future__ import annotations
@@ -60,14 +61,27 @@ def resolve_model_source(model: str | None) -> ModelSource:
         from .toy_model import default_toy_model_dir
 
         return ModelSource(str(default_toy_model_dir()), TOY_MODEL_NAME)
-    if os.path.isdir(model):
+    if os.path.isdir(model) or model.lower().endswith(".gguf"):
+        check_loadable(model)
         return ModelSource(model, model)
-    if model.lower().endswith(".gguf") or os.path.isfile(model):
-        from .models.gguf_checkpoint import open_gguf
-
-        open_gguf(model)
-        return ModelSource(model, model)
+    if os.path.exists(model):
+        raise ModelLoadError(f"model: {model}: a file, but not a GGUF file (*.gguf)")
     raise ModelLoadError(
         f"model: {model!r} is neither a local model directory nor a GGUF file"
         f" (leave it out for the default model, {served_name(None)}; 'toy' for the toy model)"
     )
+
+
+def check_loadable(path: str) -> None:
+    """Raise ModelLoadError unless ``path`` holds a checkpoint legato can serve: its
+    config (config.json or GGUF metadata) parses and names a supported architecture,
+    and a GGUF file is whole (see :func:`legato.models.gguf_checkpoint.open_gguf`)."""
+    from .models.config import load_model_config
+    from .models.registry import resolve_architecture
+
+    try:
+        resolve_architecture(load_model_config(path))
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"model: {path}: {exc}") from None

@@ -22,17 +22,26 @@ from typing import Any
 
 import numpy as np
 
-from ..models.gguf_checkpoint import ARCHITECTURES
 from ..models.loader import iter_weights
 
-_K_QUANT_SCALES: dict[str, tuple[int, ...]] = {
-    "Q2_K": (80, 82),
-    "Q3_K": (108,),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
+_GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # as llama.cpp writes Mistral
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-"""Byte offsets of the fp16 scales in one block of each K-quant (gguf-py's quants.py)."""
+
+_K_QUANT_SCALES: dict[str, tuple[int, int | None, float]] = {
+    "Q2_K": (80, 82, 1.5),
+    "Q3_K": (108, None, 0.0),
+    "Q4_K": (0, 2, 7.5),
+    "Q5_K": (0, 2, 15.5),
+    "Q6_K": (208, None, 0.0),
+}
+"""Per K-quant: byte offsets of the fp16 ``d`` and ``dmin`` in one block (gguf-py's
+quants.py), and ``dmin / d`` that centres random blocks on zero: these types store
+unsigned values and subtract ``dmin * min``, so random ``d`` alone biases every weight
+upwards (the mean value times the mean sub-scale over the mean sub-minimum)."""
 
 _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
@@ -66,7 +75,7 @@ def write_gguf(
 
     root = Path(checkpoint_dir)
     config = json.loads((root / "config.json").read_text())
-    arch = {v: k for k, v in ARCHITECTURES.items()}[config["architectures"][0]]
+    arch = _GGUF_ARCH[config["architectures"][0]]
     kind = gguf.GGMLQuantizationType[tensor_type]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(name)
@@ -126,9 +135,12 @@ def _random_k_blocks(tensor_type: str, shape: tuple[int, ...], rng: np.random.Ge
     if cols % block_elems:
         raise ValueError(f"{tensor_type}: rows of {cols} are not whole {block_elems}-blocks")
     blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
-    for offset in _K_QUANT_SCALES[tensor_type]:
-        scale = rng.uniform(0.001, 0.004, size=blocks.shape[:2]).astype(np.float16)
-        blocks[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    d_at, dmin_at, dmin_ratio = _K_QUANT_SCALES[tensor_type]
+    d = rng.uniform(0.001, 0.004, size=blocks.shape[:2]).astype(np.float16)
+    blocks[:, :, d_at : d_at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if dmin_at is not None:
+        dmin = (d.astype(np.float32) * dmin_ratio).astype(np.float16)
+        blocks[:, :, dmin_at : dmin_at + 2] = dmin.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(rows, -1)
 
 
@@ -152,9 +164,7 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
         writer.add_value_length(head_dim)
 
 
-def _write_tokenizer(
-    writer: Any, spec: dict[str, Any], root: Path, config: dict[str, Any]
-) -> None:
+def _write_tokenizer(writer: Any, spec: dict[str, Any], root: Path, config: dict[str, Any]) -> None:
     vocab: dict[str, int] = spec["model"]["vocab"]
     for added in spec.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
