@@ -81,8 +81,8 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 _IGNORED_TENSORS = {"rope_freqs.weight"}
-"""Present in Llama 3.1+ files: per-frequency rotary factors. transformers ignores them
-as well; a warning says so (short prompts hardly notice, long ones do)."""
+"""Present in Llama 3.1+ files: llama.cpp's per-frequency rotary factors. legato, like
+transformers' GGUF loading, does not apply them (plain rotary embeddings); a warning says so."""
 
 
 def is_gguf_path(path: str | os.PathLike[str]) -> bool:

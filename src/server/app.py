@@ -42,6 +42,7 @@ from .websocket import WebSocketEndpoint
 
 logger = logging.getLogger("legato.server")
 
+
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
