@@ -87,7 +87,7 @@ def time_test_sh(checkout: Path, env: dict[str, str]) -> tuple[float, str]:
         ["scripts/test.sh", "-q"], cwd=checkout, env=env, capture_output=True, text=True
     )
     elapsed = time.perf_counter() - start
-    summary = re.findall(r"^=+ (.*) =+$", result.stdout, re.MULTILINE)
+    summary = re.findall(r"^=* ?(\d+ (?:passed|failed).*?) ?=*$", result.stdout, re.MULTILINE)
     return elapsed, f"exit {result.returncode}: {summary[-1] if summary else result.stdout[-300:]}"
 
 
