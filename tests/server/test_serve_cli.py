@@ -33,6 +33,14 @@ def test_serve_flags_parse() -> None:
     assert ServerSettings().host == "127.0.0.1"
 
 
+def test_served_model_name_reaches_the_engine() -> None:
+    from legato.cli import engine_kwargs
+
+    serve = build_parser().parse_args(["serve", "--served-model-name", "mine"])
+    assert engine_kwargs(serve)["served_model_name"] == "mine"
+    assert "served_model_name" not in engine_kwargs(build_parser().parse_args(["generate", "x"]))
+
+
 async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path) -> None:
     command = [
         sys.executable, "-m", "legato.cli", "serve", str(toy_model_dir), "--port", "0", "--ws-port", "0",
