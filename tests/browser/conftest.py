@@ -198,6 +198,39 @@ new MutationObserver(() => {
 """
 
 
+CONTRAST_JS = """
+const parse = (color) => {
+  const m = color.match(/rgba?\\(([^)]+)\\)/);
+  if (!m) return null;
+  const p = m[1].split(/[ ,\\/]+/).filter(Boolean).map(Number);
+  return {r: p[0], g: p[1], b: p[2], a: p.length > 3 ? p[3] : 1};
+};
+const luminance = ({r, g, b}) => {
+  const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+  return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+};
+const background = (el) => {
+  for (let e = el; e; e = e.parentElement) {
+    const c = parse(getComputedStyle(e).backgroundColor);
+    if (c && c.a > 0) return c;
+  }
+  return parse(getComputedStyle(document.documentElement).backgroundColor) || {r: 255, g: 255, b: 255};
+};
+const problems = [];
+for (const el of document.querySelectorAll('body *')) {
+  if (!el.checkVisibility() || el.closest('[hidden]')) continue;
+  if (![...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim())) continue;
+  const [hi, lo] = [luminance(parse(getComputedStyle(el).color)), luminance(background(el))]
+    .sort((x, y) => y - x);
+  const ratio = (hi + 0.05) / (lo + 0.05);
+  if (ratio < 4.5) {
+    problems.push(`${el.tagName}#${el.id}.${el.className} ${ratio.toFixed(2)}: ${el.textContent.trim().slice(0, 40)}`);
+  }
+}
+return problems;
+"""
+
+
 class ChatPage:
     """The chat page in a browser, driven as a user would (keys and clicks); read from the DOM."""
 
@@ -285,6 +318,26 @@ class ChatPage:
     def focused_id(self) -> str:
         focused: str = self.driver.execute_script("return document.activeElement.id")
         return focused
+
+    def contrast_problems(self) -> list[str]:
+        """Visible text whose contrast with its background is under WCAG AA's 4.5:1."""
+        problems: list[str] = self.driver.execute_script(CONTRAST_JS)
+        return problems
+
+    def color_scheme(self, scheme: str) -> None:
+        """Emulate ``prefers-color-scheme: scheme`` ("light" or "dark")."""
+        features = [{"name": "prefers-color-scheme", "value": scheme}]
+        self.driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": features})
+
+    def tab_order(self, stops: int) -> list[str]:
+        """The ids of the next ``stops`` elements Tab moves the focus to."""
+        from selenium.webdriver.common.keys import Keys
+
+        order = []
+        for _ in range(stops):
+            self.press(Keys.TAB)
+            order.append(self.focused_id())
+        return order
 
     def record_states(self) -> None:
         """From now on, keep every engine/connection state the status shows (``states()``)."""

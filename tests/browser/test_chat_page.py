@@ -63,7 +63,14 @@ def test_chat_streams_answers_and_stop_aborts_on_the_server(
     assert page.element("model-name").get_attribute("title") == config["model"]
     assert page.element("ws-url").get_attribute("value") == f"{server.ws_url}/"
 
-    # by keyboard: the first Tab stop is the skip link, which leads to the message box
+    # by keyboard: every control is a Tab stop, the first one the skip link to the message box
+    order = page.tab_order(10)
+    assert order == [
+        "skip-link", "prompt", "send", "new-chat", "system", "temperature", "max-tokens",
+        "api-key", "ws-url", "connect",
+    ], order  # fmt: skip
+    page.driver.refresh()
+    page.wait_ready()
     page.press(Keys.TAB)
     assert page.focused_id() == "skip-link"
     page.press(Keys.ENTER)
@@ -112,10 +119,15 @@ def test_chat_streams_answers_and_stop_aborts_on_the_server(
 
     assert page.status()["banner"] is None
     assert console_errors(page.driver) == []
+    assert page.contrast_problems() == []
     shot = tmp_path / "chat.png"
     assert page.driver.save_screenshot(str(shot))
     if target := os.environ.get("LEGATO_WEB_UI_SCREENSHOT"):
         shutil.copyfile(shot, target)
+    page.color_scheme("dark")
+    assert page.contrast_problems() == []
+    if target:
+        page.driver.save_screenshot(target.replace(".png", "-dark.png"))
 
 
 def test_a_killed_worker_shows_the_dead_engine(
@@ -135,6 +147,9 @@ def test_a_killed_worker_shows_the_dead_engine(
     status = page.status()
     assert status["banner_kind"] == "dead" and "The engine is dead." in status["banner"], status
     assert "Engine dead" in status["text"]
+    assert page.contrast_problems() == []
+    if target := os.environ.get("LEGATO_WEB_UI_SCREENSHOT"):
+        page.driver.save_screenshot(target.replace(".png", "-dead.png"))
     health = server.get("/health")
     assert (health.status_code, health.json()["error"]["code"]) == (503, "engine_dead")
     assert request_log(server, "chat-1")[1] == "error: engine_dead"

@@ -89,11 +89,28 @@
     ui.banner.replaceChildren(strong, rest);
   }
 
+  function sentence(text) {
+    const trimmed = text.trim();
+    return !trimmed || /[.!?]$/.test(trimmed) ? trimmed : `${trimmed}.`;
+  }
+
+  function cause(message) {
+    // the server's messages may repeat "the engine is dead: " before the cause itself
+    return sentence((message || "").replace(/^(the engine is dead:\s*)+/i, ""));
+  }
+
+  const ERROR_TEXT = {
+    engine_dead: "The engine died before this answer ended.",
+    engine_restarting: "The engine is restarting: send again in a moment.",
+    connection_closed: "The connection closed before this answer ended.",
+    shutting_down: "The server is shutting down.",
+  };
+
   function bannerFor() {
     if (engine === "dead") {
       return ["dead", "The engine is dead.",
-        `${engineDetail} Answers in progress were lost. Restart the server (or run it with ` +
-        "--restart-on-failure); this page reconnects by itself."];
+        `${cause(engineDetail)} Answers in progress were lost. Restart the server (or run it ` +
+        "with --restart-on-failure); this page reconnects by itself."];
     }
     if (engine === "restarting") {
       return ["restarting", "The engine died and is restarting…",
@@ -392,7 +409,15 @@
 
     fail(code, message) {
       this.item.dataset.errorCode = code;
-      this.item.append(paragraph("error", `${code}: ${message}`));
+      const error = paragraph("error", ERROR_TEXT[code] || `${code}:`);
+      const detail = code === "engine_dead" ? cause(message) : sentence(message);
+      if (detail) {
+        const small = document.createElement("span");
+        small.className = "detail";
+        small.textContent = detail;
+        error.append(" ", small);
+      }
+      this.item.append(error);
       this.end("error");
     }
   }
