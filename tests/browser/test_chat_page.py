@@ -170,6 +170,8 @@ def free_port() -> int:
 def test_a_restarted_engine_is_back_without_a_reload(
     serve: Callable[..., ServeProcess], page: ChatPage
 ) -> None:
+    from selenium.webdriver.common.keys import Keys
+
     # the page from http://localhost, the WebSocket at 127.0.0.1: another host, told by a flag
     ws_port = free_port()
     ws_url = f"ws://127.0.0.1:{ws_port}/"
@@ -184,11 +186,11 @@ def test_a_restarted_engine_is_back_without_a_reload(
     assert page.element("key-required").is_displayed()
 
     page.fill("api-key", "wrong")
-    page.element("api-key").submit()
+    page.element("api-key").send_keys(Keys.ENTER)  # submits the Connection form
     page.wait(lambda: page.status()["connection"] == "auth_failed", 30, "key refused")
     assert "The API key was refused." in page.status()["banner"]
     page.fill("api-key", "secret")
-    page.element("api-key").submit()
+    page.element("api-key").send_keys(Keys.ENTER)
     page.wait_ready()
 
     page.driver.execute_script("window.samePage = 'yes'")

@@ -268,15 +268,26 @@
 
   // ---------------------------------------------------------------- the conversation
 
+  function scroller() {
+    // wide screens scroll the log alone; narrow ones (one column) the whole page
+    return getComputedStyle(ui.log).overflowY === "auto" ? ui.log : document.scrollingElement;
+  }
+
   function scrolledToEnd() {
-    return ui.log.scrollHeight - ui.log.scrollTop - ui.log.clientHeight < 40;
+    const s = scroller();
+    return s.scrollHeight - s.scrollTop - s.clientHeight < 40;
+  }
+
+  function scrollToEnd() {
+    const s = scroller();
+    s.scrollTop = s.scrollHeight;
   }
 
   function append(item) {
     const follow = scrolledToEnd();
     ui.empty.hidden = true;
     ui.log.append(item);
-    if (follow) ui.log.scrollTop = ui.log.scrollHeight;
+    if (follow) scrollToEnd();
   }
 
   function paragraph(className, text = "") {
@@ -357,7 +368,7 @@
         const follow = scrolledToEnd();
         this.text += frame.text;
         this.textEl.append(frame.text);
-        if (follow) ui.log.scrollTop = ui.log.scrollHeight;
+        if (follow) scrollToEnd();
       }
       if (frame.finish_reason) this.finishReason = frame.finish_reason;
       this.item.dataset.frames = String(this.frames);
