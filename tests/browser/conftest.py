@@ -38,7 +38,7 @@ CHROMIUM_FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
-    "--window-size=1280,860",
+    "--window-size=1200,1040",
 ]
 START_SECONDS = 120.0
 """How long ``legato serve`` may take to start (the worker loads the model)."""

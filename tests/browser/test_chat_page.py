@@ -27,6 +27,7 @@ from .conftest import ChatPage, ServeProcess, console_errors
 pytestmark = pytest.mark.browser
 
 LONG_PROMPT = "Count from 1 to 500, one number per line."
+STORY_PROMPT = "Write a long story about a lighthouse keeper."
 LONG_MAX_TOKENS = 600
 HEALTH_503 = r"/health - Failed to load resource: the server responded with a status of 503"
 
@@ -91,8 +92,8 @@ def test_chat_streams_answers_and_stop_aborts_on_the_server(
 
     # two answers at once on one connection; Stop aborts one of them in the engine
     page.fill("max-tokens", str(LONG_MAX_TOKENS))
-    page.send_message(LONG_PROMPT)
-    page.wait_reply(1, streaming(2))
+    page.send_message(STORY_PROMPT)
+    page.wait_reply(1, streaming(8))
     page.fill("max-tokens", "24")
     page.send_message("Say hello in French.")
     page.wait_reply(2, streaming(1))
@@ -107,6 +108,11 @@ def test_chat_streams_answers_and_stop_aborts_on_the_server(
     other = page.wait_reply(2, lambda r: r["state"] == "done")
     assert other["finish_reason"] in ("stop", "length") and other["text"].strip()
     assert request_log(server, "chat-3")[1] == other["finish_reason"]
+    assert page.contrast_problems() == []
+    shot = tmp_path / "chat.png"
+    assert page.driver.save_screenshot(str(shot))
+    if target := os.environ.get("LEGATO_WEB_UI_SCREENSHOT"):  # for docs/web-ui.png
+        shutil.copyfile(shot, target)
 
     # Escape stops every answer
     page.fill("max-tokens", str(LONG_MAX_TOKENS))
@@ -119,11 +125,6 @@ def test_chat_streams_answers_and_stop_aborts_on_the_server(
 
     assert page.status()["banner"] is None
     assert console_errors(page.driver) == []
-    assert page.contrast_problems() == []
-    shot = tmp_path / "chat.png"
-    assert page.driver.save_screenshot(str(shot))
-    if target := os.environ.get("LEGATO_WEB_UI_SCREENSHOT"):
-        shutil.copyfile(shot, target)
     page.color_scheme("dark")
     assert page.contrast_problems() == []
     if target:
