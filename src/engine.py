@@ -62,16 +62,16 @@ _PAUSE_MODES = {"abort": m.PauseMode.ABORT, "wait": m.PauseMode.WAIT, "keep": m.
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
-    """Fill in the embedded toy model when no model is given; check the directory exists."""
+    """``config`` with ``model`` resolved to a path and ``served_model_name`` filled in
+    (see legato.model_source). Blocks; raises ModelLoadError for a bad model argument."""
     import dataclasses
 
-    if config.model is None:
-        from .toy_model import default_toy_model_dir
+    from .model_source import resolve_model_source
 
-        return dataclasses.replace(config, model=str(default_toy_model_dir()))
-    if not os.path.isdir(config.model):
-        raise ValueError(f"model: {config.model!r} is not a local model directory")
-    return config
+    source = resolve_model_source(config.model)
+    return dataclasses.replace(
+        config, model=source.path, served_model_name=config.served_model_name or source.name
+    )
 
 
 class RequestStream:
@@ -199,7 +199,7 @@ class AsyncEngine(EngineClient):
 
     @property
     def model_name(self) -> str:
-        return self.config.model or "legato-toy"
+        return self.config.served_model_name or self.config.model or ""
 
     async def _start(self) -> None:
         config = self.config
@@ -593,7 +593,7 @@ class AsyncEngine(EngineClient):
 async def open_engine(
     model: str | None = None, *, faults: dict[str, Any] | None = None, **engine_args: Any
 ) -> AsyncIterator[AsyncEngine]:
-    """Start an engine for ``model`` (None: the embedded toy model) and yield it.
+    """Start an engine for ``model`` (None: the default model; see legato.model_source) and yield it.
 
     ``engine_args`` are EngineConfig's fields (vLLM's names). Start-up
     failures (a bad model directory, weights that fail to load) raise here.

@@ -29,8 +29,9 @@ from .protocol.params import RequestOutputKind, SamplingParams
 class LLM:
     """Generate for many prompts at once, synchronously.
 
-    ``LLM(model=None, **engine_args)`` starts the engine (None: the embedded toy
-    model). Call ``shutdown()`` (or use it as a context manager) to stop it.
+    ``LLM(model=None, **engine_args)`` starts the engine (None: the default model,
+    SmolLM2-135M-Instruct; "toy": the toy model). Call ``shutdown()`` (or use it
+    as a context manager) to stop it.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

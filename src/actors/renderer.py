@@ -31,7 +31,12 @@ class RenderedPrompt:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The Hugging Face tokenizer in ``path`` (local only, never the hub)."""
+    """The Hugging Face tokenizer in ``path``, a model directory or a GGUF file
+    (local only, never the hub)."""
+    if path.lower().endswith(".gguf"):
+        from ..models.gguf_checkpoint import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -34,6 +34,7 @@ from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
 from ..exception_groups import unwrap_single_error
+from ..model_source import served_name
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
 from .state import ServerSettings, ServingState
@@ -41,9 +42,6 @@ from .web_ui import WebUI
 from .websocket import WebSocketEndpoint
 
 logger = logging.getLogger("legato.server")
-
-TOY_MODEL_NAME = "legato-toy"
-"""The served model name when ``legato serve`` runs the embedded toy model."""
 
 
 def _hostport(host: str, port: int) -> str:
@@ -222,9 +220,7 @@ async def serve(
                             nursery.start_soon(server.shutdown)
 
                 nursery.start_soon(on_signals)
-                name = settings.served_model_name or (
-                    model if model is not None else TOY_MODEL_NAME
-                )
+                name = settings.served_model_name or served_name(model)
                 engines: AbstractAsyncContextManager[AsyncEngine | SupervisedEngine]
                 if restart is None:
                     engines = open_engine(model, **engine_args)

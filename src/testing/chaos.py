@@ -406,7 +406,7 @@ class ChaosConfig:
     timeout (a step the worker is busy with delays its answer to a ping).
     """
 
-    model: str | None = None
+    model: str | None = "toy"
     executor: Literal["process", "inproc"] = "process"
     num_streams: int = 16
     max_tokens: tuple[int, int] = (1, 24)
@@ -938,7 +938,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma-separated, cycled through (default: all of {', '.join(ALL_FAULTS)}; "
         "with --executor inproc, all but the signals)",
     )
-    parser.add_argument("--model", default=None, help="model directory (default: the toy model)")
+    parser.add_argument("--model", default="toy", help="model directory (default: the toy model)")
     parser.add_argument("--executor", choices=["process", "inproc"], default="process")
     parser.add_argument("--streams", type=int, default=ChaosConfig.num_streams)
     parser.add_argument("--max-tokens", type=int, default=ChaosConfig.max_tokens[1])
