@@ -47,9 +47,11 @@ START_SECONDS = 120.0
 class ServeProcess:
     """``legato serve`` in a subprocess on free ports; its output is collected line by line."""
 
-    def __init__(self, model: str, *flags: str) -> None:
+    def __init__(self, model: str | None, *flags: str) -> None:
+        """``model`` None: the embedded default model, as ``legato serve`` with no model."""
         command = [
-            sys.executable, "-m", "legato.cli", "serve", model, "--port", "0", "--ws-port", "0",
+            sys.executable, "-m", "legato.cli", "serve", *([model] if model else []),
+            "--port", "0", "--ws-port", "0",
             "--executor", "process", "--max-model-len", "1024", "--disable-log-stats",
             "--shutdown-grace", "1", *flags,
         ]  # fmt: skip
@@ -121,13 +123,17 @@ class ServeProcess:
 
 
 @pytest.fixture(scope="session")
-def chat_model(toy_model_dir: Path) -> str:
-    """The model the browser chats with."""
-    return str(toy_model_dir)
+def chat_model(smollm2_dir: Path) -> str | None:
+    """The model the browser chats with: the real default model (None), SmolLM2-135M-Instruct.
+
+    ``smollm2_dir`` converts it once into the session's ``$LEGATO_HOME``, which the
+    ``legato serve`` subprocesses inherit: they start from it without converting.
+    """
+    return None
 
 
 @pytest.fixture
-def serve(chat_model: str) -> Iterator[Callable[..., ServeProcess]]:
+def serve(chat_model: str | None) -> Iterator[Callable[..., ServeProcess]]:
     """Start ``legato serve`` on ``chat_model`` with extra flags; stopped after the test."""
     started: list[ServeProcess] = []
 
