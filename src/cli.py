@@ -161,6 +161,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--disable-log-requests", action="store_true", help="no log line per finished request"
     )
     group.add_argument(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="do not serve the chat page at / on the HTTP port",
+    )
+    group.add_argument(
+        "--web-ui-ws-url",
+        default=None,
+        help="the WebSocket URL the chat page connects to, when the browser reaches the "
+        "WebSocket port at another host or port (default: the page's host, --ws-port)",
+    )
+    group.add_argument(
         "--restart-on-failure",
         action="store_true",
         help="restart a dead engine in place (the servers keep running; /health is 503 meanwhile)",
@@ -201,6 +213,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_max_requests=args.ws_max_requests,
             shutdown_grace=args.shutdown_grace,
             log_requests=not args.disable_log_requests,
+            web_ui=args.web_ui,
+            web_ui_ws_url=args.web_ui_ws_url,
         )
         restart = None
         if args.restart_on_failure:

@@ -38,6 +38,7 @@ from ..model_source import served_name
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
 from .state import ServerSettings, ServingState
+from .web_ui import WebUI
 from .websocket import WebSocketEndpoint
 
 logger = logging.getLogger("legato.server")
@@ -130,6 +131,7 @@ async def open_server(
     name = settings.served_model_name or model_name or current.model_name
     state = ServingState(engine, settings, model_name=name)
     endpoint = WebSocketEndpoint(state)
+    web_ui = WebUI(state) if settings.web_ui else None
     config = HypercornConfig()
     config.bind = [_hostport(settings.host, settings.port)]
     config.accesslog = None
@@ -140,7 +142,7 @@ async def open_server(
     with unwrap_single_error():
         async with trio.open_nursery() as nursery:
             # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
-            app = cast("ASGIFramework", OpenAIApp(state))
+            app = cast("ASGIFramework", OpenAIApp(state, web_ui))
             serve_http = functools.partial(
                 hypercorn_serve, app, config, shutdown_trigger=stop_http.wait, mode="asgi"
             )
@@ -161,6 +163,8 @@ async def open_server(
 
             ws_server: WebSocketServer = await nursery.start(run_ws)
             ws_port = next(e.port for e in ws_server.listeners if isinstance(e, Endpoint))
+            if web_ui is not None:
+                web_ui.ws_port = ws_port
             server = Server(state, endpoint, http_port, ws_port, stop_http, ws_scope)
             try:
                 yield server
@@ -234,6 +238,8 @@ async def serve(
                             f"legato: serving {name!r}: listening on {server.http_url} and {server.ws_url}",
                             flush=True,
                         )
+                        if settings.web_ui:
+                            print(f"legato: chat page at {server.http_url}/", flush=True)
                         task_status.started(server)
                         await server.wait_stopped()
                 nursery.cancel_scope.cancel()
