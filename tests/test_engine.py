@@ -396,3 +396,41 @@ async def test_offline_llm_and_llm_engine_match_async_engine(
     batch, stepwise = await trio.to_thread.run_sync(offline)
     assert batch == expected
     assert stepwise == expected
+
+
+async def test_a_reused_id_gets_only_its_own_tokens(engine: AsyncEngine, gate_steps: Any) -> None:
+    """An id is free again as soon as its stream has ended, even with a step of its
+    predecessor in flight: that step's token must not reach the new request."""
+    own = (await run_one(engine, "a fresh prompt", greedy(8), "reference"))[-1]
+    gate = gate_steps(engine)
+    first_tokens = {i: trio.Event() for i in range(4)}
+    scopes: dict[int, trio.CancelScope] = {}
+
+    async def old(i: int) -> None:
+        with trio.CancelScope() as scopes[i]:
+            async with engine.generate("the old one", greedy(300, output_kind=DELTA), f"c{i}") as s:
+                async for _ in s:
+                    first_tokens[i].set()
+
+    results: dict[int, list[int]] = {}
+
+    async def new(i: int) -> None:
+        outs = await run_one(engine, "a fresh prompt", greedy(8, output_kind=DELTA), f"c{i}")
+        results[i] = [t for o in outs for t in o.outputs[0].token_ids]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(old, i)
+        for event in first_tokens.values():
+            await event.wait()
+        gate.close()
+        await gate.wait_held()  # a step computing the old requests is on its way
+        for scope in scopes.values():
+            scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()  # the old streams have ended
+        for i in range(4):
+            nursery.start_soon(new, i)
+        await trio.testing.wait_all_tasks_blocked()  # the new ones are registered
+        gate.open()
+    assert results == {i: own.outputs[0].token_ids for i in range(4)}
+    await assert_idle(engine)

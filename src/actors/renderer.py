@@ -244,11 +244,14 @@ class Renderer:
 class RenderJob:
     """One ``generate`` call waiting to be rendered.
 
-    ``accept`` registers the request with the output side and hands it on;
-    ``reject`` fails that request alone. Both are called synchronously.
+    ``request_id`` is the caller's (errors name it); ``engine_id`` the one
+    the engine runs it under. ``accept`` registers the request with the
+    output side and hands it on; ``reject`` fails that request alone. Both are
+    called synchronously.
     """
 
     request_id: str
+    engine_id: str
     prompt: PromptType
     params: SamplingParams
     priority: int
@@ -275,7 +278,7 @@ def _render_one(renderer: Renderer, job: RenderJob) -> None:
     try:
         rendered = renderer.render_prompt(job.prompt)
         requests = renderer.make_requests(
-            job.request_id,
+            job.engine_id,
             rendered,
             job.params,
             priority=job.priority,

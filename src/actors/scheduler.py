@@ -301,6 +301,13 @@ class Scheduler:
         self._pause_mode = mode
         return outputs
 
+    def abort_in_flight(self) -> list[EngineCoreOutput]:
+        """Abort every unfinished request that a pause does not hold (as :meth:`abort` does).
+
+        Held requests stay queued; they hold no blocks.
+        """
+        return self.abort([rid for rid, req in self.requests.items() if not self._is_held(req)])
+
     def resume(self) -> None:
         """Leave any pause; held requests start on the next step, in policy order."""
         self._pause_mode = None
