@@ -44,6 +44,7 @@ from .actors.renderer import (
     RenderedPrompt,
     Renderer,
     RenderJob,
+    check_tokenization_kwargs,
     load_tokenizer,
     run_renderer,
 )
@@ -102,6 +103,7 @@ class RequestStream:
         self.engine_id = ""  # the engine's own id for this request, set on submission
         self._priority = priority
         self._slot = OutputSlot(params.output_kind)
+        self._render_options: dict[str, Any] = {}  # tokenization_kwargs, prompt_text
         self._submitted = False
         self._done = False
         self._token = trio.lowlevel.current_trio_token()
@@ -315,8 +317,12 @@ class AsyncEngine(EngineClient):
         Not a coroutine: returns the stream at once; the request is submitted
         when the stream is entered or first iterated. A dead engine raises
         ``EngineDeadError`` then; a duplicate live ``request_id`` raises
-        ValueError; while paused or asleep, submission waits for resume.
-        ``sampling_params`` that are not SamplingParams raise ValidationError at once.
+        ValueError; while paused or asleep, the request is held until resume.
+        ``prompt_text`` is the prompt text outputs report (for token-id
+        prompts); ``tokenization_kwargs`` may set ``add_special_tokens``,
+        ``truncation`` and ``max_length`` for text prompts; anything else, or
+        ``sampling_params`` that are not SamplingParams, raise ValidationError
+        at once.
         """
         if lora_request is not None:
             raise NotImplementedError("lora_request: LoRA adapters are not supported yet")
@@ -329,9 +335,16 @@ class AsyncEngine(EngineClient):
             raise ValidationError(
                 "sampling_params", f"must be SamplingParams, got {type(params).__name__}"
             )
+        kwargs = check_tokenization_kwargs(tokenization_kwargs) or None
+        if prompt_text is not None and not isinstance(prompt_text, str):
+            raise ValidationError(
+                "prompt_text", f"must be a string, got {type(prompt_text).__name__}"
+            )
         if request_id is None:
             request_id = uuid.uuid4().hex
-        return RequestStream(self, prompt, params, str(request_id), priority)
+        stream = RequestStream(self, prompt, params, str(request_id), priority)
+        stream._render_options = {"tokenization_kwargs": kwargs, "prompt_text": prompt_text}
+        return stream
 
     async def _submit(self, stream: RequestStream) -> None:
         """Register the stream's request and queue it for rendering; a checkpoint.
@@ -375,7 +388,15 @@ class AsyncEngine(EngineClient):
                 slot.put_error(error)
 
         job = RenderJob(
-            request_id, engine_id, prompt, params, priority, time.monotonic(), accept, reject
+            request_id,
+            engine_id,
+            prompt,
+            params,
+            priority,
+            time.monotonic(),
+            accept,
+            reject,
+            **stream._render_options,
         )
         self._render_send.send_nowait(job)
         await trio.lowlevel.cancel_shielded_checkpoint()

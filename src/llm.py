@@ -190,12 +190,19 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        prompt_text: str | None = None,
     ) -> None:
-        """Render and queue a request. Raises ValueError for bad input or a live duplicate id."""
+        """Render and queue a request. Raises ValueError for bad input or a live duplicate id.
+
+        ``tokenization_kwargs`` and ``prompt_text``: as for ``AsyncEngine.generate``.
+        """
         if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already running")
         params = params or SamplingParams()
-        rendered = self.renderer.render_prompt(prompt)
+        rendered = self.renderer.render_prompt(
+            prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
+        )
         engine_id = f"{request_id}-{next(self._engine_ids)}"
         requests = self.renderer.make_requests(
             engine_id, rendered, params, priority=priority, arrival_time=arrival_time

@@ -12,7 +12,7 @@ import trio.testing
 
 from legato import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from legato.engine import AsyncEngine, open_engine
-from legato.protocol.errors import EngineStartupError, PromptTooLongError
+from legato.protocol.errors import EngineStartupError, PromptTooLongError, ValidationError
 
 DELTA = RequestOutputKind.DELTA
 FINAL = RequestOutputKind.FINAL_ONLY
@@ -434,3 +434,66 @@ async def test_a_reused_id_gets_only_its_own_tokens(engine: AsyncEngine, gate_st
         gate.open()
     assert results == {i: own.outputs[0].token_ids for i in range(4)}
     await assert_idle(engine)
+
+
+async def test_cache_salt_keeps_prefix_caches_apart(engine: AsyncEngine) -> None:
+    ids = list(range(5, 5 + 200))
+
+    async def cached(prompt: Any, rid: str) -> int:
+        out = (await run_one(engine, prompt, greedy(2), rid))[-1]
+        assert out.num_cached_tokens is not None
+        return out.num_cached_tokens
+
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, "a1") == 0
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-b"}, "b1") == 0
+    assert await cached({"prompt_token_ids": ids}, "none1") == 0
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, "a2") >= 192
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-b"}, "b2") >= 192
+    assert await cached({"prompt_token_ids": ids}, "none2") >= 192
+    text = "the same words for everyone " * 8
+    assert await cached({"prompt": text, "cache_salt": "tenant-a"}, "ta1") == 0
+    assert await cached({"prompt": text, "cache_salt": "tenant-c"}, "tc1") == 0
+    assert await cached({"prompt": text, "cache_salt": "tenant-a"}, "ta2") > 0
+    for salt in ("", 5, ["x"]):
+        with pytest.raises(ValidationError) as caught:
+            await run_one(engine, {"prompt_token_ids": ids, "cache_salt": salt}, greedy(2), "bad")
+        assert caught.value.field == "cache_salt"
+    await assert_idle(engine)
+
+
+async def test_prompt_text_and_tokenization_kwargs_are_honoured(engine: AsyncEngine) -> None:
+    tok = engine.tokenizer
+    text = "Hello there, tokenizer"
+    ids = tok.encode(text)
+    out = (await run_one(engine, ids, greedy(2), "ids"))[-1]
+    assert out.prompt is None
+    async def last(stream: Any) -> RequestOutput:
+        async with stream:
+            outs = [out async for out in stream]
+        return outs[-1]
+
+    out = await last(engine.generate(ids, greedy(2), "named", prompt_text=text))
+    assert out.prompt == text and out.prompt_token_ids == ids
+
+    async def prompt_ids(kwargs: dict[str, Any]) -> list[int]:
+        out = await last(engine.generate(text, greedy(1), "kw", tokenization_kwargs=kwargs))
+        return list(out.prompt_token_ids or [])
+
+    assert await prompt_ids({}) == ids
+    assert await prompt_ids({"add_special_tokens": False}) == tok.encode(
+        text, add_special_tokens=False
+    )
+    assert await prompt_ids({"truncation": True, "max_length": 3}) == tok.encode(
+        text, truncation=True, max_length=3
+    )
+    for kwargs, field in [
+        ({"padding": True}, "tokenization_kwargs"),
+        ({"max_length": 0}, "tokenization_kwargs.max_length"),
+        ({"truncation": True}, "tokenization_kwargs.max_length"),
+        ({"add_special_tokens": "no"}, "tokenization_kwargs.add_special_tokens"),
+    ]:
+        with pytest.raises(ValidationError) as caught:
+            engine.generate(text, greedy(1), "kw", tokenization_kwargs=kwargs)
+        assert caught.value.field == field
+    with pytest.raises(ValidationError, match="prompt_text"):
+        engine.generate(ids, greedy(1), "pt", prompt_text=5)  # type: ignore[arg-type]

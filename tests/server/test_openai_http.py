@@ -18,7 +18,7 @@ from legato import __version__
 from legato.engine import AsyncEngine
 from legato.server import Server
 
-from .conftest import MODEL, serving, wait_kv_free, wait_kv_used, wait_until
+from .conftest import MODEL, metric, serving, wait_kv_free, wait_kv_used, wait_until
 
 
 @pytest.fixture
@@ -344,3 +344,32 @@ async def test_drain_aborts_streams_after_the_grace_period(engine: AsyncEngine) 
         return engine.num_kv_blocks_used == 0
 
     await wait_until(freed, 5)
+
+
+async def prefix_cache_hits(client: httpx.AsyncClient) -> float:
+    response = await client.get("/metrics")
+    return metric(response.text, "legato:prefix_cache_hits_total", default=0.0)
+
+
+async def test_cache_salt_keeps_tenants_apart(client: httpx.AsyncClient) -> None:
+    ids = list(range(5, 205))
+
+    async def hits_gained(path: str, body: dict[str, Any]) -> float:
+        before = await prefix_cache_hits(client)
+        response = await client.post(path, json={**body, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        return await prefix_cache_hits(client) - before
+
+    completion = {"prompt": ids}
+    assert await hits_gained("/v1/completions", {**completion, "cache_salt": "tenant-a"}) == 0
+    assert await hits_gained("/v1/completions", {**completion, "cache_salt": "tenant-b"}) == 0
+    assert await hits_gained("/v1/completions", completion) == 0
+    assert await hits_gained("/v1/completions", {**completion, "cache_salt": "tenant-a"}) >= 192
+    chat = {"messages": [{"role": "user", "content": "a long shared question " * 12}]}
+    assert await hits_gained("/v1/chat/completions", {**chat, "cache_salt": "tenant-a"}) == 0
+    assert await hits_gained("/v1/chat/completions", {**chat, "cache_salt": "tenant-b"}) == 0
+    assert await hits_gained("/v1/chat/completions", {**chat, "cache_salt": "tenant-b"}) > 0
+    for salt in ("", 7):
+        response = await client.post("/v1/completions", json={**completion, "cache_salt": salt})
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "cache_salt"

@@ -22,7 +22,7 @@ from trio_websocket import (
 from legato.engine import AsyncEngine
 from legato.server import Server
 
-from .conftest import serving, wait_kv_free, wait_kv_used
+from .conftest import metric, serving, wait_kv_free, wait_kv_used
 
 
 @asynccontextmanager
@@ -262,3 +262,37 @@ async def test_shutdown_closes_connections_after_the_drain(engine: AsyncEngine) 
                 with pytest.raises(ConnectionClosed) as closed:
                     await receive(ws)
                 assert closed.value.reason.code == 1001
+
+
+async def test_cache_salt_keeps_tenants_apart(server: Server, client: httpx.AsyncClient) -> None:
+    ids = list(range(5, 205))
+
+    async def hits() -> float:
+        response = await client.get("/metrics")
+        return metric(response.text, "legato:prefix_cache_hits_total", default=0.0)
+
+    async with connect(server) as ws:
+
+        async def hits_gained(rid: str, salt: str | None) -> float:
+            before = await hits()
+            frame: dict[str, Any] = {
+                "type": "generate",
+                "request_id": rid,
+                "prompt_token_ids": ids,
+                "params": {"max_tokens": 2},
+            }
+            if salt is not None:
+                frame["cache_salt"] = salt
+            await send(ws, frame, binary=salt == "tenant-b")
+            frames = await collect(ws, {rid})
+            assert frames[rid][-1]["finished"], frames
+            return await hits() - before
+
+        assert await hits_gained("a1", "tenant-a") == 0
+        assert await hits_gained("b1", "tenant-b") == 0
+        assert await hits_gained("n1", None) == 0
+        assert await hits_gained("a2", "tenant-a") >= 192
+        assert await hits_gained("b2", "tenant-b") >= 192
+        await send(ws, {"type": "generate", "request_id": "x", "prompt": "hi", "cache_salt": ""})
+        frames = await collect(ws, {"x"})
+        assert frames["x"][-1]["type"] == "error" and frames["x"][-1]["param"] == "cache_salt"
