@@ -98,25 +98,38 @@ class LLM:
     async def _generate_all(
         self, prompts: list[PromptType], params: list[SamplingParams], show_progress: bool
     ) -> list[RequestOutput]:
+        """Run every prompt; the first prompt (in order) that fails raises its own error.
+
+        On a failure the other requests are aborted, and the error is raised
+        as it is (a ValidationError for a bad prompt), never wrapped in a group.
+        """
         from tqdm import tqdm
 
         results: list[RequestOutput | None] = [None] * len(prompts)
+        errors: dict[int, Exception] = {}
         batch = f"llm-{time.monotonic_ns()}"
         bar = tqdm(total=len(prompts), desc="generating", disable=not show_progress)
 
-        async def one(i: int) -> None:
+        async def one(i: int, cancel: trio.CancelScope) -> None:
             final = params[i].clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            async with self.engine.generate(prompts[i], final, f"{batch}-{i}") as stream:
-                async for out in stream:
-                    results[i] = out
+            try:
+                async with self.engine.generate(prompts[i], final, f"{batch}-{i}") as stream:
+                    async for out in stream:
+                        results[i] = out
+            except Exception as exc:
+                errors[i] = exc
+                cancel.cancel()
+                return
             bar.update(1)
 
         try:
             async with trio.open_nursery() as nursery:
                 for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
+                    nursery.start_soon(one, i, nursery.cancel_scope)
         finally:
             bar.close()
+        if errors:
+            raise errors[min(errors)]
         return [r for r in results if r is not None]
 
     def shutdown(self) -> None:

@@ -69,12 +69,22 @@ class _FaultPlan:
         self.fail_load = bool(spec.get("fail_load", False))
         raise_on_step = spec.get("raise_on_step")
         self.raise_on_step = int(raise_on_step) if raise_on_step is not None else None
+        short_reply_on_step = spec.get("short_reply_on_step")
+        self.short_reply_on_step = (
+            int(short_reply_on_step) if short_reply_on_step is not None else None
+        )
         self.steps = 0
 
     def before_step(self) -> None:
         self.steps += 1
         if self.raise_on_step is not None and self.steps >= self.raise_on_step:
             raise RuntimeError(f"injected fault: model runner raised on step {self.steps}")
+
+    def after_step(self, output: m.ModelRunnerOutput) -> m.ModelRunnerOutput:
+        """From step ``short_reply_on_step`` on, the answer leaves out its last sample."""
+        if self.short_reply_on_step is not None and self.steps >= self.short_reply_on_step:
+            output.sampled_token_ids = output.sampled_token_ids[:-1]
+        return output
 
 
 def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
@@ -158,7 +168,7 @@ class Worker:
         """The answer to one frame. Raises only for fatal errors (see the class docstring)."""
         if isinstance(message, m.SchedulerOutput):
             self._faults.before_step()
-            return self.runner.execute(message)
+            return self._faults.after_step(self.runner.execute(message))
         if isinstance(message, m.HealthPing):
             return m.HealthPong(message.seq, message.sent_time)
         if isinstance(message, m.UtilityCall):

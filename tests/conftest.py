@@ -62,6 +62,7 @@ import math  # noqa: E402
 from typing import Any  # noqa: E402
 
 import trio  # noqa: E402
+import trio.testing  # noqa: E402
 
 
 class StepGate:
@@ -111,6 +112,30 @@ class StepGate:
         """Until ``count`` steps have passed the gate since it was made."""
         while self.num_passed < count:
             await self._changed.wait()
+
+    async def assert_done_within_one_step(self, seconds: float = 10.0) -> None:
+        """Close the gate and let through at most the step already on its way: after it, the
+        engine must hold no request. Aborts that never took effect fail this (the requests
+        they left behind wait at the closed gate for ever, and this gives up after
+        ``seconds``)."""
+        self.close()
+        with trio.fail_after(seconds):
+            async with trio.open_nursery() as nursery:
+
+                async def held() -> None:
+                    await self.wait_held()
+                    nursery.cancel_scope.cancel()
+
+                async def idle() -> None:
+                    await self.engine.wait_until_idle()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(held)
+                nursery.start_soon(idle)
+            await trio.testing.wait_all_tasks_blocked()  # every abort has been sent
+            self.allow(1)
+            await self.engine.wait_until_idle()
+        assert self.engine.num_kv_blocks_used == 0
 
     async def execute(self, step: Any) -> Any:
         self.num_held += 1

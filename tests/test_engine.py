@@ -93,12 +93,16 @@ async def test_greedy_matches_transformers(engine: AsyncEngine, toy_model_dir: A
     assert ours == ref[0, ids.shape[1] :].tolist()
 
 
-async def test_cancelled_scopes_abort_their_requests_and_free_blocks(engine: AsyncEngine) -> None:
+async def test_cancelled_scopes_abort_their_requests_and_free_blocks(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    gate = gate_steps(engine)
     finished: dict[int, int] = {}
     cancelled: list[int] = []
 
     async def one(i: int) -> None:
-        params = greedy(30, output_kind=DELTA)
+        # The cancelled ones could run for hundreds of steps more if abort did nothing.
+        params = greedy(30 if i % 10 else 400, output_kind=DELTA)
         with trio.CancelScope() as scope:
             got = 0
             async with engine.generate(f"prompt {i}", params, f"c{i}") as stream:
@@ -115,6 +119,8 @@ async def test_cancelled_scopes_abort_their_requests_and_free_blocks(engine: Asy
             nursery.start_soon(one, i)
     assert sorted(cancelled) == list(range(0, 100, 10))
     assert all(finished[i] == 30 for i in range(100) if i % 10)
+    await gate.assert_done_within_one_step()
+    gate.open()
     await assert_idle(engine)
     for i in cancelled:  # the ids are free again
         outs = await run_one(engine, "again", greedy(3), f"c{i}")
@@ -153,8 +159,10 @@ async def test_abort_ends_streams_with_reason_abort(engine: AsyncEngine) -> None
 
 @pytest.mark.parametrize("how", ["break", "aclose"])
 async def test_consumers_that_stop_early_leave_nothing_behind(
-    engine: AsyncEngine, how: str
+    engine: AsyncEngine, how: str, gate_steps: Any
 ) -> None:
+    gate = gate_steps(engine)
+
     async def one(i: int) -> None:
         got = 0
         stream = engine.generate(f"early stop {i}", greedy(300, output_kind=DELTA), f"e{i}")
@@ -173,7 +181,7 @@ async def test_consumers_that_stop_early_leave_nothing_behind(
     async with trio.open_nursery() as nursery:
         for i in range(8):
             nursery.start_soon(one, i)
-    await assert_idle(engine)
+    await gate.assert_done_within_one_step()  # 280 tokens each were still to come
 
 
 async def test_stop_strings_spanning_token_boundaries(engine: AsyncEngine) -> None:
@@ -309,9 +317,17 @@ async def test_duplicate_live_request_id_is_refused(engine: AsyncEngine) -> None
     assert (await run_one(engine, "dup", greedy(2), "same"))[-1].finished
 
 
-@pytest.mark.parametrize("fault", ["runner_raises", "sigkill"])
+WORKER_FAULTS: dict[str, Any] = {
+    "runner_raises": {"raise_on_step": 8},
+    "short_reply": {"short_reply_on_step": 8},  # a malformed answer is the worker's death
+    "sigkill": None,
+}
+
+
+@pytest.mark.parametrize("fault", list(WORKER_FAULTS))
 async def test_engine_death_fails_every_stream(toy_model_dir: Any, fault: str) -> None:
-    faults = {"worker": {"raise_on_step": 8}} if fault == "runner_raises" else None
+    spec = WORKER_FAULTS[fault]
+    faults = {"worker": spec} if spec is not None else None
     errors: list[BaseException] = []
     progress = trio.Event()
     async with open_engine(str(toy_model_dir), faults=faults, **ENGINE_ARGS) as engine:
@@ -345,6 +361,8 @@ async def test_engine_death_fails_every_stream(toy_model_dir: Any, fault: str) -
             isinstance(engine.dead_error, EngineDeadError)
             and engine.dead_error.__cause__ is not None
         )
+        if fault == "short_reply":
+            assert "does not match its requests" in str(engine.dead_error.__cause__)
         with pytest.raises(EngineDeadError):
             await engine.check_health()
         with pytest.raises(EngineDeadError):
@@ -383,6 +401,13 @@ async def test_offline_llm_and_llm_engine_match_async_engine(
             batch = [
                 o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)
             ]
+            # One bad prompt among good ones raises its own error, not a group around it.
+            bad = [prompts[0], {"prompt_token_ids": []}, "w " * 600, prompts[1]]
+            with pytest.raises(ValidationError) as caught:
+                llm.generate(bad, greedy(300), use_tqdm=False)
+            assert caught.value.field == "prompt" and "must not be empty" in str(caught.value)
+            again = llm.generate(prompts, greedy(16), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in again] == batch
         stepwise = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS))
         for i, p in enumerate(prompts):
             stepwise.add_request(f"s{i}", p, greedy(16, output_kind=FINAL))

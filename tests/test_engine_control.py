@@ -154,3 +154,25 @@ async def test_a_sleep_whose_caller_is_cancelled_still_completes(
         assert not await engine.is_sleeping()
         out = await final(engine, "awake again", greedy(4), "after")
     assert len(out.outputs[0].token_ids) == 4 and not engine.errored
+
+
+async def test_reading_blocks_in_use_leaves_the_metrics_alone(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    gate = gate_steps(engine)
+    gate.close()
+    async with trio.open_nursery() as nursery:
+        outputs: list[RequestOutput] = []
+
+        async def one() -> None:
+            outputs.append(await final(engine, "count my prompt tokens", greedy(3), "m"))
+
+        nursery.start_soon(one)
+        await gate.wait_held()  # the first step is planned: its prefix lookups are counted
+        for _ in range(3):
+            assert engine.num_kv_blocks_used > 0
+        gate.open()
+    prompt_tokens = len(outputs[0].prompt_token_ids or [])
+    text = engine.stats.exposition().decode()
+    queries = [line for line in text.splitlines() if line.startswith("legato:prefix_cache_queries")]
+    assert queries and float(queries[0].split()[-1]) == prompt_tokens

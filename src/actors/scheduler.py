@@ -529,6 +529,11 @@ class Scheduler:
         step_id = scheduler_output.step_id
         num_scheduled = scheduler_output.num_scheduled_tokens
         req_ids = runner_output.req_ids
+        if len(req_ids) != len(runner_output.sampled_token_ids):
+            raise ValueError(
+                f"model runner returned {len(runner_output.sampled_token_ids)} samples "
+                f"for {len(req_ids)} requests"
+            )
         if len(req_ids) < len(num_scheduled):
             self._check_all_sampled(scheduler_output, runner_output)
         requests = self.requests
