@@ -254,7 +254,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Benchmark a running server over HTTP and print the result table."""
     import trio
 
-    from .server.bench import run_bench
+    try:
+        from .server.bench import run_bench
+    except ImportError as exc:
+        print(f"legato: {exc}", file=sys.stderr)
+        return 2
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     report = trio.run(

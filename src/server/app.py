@@ -27,9 +27,9 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, cast
 
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from hypercorn.typing import ASGIFramework
+from hypercorn.typing import AppWrapper
 from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
@@ -37,6 +37,7 @@ from ..exception_groups import unwrap_single_error
 from ..model_source import served_name
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
+from .http_server import serve_http
 from .state import ServerSettings, ServingState
 from .web_ui import WebUI
 from .websocket import WebSocketEndpoint
@@ -138,15 +139,14 @@ async def open_server(
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 2.0
     config.h11_max_incomplete_size = 64 * 1024
+    config.keep_alive_timeout = settings.header_timeout  # also the time to send headers
     stop_http = trio.Event()
     with unwrap_single_error():
         async with trio.open_nursery() as nursery:
             # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
-            app = cast("ASGIFramework", OpenAIApp(state, web_ui))
-            serve_http = functools.partial(
-                hypercorn_serve, app, config, shutdown_trigger=stop_http.wait, mode="asgi"
-            )
-            binds: list[str] = await nursery.start(serve_http)
+            app = cast("AppWrapper", ASGIWrapper(OpenAIApp(state, web_ui)))  # type: ignore[arg-type]
+            http = functools.partial(serve_http, app, config, shutdown_trigger=stop_http.wait)
+            binds: list[str] = await nursery.start(http)
             http_port = int(binds[0].rsplit(":", 1)[1])
             ws_scope = trio.CancelScope()
 
@@ -158,6 +158,7 @@ async def open_server(
                         settings.ws_port,
                         ssl_context=None,
                         max_message_size=endpoint.hard_limit,
+                        connect_timeout=settings.header_timeout,
                         task_status=task_status,
                     )
 

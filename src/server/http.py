@@ -86,7 +86,10 @@ class OpenAIApp:
             await self._lifespan(receive, send)
             return
         if scope["type"] == "websocket":  # the WebSocket endpoint has a port of its own
-            await send({"type": "websocket.close", "code": 1008})
+            try:
+                await send({"type": "websocket.close", "code": 1008})
+            except Exception:  # noqa: BLE001 - hypercorn's h11 state after junk bytes
+                logger.debug("refusing a WebSocket upgrade on the HTTP port failed", exc_info=True)
             return
         if scope["type"] != "http":
             raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")

@@ -48,6 +48,7 @@ class ServerSettings:
     ws_max_frame_bytes: int = 1 << 20
     ws_max_requests: int = 64
     shutdown_grace: float = 10.0
+    header_timeout: float = 10.0  # seconds to send a request's headers / WebSocket handshake
     log_requests: bool = True
     web_ui: bool = True
     """Serve the chat page at ``/`` (``--no-web-ui`` turns it off)."""
@@ -73,6 +74,8 @@ class ServerSettings:
             raise ValueError(
                 f"web_ui_ws_url: must start with ws:// or wss://, got {self.web_ui_ws_url!r}"
             )
+        if not self.header_timeout > 0:
+            raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout!r}")
         if self.api_key == "":
             raise ValueError("api_key: must not be empty")
 

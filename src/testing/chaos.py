@@ -24,7 +24,8 @@ Two layers, both usable against your own model directory:
 
 Command line (a soak): ``python -m legato.testing.chaos --rounds 50``.
 
-Imports trio, psutil and the engine; never torch (the worker process does).
+Imports trio, psutil (an optional dependency: ``pip install 'legato[chaos]'``) and
+the engine; never torch (the worker process does).
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-import psutil
 import trio
+
+try:
+    import psutil
+except ImportError as exc:  # an optional dependency of the engine
+    raise ImportError(
+        "the chaos harness needs psutil: install it with pip install 'legato[chaos]'"
+    ) from exc
 
 from ..actors.executor import WorkerDiedError
 from ..actors.heartbeat import HeartbeatTimeout
