@@ -3,7 +3,8 @@
 :func:`select_backend` picks, by ``EngineConfig.attention_backend`` and device:
 
 - ``"torch"`` — :mod:`legato.models.torch_ops`, vectorised plain torch (the CPU
-  path, checked against the references in the tests);
+  path, checked against the references in the tests), with the native CPU
+  kernels of :mod:`legato.models.cpu_kernels` where they build;
 - ``"triton"`` — the Triton kernels from :func:`legato.kernels.get_kernels`,
   which keep the reference signatures (CUDA, or the interpreter);
 - ``"auto"`` — triton on CUDA when it can be imported, else torch;
@@ -30,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from ..kernels import reference
-from . import torch_ops
+from . import cpu_kernels, torch_ops
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +102,17 @@ class Backend(Protocol):
 
 class _TorchStep:
     def __init__(
-        self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+        self,
+        meta: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+        dtype: torch.dtype,
+        native: bool,
     ) -> None:
-        self.cos, self.sin = torch_ops.rotary_tables(cos_sin_cache, meta.positions, dtype)
+        self.native = native
+        self.positions = meta.positions
+        self.cos_sin_cache = cos_sin_cache
+        if not native:
+            self.cos, self.sin = torch_ops.rotary_tables(cos_sin_cache, meta.positions, dtype)
         self.plan = torch_ops.plan_attention(
             meta.block_tables,
             meta.seq_lens_host,
@@ -113,9 +122,13 @@ class _TorchStep:
             dtype,
             meta.num_decodes,
             seq_lens_tensor=meta.seq_lens,
+            native=native,
         )
 
     def rotary(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native:  # in place: qk is this layer's fresh projection
+            cpu_kernels.rotary_neox(qk, self.positions, self.cos_sin_cache)
+            return qk[:, :num_heads], qk[:, num_heads:]
         out = torch_ops.rotate_neox(qk, self.cos, self.sin)
         return out[:, :num_heads], out[:, num_heads:]
 
@@ -134,27 +147,44 @@ class _TorchStep:
 class TorchBackend:
     """Vectorised plain torch (:mod:`legato.models.torch_ops`).
 
+    With ``native`` (the CPU, a compiler at hand) fp32 and bf16 run the native
+    kernels of :mod:`legato.models.cpu_kernels` instead: attention reading the
+    paged cache in place, the KV write, norms, activation and rotary in one
+    pass each (rotary in place, the fused norm's residual updated in place).
     Not graph-safe: the attention plan's shapes come from host-side lengths.
     """
 
     name = "torch"
     graph_safe = False
 
+    def __init__(self, *, native: bool = False) -> None:
+        self.native = native
+
+    def _native_for(self, x: torch.Tensor) -> bool:
+        return self.native and x.dtype in cpu_kernels.DTYPES
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._native_for(x) and x.dim() == 2:
+            return cpu_kernels.rms_norm(x, weight, eps)
         return torch_ops.rms_norm(x, weight, eps)
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._native_for(x) and x.dim() == 2 and residual.is_contiguous():
+            return cpu_kernels.rms_norm(x, weight, eps, residual=residual), residual
         return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_for(x) and x.dim() == 2:
+            return cpu_kernels.silu_and_mul(x)
         return torch_ops.silu_and_mul(x)
 
     def begin_step(
         self, meta: AttentionMetadata, cos_sin_cache: torch.Tensor, dtype: torch.dtype
     ) -> StepContext:
-        return _TorchStep(meta, cos_sin_cache, dtype)
+        native = self.native and dtype in cpu_kernels.DTYPES
+        return _TorchStep(meta, cos_sin_cache, dtype, native)
 
 
 # ---------------------------------------------------------------- kernels
@@ -251,8 +281,9 @@ def select_backend(name: str, device: torch.device) -> Backend:
     "triton" raises when the Triton kernels cannot be loaded; "auto" falls back
     to torch with a log line.
     """
+    native = device.type == "cpu" and cpu_kernels.available()
     if name == "torch":
-        return TorchBackend()
+        return TorchBackend(native=native)
     if name == "reference":
         return KernelBackend("reference", reference, hints=False)
     if name == "triton":
@@ -263,7 +294,7 @@ def select_backend(name: str, device: torch.device) -> Backend:
                 return _triton_backend()
             except (ImportError, AttributeError, RuntimeError) as exc:
                 logger.warning("triton kernels unavailable (%s); using the torch backend", exc)
-        return TorchBackend()
+        return TorchBackend(native=native)
     raise ValueError(
         f"attention_backend: unknown backend {name!r}; expected auto, torch, triton or reference"
     )

@@ -5,7 +5,10 @@
 // (same soname), so these loops share torch's thread pool instead of adding a second one.
 // Tensors arrive as raw pointers plus the strides the Python side checked; bf16 travels
 // as uint16_t bit patterns. Every entry point returns 0, or a negative code for
-// arguments it cannot take (the caller then uses the plain-torch path).
+// arguments it cannot take.
+//
+// Numerics follow the plain-torch versions in torch_ops.py (and so transformers): fp32
+// math throughout, and in bf16 the same rounding points as the torch ops they replace.
 
 #include <algorithm>
 #include <cmath>
@@ -15,26 +18,83 @@
 
 namespace {
 
+using bf16 = uint16_t;
+
 inline float to_float(float x) { return x; }
 
-inline float to_float(uint16_t bits) {
+inline float to_float(bf16 bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float out;
   std::memcpy(&out, &wide, sizeof(out));
   return out;
 }
 
-inline void from_float(float x, float* dst) { *dst = x; }
-
-inline void from_float(float x, uint16_t* dst) {  // round to nearest even; NaN stays NaN
+inline bf16 round_bf16(float x) {  // round to nearest even; NaN stays NaN (branch-free)
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *dst = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  return static_cast<bf16>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, bf16* dst) { *dst = round_bf16(x); }
+
+// x rounded to T and back: the value a T tensor holds after an op rounds its fp32 result.
+inline float as_stored(float x, const float*) { return x; }
+inline float as_stored(float x, const bf16*) { return to_float(round_bf16(x)); }
+
+// exp(x), 2 ulp over the float range, in plain arithmetic so loops over it vectorize.
+// Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// The largest of n floats (NaNs ignored; n >= 1), with independent accumulators so the
+// loop runs at load speed rather than at the latency of one max chain.
+inline float max_of(const float* x, int64_t n) {
+  constexpr int kLanes = 32;
+  float lanes[kLanes];
+  for (int j = 0; j < kLanes; ++j) lanes[j] = x[0];
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) lanes[j] = lanes[j] > x[c + j] ? lanes[j] : x[c + j];
   }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = static_cast<uint16_t>(bits >> 16);
+  float best = lanes[0];
+  for (int j = 1; j < kLanes; ++j) best = best > lanes[j] ? best : lanes[j];
+  for (; c < n; ++c) best = best > x[c] ? best : x[c];
+  return best;
+}
+
+// The first index i < n with pred(x[i]); n if none. Chunks are tested vectorised.
+template <typename Pred>
+inline int64_t find_first(const float* x, int64_t n, Pred pred) {
+  constexpr int kChunk = 32;
+  int64_t c = 0;
+  for (; c + kChunk <= n; c += kChunk) {
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int j = 0; j < kChunk; ++j) hit |= pred(x[c + j]);
+    if (hit) break;
+  }
+  for (; c < n; ++c)
+    if (pred(x[c])) return c;
+  return n;
 }
 
 template <typename T>
@@ -50,6 +110,8 @@ inline void axpy(float a, const T* x, float* y, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) y[i] += a * to_float(x[i]);
 }
+
+// ------------------------------------------------------------------ attention
 
 // Attention of one query row per sequence (decode) over that sequence's paged K/V.
 //
@@ -87,7 +149,8 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
   {
     std::vector<float> q(static_cast<size_t>(num_heads) * head_dim);
     std::vector<float> acc(q.size());
-    std::vector<float> scores;  // [seq_len, num_heads]
+    std::vector<float> scores;  // [num_heads, seq_len]
+    std::vector<float> totals(num_heads);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t seq = 0; seq < num_seqs; ++seq) {
       const int len = seq_lens[seq];
@@ -103,22 +166,20 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
         const int n = std::min(block_size, len - start);
         for (int t = 0; t < n; ++t) {
           const T* k = keys + t * token_stride;
-          float* row = s + (start + t) * num_heads;
           for (int h = 0; h < num_heads; ++h)
-            row[h] = dot(&q[h * head_dim], k + (h / group) * head_dim, head_dim);
+            s[h * len + start + t] = dot(&q[h * head_dim], k + (h / group) * head_dim, head_dim);
         }
       }
       for (int h = 0; h < num_heads; ++h) {
-        float top = s[h];
-        for (int t = 1; t < len; ++t) top = std::max(top, s[t * num_heads + h]);
+        float* row = s + static_cast<int64_t>(h) * len;
+        const float top = max_of(row, len);
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int t = 0; t < len; ++t) {
-          const float p = std::exp(s[t * num_heads + h] - top);
-          s[t * num_heads + h] = p;
-          total += p;
+          row[t] = exp_approx(row[t] - top);
+          total += row[t];
         }
-        const float inv = 1.f / total;
-        for (int t = 0; t < len; ++t) s[t * num_heads + h] *= inv;
+        totals[h] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int start = 0; start < len; start += block_size) {
@@ -126,14 +187,145 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
         const int n = std::min(block_size, len - start);
         for (int t = 0; t < n; ++t) {
           const T* v = values + t * token_stride;
-          const float* row = s + (start + t) * num_heads;
           for (int h = 0; h < num_heads; ++h)
-            axpy(row[h], v + (h / group) * head_dim, &acc[h * head_dim], head_dim);
+            axpy(s[h * len + start + t], v + (h / group) * head_dim, &acc[h * head_dim], head_dim);
         }
       }
       T* dst = out + seq * num_heads * static_cast<int64_t>(head_dim);
-      for (int i = 0; i < num_heads * head_dim; ++i) from_float(acc[i], dst + i);
+      for (int h = 0; h < num_heads; ++h) {
+        const float inv = 1.f / totals[h];
+        for (int d = 0; d < head_dim; ++d) store(acc[h * head_dim + d] * inv, dst + h * head_dim + d);
+      }
     }
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------ kv write
+
+// Copy rows of `row_bytes` from key/value (row strides in bytes) to the caches' slots
+// (a slot is block * block_size + offset, i.e. a row of the flattened cache). Slots < 0
+// are skipped (padding); a slot >= num_slots is refused (-2) before anything is written.
+int write_kv(const char* key, int64_t key_stride, const char* value, int64_t value_stride,
+             char* key_cache, char* value_cache, const int64_t* slots, int64_t num_tokens,
+             int64_t num_slots, int64_t row_bytes, int num_threads) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slots[t] >= num_slots) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 64)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(key_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+    std::memcpy(value_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------- elementwise
+
+// out = rms_norm(x) * weight over rows of `cols`; with `residual` (not null) first
+// residual = x + residual (in place) and the sum is normalised. As torch_ops.rms_norm:
+// normalised in fp32, rounded to T, then multiplied by the weight in T.
+template <typename T>
+int rms_norm(const T* x, int64_t x_stride, T* residual, const T* weight, T* out,
+             int64_t rows, int64_t cols, float eps, int num_threads) {
+  const bool fused = residual != nullptr;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    T* rr = fused ? residual + r * cols : nullptr;
+    T* o = out + r * cols;
+    float sum = 0.f;
+    if (fused) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = as_stored(to_float(xr[c]) + to_float(rr[c]), xr);
+        store(v, rr + c);
+        sum += v * v;
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cols; ++c) sum += to_float(xr[c]) * to_float(xr[c]);
+    }
+    const T* src = fused ? rr : xr;
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c)
+      store(as_stored(to_float(src[c]) * inv, src) * to_float(weight[c]), o + c);
+  }
+  return 0;
+}
+
+// out[r, :d] = silu(x[r, :d]) * x[r, d:2d]; silu rounded to T before the product.
+// Two passes per row (exp(-gate) into a scratch row, then the rest): gcc vectorises
+// each far better than the fused loop.
+template <typename T>
+int silu_and_mul(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t d,
+                 int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * d >= 16384)
+  {
+    std::vector<float> e(d);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + d;
+      T* o = out + r * d;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) e[c] = exp_approx(-to_float(gate[c]));
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) {
+        const float g = to_float(gate[c]);
+        store(as_stored(g / (1.f + e[c]), gate) * to_float(up[c]), o + c);
+      }
+    }
+  }
+  return 0;
+}
+
+// Neox rotary in place on x[t, h, :] for h < heads (strides tok_stride, head_stride, 1),
+// at positions[t], from cos_sin [max_position, head_dim] fp32 (cos | sin halves). As
+// torch_ops.rotate_neox: cos and sin rounded to T, x*cos rounded to T, then + rot*sin.
+template <typename T>
+int rotary_neox(T* x, int64_t tok_stride, int64_t head_stride, int64_t tokens, int heads,
+                int head_dim, const int64_t* positions, const float* cos_sin,
+                int64_t max_position, int num_threads) {
+  for (int64_t t = 0; t < tokens; ++t)
+    if (positions[t] < 0 || positions[t] >= max_position) return -2;
+  const int half = head_dim / 2;
+  const T* tag = nullptr;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads >= 512)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cs = cos_sin + positions[t] * head_dim;
+    for (int h = 0; h < heads; ++h) {
+      T* v = x + t * tok_stride + h * head_stride;
+#pragma omp simd
+      for (int i = 0; i < half; ++i) {
+        const float c = as_stored(cs[i], tag), s = as_stored(cs[half + i], tag);
+        const float a = to_float(v[i]), b = to_float(v[half + i]);
+        const float lo = as_stored(a * c, tag) - b * s;
+        const float hi = as_stored(b * c, tag) + a * s;
+        store(lo, v + i);
+        store(hi, v + half + i);
+      }
+    }
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------ sampling
+
+// out[r] = the first index of the largest value of row r (a NaN counts as largest).
+int argmax_rows(const float* x, int64_t stride, int64_t rows, int64_t cols, int64_t* out,
+                int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * stride;
+    const int64_t first_nan = find_first(row, cols, [](float v) { return v != v; });
+    if (first_nan < cols) {
+      out[r] = first_nan;
+      continue;
+    }
+    const float best = max_of(row, cols);
+    out[r] = find_first(row, cols, [best](float v) { return v == best; });
   }
   return 0;
 }
@@ -142,27 +334,48 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
 
 extern "C" {
 
-int legato_decode_attention_f32(const float* query, int64_t q_seq_stride, int64_t q_head_stride,
-                                const float* key_cache, const float* value_cache,
-                                const int32_t* block_table, int64_t table_stride,
-                                int64_t table_cols, int64_t num_blocks, const int32_t* seq_lens, float* out, int64_t num_seqs,
-                                int num_heads, int num_kv_heads, int head_dim, int block_size,
-                                float scale, int num_threads) {
-  return decode_attention(query, q_seq_stride, q_head_stride, key_cache, value_cache, block_table,
-                          table_stride, table_cols, num_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                          head_dim, block_size, scale, num_threads);
+#define LEGATO_TYPED(SUFFIX, T)                                                               \
+  int legato_decode_attention_##SUFFIX(                                                       \
+      const T* query, int64_t q_seq_stride, int64_t q_head_stride, const T* key_cache,        \
+      const T* value_cache, const int32_t* block_table, int64_t table_stride,                 \
+      int64_t table_cols, int64_t num_blocks, const int32_t* seq_lens, T* out,                \
+      int64_t num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,        \
+      float scale, int num_threads) {                                                         \
+    return decode_attention(query, q_seq_stride, q_head_stride, key_cache, value_cache,       \
+                            block_table, table_stride, table_cols, num_blocks, seq_lens, out, \
+                            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,   \
+                            num_threads);                                                     \
+  }                                                                                           \
+  int legato_rms_norm_##SUFFIX(const T* x, int64_t x_stride, T* residual, const T* weight,   \
+                               T* out, int64_t rows, int64_t cols, float eps,                 \
+                               int num_threads) {                                             \
+    return rms_norm(x, x_stride, residual, weight, out, rows, cols, eps, num_threads);        \
+  }                                                                                           \
+  int legato_silu_and_mul_##SUFFIX(const T* x, int64_t x_stride, T* out, int64_t rows,       \
+                                   int64_t d, int num_threads) {                              \
+    return silu_and_mul(x, x_stride, out, rows, d, num_threads);                              \
+  }                                                                                           \
+  int legato_rotary_neox_##SUFFIX(T* x, int64_t tok_stride, int64_t head_stride,             \
+                                  int64_t tokens, int heads, int head_dim,                    \
+                                  const int64_t* positions, const float* cos_sin,             \
+                                  int64_t max_position, int num_threads) {                    \
+    return rotary_neox(x, tok_stride, head_stride, tokens, heads, head_dim, positions,       \
+                       cos_sin, max_position, num_threads);                                   \
+  }
+
+LEGATO_TYPED(f32, float)
+LEGATO_TYPED(bf16, bf16)
+
+int legato_write_kv(const char* key, int64_t key_stride, const char* value, int64_t value_stride,
+                    char* key_cache, char* value_cache, const int64_t* slots, int64_t num_tokens,
+                    int64_t num_slots, int64_t row_bytes, int num_threads) {
+  return write_kv(key, key_stride, value, value_stride, key_cache, value_cache, slots,
+                  num_tokens, num_slots, row_bytes, num_threads);
 }
 
-int legato_decode_attention_bf16(const uint16_t* query, int64_t q_seq_stride,
-                                 int64_t q_head_stride, const uint16_t* key_cache,
-                                 const uint16_t* value_cache, const int32_t* block_table,
-                                 int64_t table_stride, int64_t table_cols, int64_t num_blocks,
-                                 const int32_t* seq_lens, uint16_t* out,
-                                 int64_t num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                                 int block_size, float scale, int num_threads) {
-  return decode_attention(query, q_seq_stride, q_head_stride, key_cache, value_cache, block_table,
-                          table_stride, table_cols, num_blocks, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                          head_dim, block_size, scale, num_threads);
+int legato_argmax_f32(const float* x, int64_t stride, int64_t rows, int64_t cols, int64_t* out,
+                      int num_threads) {
+  return argmax_rows(x, stride, rows, cols, out, num_threads);
 }
 
 }  // extern "C"

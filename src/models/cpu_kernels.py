@@ -10,10 +10,14 @@ libgomp torch has loaded, so the kernels share torch's threads.
 Without a compiler (or with ``LEGATO_CPU_KERNELS=0``) :func:`load` returns None
 once, with a log line, and callers keep their plain-torch path.
 
-Kernels:
+Kernels (fp32 and bf16, each checked against its plain-torch twin in the tests):
 
 - :func:`decode_attention`: one query row per sequence against its paged K/V,
-  read in place through the block table (no gather), fp32 or bf16.
+  read in place through the block table (no gather);
+- :func:`write_kv`: this step's K/V rows into their cache slots;
+- :func:`rms_norm` (optionally fused with the residual add), :func:`silu_and_mul`,
+  :func:`rotary_neox` (in place): the elementwise ops of a layer, one pass each;
+- :func:`argmax`: greedy sampling over fp32 logits.
 
 Never imports trio. Blocks while compiling (first call only).
 """
@@ -29,25 +33,36 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17")
+# -fno-trapping-math / -fno-math-errno as torch builds with: they let the loops with a
+# division or a floor vectorise. No -ffast-math: it would set flush-to-zero process-wide.
+FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno")
+FLAGS += ("-fopenmp", "-fPIC", "-shared", "-std=c++17")
 ENV_SWITCH = "LEGATO_CPU_KERNELS"  # "0" turns the native kernels off
 
 _lock = threading.Lock()
 _loaded: tuple[ctypes.CDLL | None] | None = None  # (library or None) once tried
 
 _c_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_DECODE_ARGS = [_c_ptr, _i64, _i64, _c_ptr, _c_ptr, _c_ptr, _i64, _i64, _i64, _c_ptr, _c_ptr, _i64]
-_DECODE_ARGS += [_i32, _i32, _i32, _i32, _f32, _i32]
-_DECODE_FUNCTIONS = {
-    torch.float32: "legato_decode_attention_f32",
-    torch.bfloat16: "legato_decode_attention_bf16",
+_P, _L, _I, _F = _c_ptr, _i64, _i32, _f32
+# argument types of each entry point; "{t}" ones exist per dtype (f32, bf16)
+_SIGNATURES: dict[str, list[Any]] = {
+    "legato_decode_attention_{t}": [_P, _L, _L, _P, _P, _P, _L, _L, _L, _P, _P, _L]
+    + [_I, _I, _I, _I, _F, _I],
+    "legato_rms_norm_{t}": [_P, _L, _P, _P, _P, _L, _L, _F, _I],
+    "legato_silu_and_mul_{t}": [_P, _L, _P, _L, _L, _I],
+    "legato_rotary_neox_{t}": [_P, _L, _L, _L, _I, _I, _P, _P, _L, _I],
+    "legato_write_kv": [_P, _L, _P, _L, _P, _P, _P, _L, _L, _L, _I],
+    "legato_argmax_f32": [_P, _L, _L, _L, _P, _I],
 }
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+DTYPES = tuple(_SUFFIX)  # what the typed kernels take
 
 
 def _compiler() -> str | None:
@@ -70,7 +85,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     """Compile the source unless a build for this source, compiler and CPU exists."""
-    from ..toy_model import legato_home
+    from ..model_cache import legato_home
 
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
@@ -112,10 +127,11 @@ def load() -> ctypes.CDLL | None:
         else:
             try:
                 library = ctypes.CDLL(str(_build(compiler)))
-                for name in _DECODE_FUNCTIONS.values():
-                    fn = getattr(library, name)
-                    fn.argtypes = _DECODE_ARGS
-                    fn.restype = ctypes.c_int
+                for pattern, argtypes in _SIGNATURES.items():
+                    for suffix in {pattern.format(t=s) for s in _SUFFIX.values()}:
+                        fn = getattr(library, suffix)
+                        fn.argtypes = argtypes
+                        fn.restype = ctypes.c_int
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 logger.warning("native CPU kernels unavailable (%s): plain-torch attention", exc)
                 library = None
@@ -126,6 +142,35 @@ def load() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the native kernels can run here (builds them on first call)."""
     return load() is not None
+
+
+def _library() -> ctypes.CDLL:
+    library = load()
+    if library is None:
+        raise RuntimeError("the native CPU kernels are not available")
+    return library
+
+
+def _typed(name: str, dtype: torch.dtype) -> str:
+    suffix = _SUFFIX.get(dtype)
+    if suffix is None:
+        raise ValueError(f"{name}: no native kernel for {dtype}")
+    return f"legato_{name}_{suffix}"
+
+
+def _run(function: str, *args: object) -> None:
+    code = getattr(_library(), function)(*args)
+    if code != 0:
+        raise ValueError(f"{function}: the kernel refused its arguments (code {code})")
+
+
+def _check(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {what}")
+
+
+def _on_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 def decode_attention(
@@ -147,55 +192,215 @@ def decode_attention(
     ``ValueError`` for layouts or dtypes it does not take, and for a length or
     block id that would read outside the table or the cache (checked first).
     """
-    library = load()
-    if library is None:
-        raise RuntimeError("the native CPU kernels are not available")
-    fn_name = _DECODE_FUNCTIONS.get(query.dtype)
+    name = "decode_attention"
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if (
-        fn_name is None
-        or query.device.type != "cpu"
-        or key_cache.dtype != query.dtype
-        or value_cache.dtype != query.dtype
-        or not key_cache.is_contiguous()
-        or not value_cache.is_contiguous()
-        or value_cache.shape != key_cache.shape
-        or query.stride(2) != 1
-        or block_table.dtype != torch.int32
-        or block_table.stride(1) != 1
-        or seq_lens.dtype != torch.int32
-        or not seq_lens.is_contiguous()
-        or len(seq_lens) != num_seqs
-        or block_table.shape[0] != num_seqs
-    ):
-        raise ValueError("decode_attention: unsupported dtype or layout")
-    if out is None:
-        out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype)
-    elif not out.is_contiguous() or out.shape != query.shape or out.dtype != query.dtype:
-        raise ValueError("decode_attention: out must be a contiguous tensor like query")
-    if num_seqs == 0:
-        return out
-    code = getattr(library, fn_name)(
-        query.data_ptr(),
-        query.stride(0),
-        query.stride(1),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_table.data_ptr(),
-        block_table.stride(0),
-        block_table.shape[1],
-        key_cache.shape[0],
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
+    _check(
+        _on_cpu(query, key_cache, value_cache, block_table, seq_lens)
+        and key_cache.dtype == value_cache.dtype == query.dtype
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and value_cache.shape == key_cache.shape
+        and query.stride(2) == 1
+        and block_table.dtype == torch.int32
+        and block_table.stride(1) == 1
+        and block_table.shape[0] == num_seqs
+        and seq_lens.dtype == torch.int32
+        and seq_lens.is_contiguous()
+        and seq_lens.shape == (num_seqs,),
+        name,
+        "unsupported layout",
     )
-    if code != 0:
-        raise ValueError(f"decode_attention: the kernel refused its arguments (code {code})")
+    if out is None:
+        out = query.new_empty(query.shape)
+    _check(
+        out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype,
+        name,
+        "out must be a contiguous tensor like query",
+    )
+    if num_seqs:
+        _run(
+            _typed(name, query.dtype),
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_table.data_ptr(),
+            block_table.stride(0),
+            block_table.shape[1],
+            key_cache.shape[0],
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key`` / ``value`` ``[T, Hkv, D]`` (rows may be strided) at ``slot_mapping``
+    ``[T]`` int64 of the contiguous caches; slots < 0 are skipped. Raises ``ValueError``
+    (nothing written) for a slot past the cache or a layout it does not take."""
+    name = "write_kv"
+    num_tokens = key.shape[0]
+    row = key_cache[0, 0]
+    _check(
+        _on_cpu(key, value, key_cache, value_cache, slot_mapping)
+        and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and key_cache.shape == value_cache.shape
+        and key.shape[1:] == value.shape[1:] == row.shape
+        and key.stride(2) == value.stride(2) == 1
+        and key.stride(1) == value.stride(1) == row.shape[1]
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and slot_mapping.shape == (num_tokens,),
+        name,
+        "unsupported layout",
+    )
+    size = key.element_size()
+    if num_tokens:
+        _run(
+            "legato_write_kv",
+            key.data_ptr(),
+            key.stride(0) * size,
+            value.data_ptr(),
+            value.stride(0) * size,
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slot_mapping.data_ptr(),
+            num_tokens,
+            key_cache.shape[0] * key_cache.shape[1],
+            row.numel() * size,
+            torch.get_num_threads(),
+        )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``rms_norm(x) * weight`` over the last dimension of ``x`` ``[N, C]`` (rows may be
+    strided); with ``residual`` (contiguous, like ``x``) first ``residual += x`` in place
+    and the sum is normalised. Returns a new contiguous tensor."""
+    name = "rms_norm"
+    rows, cols = x.shape
+    _check(
+        _on_cpu(x, weight)
+        and x.stride(1) == 1
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and weight.shape == (cols,)
+        and (
+            residual is None
+            or (
+                residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype
+            )
+        ),
+        name,
+        "unsupported layout",
+    )
+    out = x.new_empty(x.shape)
+    if rows:
+        _run(
+            _typed(name, x.dtype),
+            x.data_ptr(),
+            x.stride(0),
+            residual.data_ptr() if residual is not None else None,
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            cols,
+            eps,
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x`` ``[N, 2d]`` (rows may be strided); new tensor."""
+    name = "silu_and_mul"
+    rows, width = x.shape
+    _check(_on_cpu(x) and x.stride(1) == 1 and width % 2 == 0, name, "unsupported layout")
+    out = x.new_empty(rows, width // 2)
+    if rows:
+        _run(
+            _typed(name, x.dtype),
+            x.data_ptr(),
+            x.stride(0),
+            out.data_ptr(),
+            rows,
+            width // 2,
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Rotate ``x`` ``[T, heads, D]`` (a strided view is fine) in place, neox style, at
+    ``positions`` ``[T]`` int64, from ``cos_sin_cache`` ``[max_position, D]`` fp32 (cos |
+    sin). Raises ``ValueError`` (nothing rotated) for a position outside the cache."""
+    name = "rotary_neox"
+    tokens, heads, head_dim = x.shape
+    _check(
+        _on_cpu(x, positions, cos_sin_cache)
+        and x.stride(2) == 1
+        and head_dim % 2 == 0
+        and positions.dtype == torch.int64
+        and positions.is_contiguous()
+        and positions.shape == (tokens,)
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.shape[1] == head_dim,
+        name,
+        "unsupported layout",
+    )
+    if tokens:
+        _run(
+            _typed(name, x.dtype),
+            x.data_ptr(),
+            x.stride(0),
+            x.stride(1),
+            tokens,
+            heads,
+            head_dim,
+            positions.data_ptr(),
+            cos_sin_cache.data_ptr(),
+            cos_sin_cache.shape[0],
+            torch.get_num_threads(),
+        )
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Per row of fp32 ``x`` ``[N, V]`` (unit column stride) the first index of its largest
+    value, as ``torch.argmax(x, dim=-1)`` (a NaN counts as largest); int64 ``[N]``."""
+    rows, cols = x.shape
+    _check(
+        _on_cpu(x) and x.dtype == torch.float32 and x.stride(1) == 1 and cols > 0,
+        "argmax",
+        "unsupported layout",
+    )
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        _run(
+            "legato_argmax_f32",
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            cols,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
     return out

@@ -41,7 +41,8 @@ def native_bf16() -> bool:
 
 def packing_available() -> bool:
     """Whether oneDNN's packed linear ops exist in this torch build."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    mkldnn_built = bool(torch._C._has_mkldnn)
+    return mkldnn_built and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,9 @@ class PackedLinear:
 
     @property
     def nbytes(self) -> int:
-        size = self.in_features * self.out_features + (self.out_features if self.bias is not None else 0)
+        size = self.in_features * self.out_features + (
+            self.out_features if self.bias is not None else 0
+        )
         return size * self.compute_dtype.itemsize
 
 

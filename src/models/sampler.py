@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..protocol.messages import TokenLogprobs
+from . import cpu_kernels
 
 _NEG_INF = float("-inf")
 
@@ -134,6 +135,13 @@ def random_sample(
     return probs.div_(noise).argmax(dim=-1)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``; on the CPU the native kernel (parallel over rows)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
+        return cpu_kernels.argmax(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """One token per row of ``logits`` ``[N, V]`` (any float dtype; fp32 is modified in place)."""
     logits = logits.float()
@@ -151,7 +159,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     if md.penalties is not None:
         apply_penalties(logits, md.penalties)
 
-    greedy_tokens = logits.argmax(dim=-1) if md.greedy is not None or md.all_greedy else None
+    greedy_tokens = greedy(logits) if md.greedy is not None or md.all_greedy else None
     if md.all_greedy:
         assert greedy_tokens is not None
         sampled = greedy_tokens

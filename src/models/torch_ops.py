@@ -26,8 +26,6 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native decode kernel takes
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension.
@@ -138,9 +136,9 @@ class AttentionPlan:
     decode_lens: torch.Tensor | None = None  # [nd] int32
 
 
-def native_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention on ``device`` in ``dtype`` can use the native CPU kernel."""
-    return device.type == "cpu" and dtype in NATIVE_DTYPES and cpu_kernels.available()
+def native_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether attention on ``device`` in ``dtype`` can use the native CPU kernels."""
+    return device.type == "cpu" and dtype in cpu_kernels.DTYPES and cpu_kernels.available()
 
 
 def plan_attention(
@@ -159,8 +157,8 @@ def plan_attention(
     ``num_decodes``: how many leading sequences have query length 1 (counted
     when None). Unused block-table entries may hold anything.
     ``seq_lens_tensor``: ``seq_lens`` as an int32 tensor, when the caller has it.
-    ``native``: use the native CPU decode kernel (None: where
-    :func:`native_decode_available`).
+    ``native``: use the native CPU kernels for the KV write and decode attention
+    (None: where :func:`native_available`).
     """
     num_seqs = len(seq_lens)
     device = block_tables.device
@@ -174,7 +172,7 @@ def plan_attention(
     decode_block_ids = decode_mask = decode_table = decode_lens = None
     decode_blocks = 0
     if native is None:
-        native = native_decode_available(device, dtype)
+        native = native_available(device, dtype)
     if num_decodes and native:
         decode_table = block_tables[:num_decodes]
         if decode_table.dtype != torch.int32 or decode_table.stride(-1) != 1:
@@ -236,7 +234,10 @@ def attend(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; ``[T, H, D]`` in query's dtype."""
-    write_kv(key, value, key_cache, value_cache, plan.slot_mapping)
+    if plan.native:
+        cpu_kernels.write_kv(key, value, key_cache, value_cache, plan.slot_mapping)
+    else:
+        write_kv(key, value, key_cache, value_cache, plan.slot_mapping)
     nd = plan.num_decodes
     if nd == plan.num_tokens:
         return _decode(query, key_cache, value_cache, plan, scale)
