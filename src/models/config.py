@@ -4,7 +4,7 @@ Read straight from the JSON (no transformers import: it is slow to import and
 not needed for a handful of fields). Both spellings of the rotary settings are
 understood: transformers 5's ``rope_parameters`` and the older
 ``rope_theta`` + ``rope_scaling``. Also the dtype rule ("auto" = the config's
-dtype, but fp32 on CPU when that is fp16) and the EOS ids from
+dtype; on CPU bf16 only where the CPU computes it natively, else fp32) and the EOS ids from
 generation_config.json / config.json.
 
 Never imports trio.
@@ -13,6 +13,7 @@ Never imports trio.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from .gguf_checkpoint import gguf_hf_config, is_gguf_path, open_gguf
+
+logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -173,13 +176,28 @@ def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelCon
     )
 
 
+def cpu_native_bf16() -> str | None:
+    """The feature by which this CPU computes bf16 natively ("AMX" or "AVX512_BF16"), or None."""
+    for name, feature in (
+        ("_is_amx_tile_supported", "AMX"),
+        ("_is_avx512_bf16_supported", "AVX512_BF16"),
+    ):
+        check = getattr(torch.cpu, name, None)
+        if check is not None and check():
+            return feature
+    return None
+
+
 def resolve_dtype(
     requested: str, config_dtype: torch.dtype | None, device: torch.device
 ) -> torch.dtype:
     """``requested`` ("auto" or a dtype name) to a torch dtype.
 
-    "auto" is the checkpoint's dtype (fp32 when it names none), except that
-    fp16 becomes fp32 on CPU, where half precision is slow and inexact.
+    "auto" is the checkpoint's dtype (fp32 when it names none), except on CPU,
+    where a half-precision checkpoint (bf16 or fp16) runs in bf16 only if the
+    CPU computes bf16 natively (:func:`cpu_native_bf16`), else in fp32: without
+    AVX512_BF16 or AMX, bf16 is emulated and slower than fp32, and fp16 is slow
+    and inexact everywhere on CPU. On CPU the choice and its reason are logged.
     """
     if requested != "auto":
         try:
@@ -187,9 +205,25 @@ def resolve_dtype(
         except KeyError:
             raise ValueError(f"dtype: unknown dtype {requested!r}") from None
     dtype = config_dtype or torch.float32
-    if dtype == torch.float16 and device.type == "cpu":
-        return torch.float32
-    return dtype
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    feature = cpu_native_bf16()
+    capability = torch.backends.cpu.get_cpu_capability()
+    named = str(dtype).removeprefix("torch.")
+    if feature is not None:
+        logger.info(
+            "dtype auto: bfloat16 (checkpoint %s; this CPU computes bf16 natively with %s)",
+            named,
+            feature,
+        )
+        return torch.bfloat16
+    logger.info(
+        "dtype auto: float32 (checkpoint %s; this CPU (%s) has no AVX512_BF16 or AMX, "
+        "so bf16 would be emulated and slower than fp32)",
+        named,
+        capability,
+    )
+    return torch.float32
 
 
 def resolve_device(requested: str) -> torch.device:

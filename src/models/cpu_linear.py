@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import cpu_native_bf16
+
 logger = logging.getLogger(__name__)
 
 BATCH_HINT = 64  # rows oneDNN picks the blocked layout for; measured best from 1 to 2048 rows
@@ -35,8 +37,7 @@ BATCH_HINT = 64  # rows oneDNN picks the blocked layout for; measured best from 
 
 def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512_BF16 or AMX)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+    return cpu_native_bf16() is not None
 
 
 def packing_available() -> bool:

@@ -80,6 +80,29 @@ def test_legacy_rope_spelling_and_eos(tmp_path: Path, llama: Any) -> None:
     assert resolve_dtype("bfloat16", cfg.config_dtype, CPU) == torch.bfloat16
 
 
+@pytest.mark.parametrize("feature", [None, "AMX", "AVX512_BF16"])
+def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16(
+    feature: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A half-precision checkpoint runs in bf16 on a CPU with AMX / AVX512_BF16, else in
+    fp32; the log says which and why. An fp32 checkpoint stays fp32, CUDA keeps the
+    checkpoint's dtype."""
+    names = {"AMX": "_is_amx_tile_supported", "AVX512_BF16": "_is_avx512_bf16_supported"}
+    for name in names.values():
+        monkeypatch.setattr(torch.cpu, name, lambda: False)
+    if feature is not None:
+        monkeypatch.setattr(torch.cpu, names[feature], lambda: True)
+    caplog.set_level("INFO", logger="legato.models.config")
+    want = torch.bfloat16 if feature else torch.float32
+    for checkpoint in (torch.bfloat16, torch.float16):
+        assert resolve_dtype("auto", checkpoint, CPU) == want
+    assert f"dtype auto: {str(want).removeprefix('torch.')}" in caplog.text
+    assert (feature or "has no AVX512_BF16 or AMX") in caplog.text
+    assert resolve_dtype("auto", torch.float32, CPU) == torch.float32
+    assert resolve_dtype("auto", None, CPU) == torch.float32
+    assert resolve_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
 def test_unsupported_architecture_lists_supported(tmp_path: Path, llama: Any) -> None:
     raw = json.loads((llama.path / "config.json").read_text())
     raw["architectures"] = ["GPTNeoXForCausalLM"]
