@@ -134,6 +134,8 @@ class AttentionPlan:
     native: bool = False
     decode_table: torch.Tensor | None = None  # [nd, >= blocks] int32
     decode_lens: torch.Tensor | None = None  # [nd] int32
+    # ``prefills`` grouped: runs of adjacent fresh segments of one length (one batched call)
+    prefill_runs: tuple[tuple[PrefillSegment, ...], ...] = ()
 
 
 def native_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -221,7 +223,27 @@ def plan_attention(
         native=native,
         decode_table=decode_table,
         decode_lens=decode_lens,
+        prefill_runs=_prefill_runs(prefills),
     )
+
+
+def _prefill_runs(prefills: list[PrefillSegment]) -> tuple[tuple[PrefillSegment, ...], ...]:
+    """Group adjacent segments without earlier context whose query lengths are equal (and
+    whose rows follow each other): such a run is one batched causal attention call."""
+    runs: list[list[PrefillSegment]] = []
+    for seg in prefills:
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and seg.block_ids is None
+            and last.block_ids is None
+            and seg.start == last.end
+            and seg.end - seg.start == last.end - last.start
+        ):
+            runs[-1].append(seg)
+        else:
+            runs.append([seg])
+    return tuple(tuple(run) for run in runs)
 
 
 def attend(
@@ -244,9 +266,42 @@ def attend(
     out = query.new_empty(query.shape)
     if nd:
         _decode(query[:nd], key_cache, value_cache, plan, scale, out=out[:nd])
-    for seg in plan.prefills:
-        out[seg.start : seg.end] = _prefill(query, key, value, key_cache, value_cache, seg, scale)
+    for run in plan.prefill_runs:
+        if len(run) == 1:
+            seg = run[0]
+            out[seg.start : seg.end] = _prefill(
+                query, key, value, key_cache, value_cache, seg, scale
+            )
+        else:
+            out[run[0].start : run[-1].end] = _fresh_prefills(query, key, value, run, scale)
     return out
+
+
+def _fresh_prefills(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    run: tuple[PrefillSegment, ...],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ``run``'s equal-length fresh segments as one batch."""
+    start, end, count = run[0].start, run[-1].end, len(run)
+    length = run[0].end - run[0].start
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key.shape[1]
+
+    def batched(x: torch.Tensor) -> torch.Tensor:
+        return x[start:end].view(count, length, x.shape[1], head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(
+        batched(query),
+        batched(key),
+        batched(value),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=num_kv_heads != num_heads,
+    )
+    return out.transpose(1, 2).reshape(end - start, num_heads, head_dim)
 
 
 def _decode(

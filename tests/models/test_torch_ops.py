@@ -58,14 +58,23 @@ def test_paged_attention_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attend_writes_then_attends(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("q_lens", "ctx_lens", "num_decodes"),
+    [
+        ([1, 1, 5, 3], [6, 9, 5, 10], 2),
+        # a run of three fresh 4-token prompts (one batched call), a fresh 3, a prefix hit
+        ([1, 4, 4, 4, 3, 4], [7, 4, 4, 4, 3, 9], 1),
+    ],
+)
+def test_attend_writes_then_attends(
+    dtype: torch.dtype, q_lens: list[int], ctx_lens: list[int], num_decodes: int
+) -> None:
     """The per-step plan path: new K/V written at the slots, then attention, as the reference."""
-    q_lens, ctx_lens = [1, 1, 5, 3], [6, 9, 5, 10]
     query, key_cache, value_cache, tables, seq_lens, starts = _batch(q_lens, ctx_lens, dtype, 1)
     tables[tables == 10_000] = 0
     g = torch.Generator().manual_seed(2)
-    key = torch.randn(sum(q_lens), HKV, D, generator=g).to(dtype)
-    value = torch.randn(sum(q_lens), HKV, D, generator=g).to(dtype)
+    kv = torch.randn(sum(q_lens), 2, HKV, D, generator=g).to(dtype)
+    key, value = kv[:, 0], kv[:, 1]  # strided, as split off a fused projection
     slots = []
     for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
         for pos in range(c - q, c):
@@ -75,7 +84,7 @@ def test_attend_writes_then_attends(dtype: torch.dtype) -> None:
     reference.write_kv(key, value, ref_k, ref_v, slot_mapping)
     expected = reference.paged_attention(query, ref_k, ref_v, tables, seq_lens, starts, 0.25)
     plan = torch_ops.plan_attention(
-        tables, ctx_lens, starts.tolist(), slot_mapping, BS, dtype, num_decodes=2
+        tables, ctx_lens, starts.tolist(), slot_mapping, BS, dtype, num_decodes=num_decodes
     )
     got = torch_ops.attend(query, key, value, key_cache, value_cache, plan, 0.25)
     assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
