@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,7 @@ def _build(compiler: str) -> Path:
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
@@ -106,6 +108,7 @@ def _build(compiler: str) -> Path:
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a concurrent build of the same key is identical
+    logger.info("native CPU kernels compiled in %.1f s: %s", time.perf_counter() - began, target)
     return target
 
 
@@ -121,9 +124,9 @@ def load() -> ctypes.CDLL | None:
         library: ctypes.CDLL | None = None
         compiler = _compiler()
         if os.environ.get(ENV_SWITCH, "1").strip() == "0":
-            logger.info("native CPU kernels off (%s=0): plain-torch attention", ENV_SWITCH)
+            logger.info("native CPU kernels off (%s=0): the plain-torch path", ENV_SWITCH)
         elif compiler is None:
-            logger.warning("no C++ compiler found: CPU attention uses the plain-torch path")
+            logger.warning("no C++ compiler found: the CPU runs the plain-torch path")
         else:
             try:
                 library = ctypes.CDLL(str(_build(compiler)))
@@ -132,8 +135,8 @@ def load() -> ctypes.CDLL | None:
                         fn = getattr(library, suffix)
                         fn.argtypes = argtypes
                         fn.restype = ctypes.c_int
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                logger.warning("native CPU kernels unavailable (%s): plain-torch attention", exc)
+            except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
+                logger.warning("native CPU kernels unavailable (%s): the plain-torch path", exc)
                 library = None
         _loaded = (library,)
         return library
