@@ -366,6 +366,14 @@ class _Request:
         return all(c.finished for c in self.completions)
 
     def metrics(self, finished_time: float | None) -> RequestMetrics:
+        if len(self.completions) == 1:  # the common case, once per output: no lists
+            (c,) = self.completions
+            return RequestMetrics(
+                arrival_time=self.arrival_time,
+                first_token_time=c.first_token_time,
+                last_token_time=c.last_token_time,
+                finished_time=finished_time,
+            )
         first = [c.first_token_time for c in self.completions if c.first_token_time is not None]
         last = [c.last_token_time for c in self.completions if c.last_token_time is not None]
         return RequestMetrics(

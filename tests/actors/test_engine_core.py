@@ -149,8 +149,8 @@ async def test_overlap_changes_no_output(toy_model_dir: Path) -> None:
 async def test_overlap_with_preemption_changes_no_greedy_output(toy_model_dir: Path) -> None:
     """Too few KV blocks for everyone: requests are preempted and recomputed while a
     step is in flight; greedy tokens still match the plain path's."""
-    reqs = [request(i, max_tokens=30, ignore_eos=True) for i in range(len(PROMPTS))]
-    # 17 usable blocks of 4 tokens: the five requests (up to 9 blocks each) cannot all fit.
+    reqs = [request(i, max_tokens=24, ignore_eos=True) for i in range(len(PROMPTS))]
+    # 17 usable blocks of 4 tokens: the five requests (up to 8 blocks each) cannot all fit.
     off = await run_with_blocks(toy_model_dir, reqs, False, 18)
     on = await run_with_blocks(toy_model_dir, reqs, True, 18)
     assert on == off
