@@ -588,6 +588,10 @@ class AsyncEngine(EngineClient):
     async def add_lora(self, lora_request: Any) -> bool:
         raise NotImplementedError("add_lora: LoRA adapters are not supported yet")
 
+    async def get_tokenizer(self) -> Any:
+        await trio.lowlevel.checkpoint()
+        return self.tokenizer
+
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         return ("generate",)
 
