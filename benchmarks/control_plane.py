@@ -13,6 +13,7 @@ and the memory one idle open stream costs (streams held by a paused engine).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from typing import Any
@@ -119,7 +120,9 @@ def main() -> None:
     import trio
 
     extra = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
-    rate, elapsed = trio.run(run, args.streams, args.output_len, args.executor, **extra)
+    rate, elapsed = trio.run(
+        functools.partial(run, args.streams, args.output_len, args.executor, **extra)
+    )
     steps = args.output_len  # one token per stream per decode step (the first from prefill)
     us_per_req_step = elapsed / steps / args.streams * 1e6
     overlap = "default" if args.async_scheduling is None else str(args.async_scheduling)
