@@ -2,22 +2,38 @@
 
 Drives N concurrent streams through renderer -> scheduler -> executor frames ->
 detokenizer -> output slots, with ``runner="null"`` (a fixed token, instantly),
-and prints output tokens per second: the ceiling the engine's own machinery
-puts on any model.
+and prints output tokens per second (the ceiling the engine's own machinery
+puts on any model), the control plane's microseconds per request per step,
+and the memory one idle open stream costs (streams held by a paused engine).
 
     python benchmarks/control_plane.py --streams 256 --output-len 256
+    python benchmarks/control_plane.py --streams 256 --no-async-scheduling
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-async def run(streams: int, output_len: int, executor: str) -> tuple[float, float]:
+def engine_args(streams: int, output_len: int, executor: str, **extra: Any) -> dict[str, Any]:
+    return dict(
+        runner="null",
+        executor=executor,
+        max_num_seqs=streams,
+        max_model_len=output_len + 64,
+        num_kv_blocks=streams * ((output_len + 64) // 16 + 2),
+        disable_log_stats=True,
+        **extra,
+    )
+
+
+async def run(streams: int, output_len: int, executor: str, **extra: Any) -> tuple[float, float]:
     import trio
 
     from legato.engine import open_engine
@@ -27,15 +43,7 @@ async def run(streams: int, output_len: int, executor: str) -> tuple[float, floa
         max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
     counts = [0] * streams
-    async with open_engine(
-        None,
-        runner="null",
-        executor=executor,
-        max_num_seqs=streams,
-        max_model_len=output_len + 64,
-        num_kv_blocks=streams * ((output_len + 64) // 16 + 2),
-        disable_log_stats=True,
-    ) as engine:
+    async with open_engine(None, **engine_args(streams, output_len, executor, **extra)) as engine:
 
         async def one(i: int) -> None:
             async with engine.generate("The quick brown fox", params, f"r{i}") as stream:
@@ -52,6 +60,45 @@ async def run(streams: int, output_len: int, executor: str) -> tuple[float, floa
     return total / elapsed, elapsed
 
 
+async def idle_stream_bytes(streams: int, executor: str) -> float:
+    """Python heap bytes (tracemalloc) per open stream while a paused engine holds them."""
+    import tracemalloc
+
+    import trio
+    import trio.testing
+
+    from legato.engine import open_engine
+    from legato.protocol.params import SamplingParams
+
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    async with open_engine(None, **engine_args(streams, 16, executor)) as engine:
+        await engine.pause_generation(mode="keep")
+        opened = 0
+        all_open = trio.Event()
+        release = trio.Event()
+
+        async def one(i: int) -> None:
+            nonlocal opened
+            async with engine.generate("The quick brown fox", params, f"idle{i}"):
+                opened += 1
+                if opened == streams:
+                    all_open.set()
+                await release.wait()
+
+        async with trio.open_nursery() as nursery:
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(streams):
+                nursery.start_soon(one, i)
+            await all_open.wait()
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # rendering done
+            after = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
+            release.set()
+            nursery.cancel_scope.cancel()
+    return (after - before) / streams
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,16 +106,38 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--executor", default="process", choices=["process", "inproc"])
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap scheduling with the worker (default: the engine's default)",
+    )
+    parser.add_argument(
+        "--idle-memory", action="store_true", help="also measure memory per idle open stream"
+    )
     args = parser.parse_args()
+    import torch
     import trio
 
-    rate, elapsed = trio.run(run, args.streams, args.output_len, args.executor)
+    extra = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
+    rate, elapsed = trio.run(
+        functools.partial(run, args.streams, args.output_len, args.executor, **extra)
+    )
+    steps = args.output_len  # one token per stream per decode step (the first from prefill)
+    us_per_req_step = elapsed / steps / args.streams * 1e6
+    overlap = "default" if args.async_scheduling is None else str(args.async_scheduling)
+    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
     print(
-        f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'seconds':>8} {'output tok/s':>13}"
+        f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'overlap':>8} {'seconds':>8} "
+        f"{'output tok/s':>13} {'us/req/step':>12}"
     )
     print(
-        f"{args.streams:>8} {args.output_len:>14} {args.executor:>9} {elapsed:>8.2f} {rate:>13.0f}"
+        f"{args.streams:>8} {args.output_len:>14} {args.executor:>9} {overlap:>8} "
+        f"{elapsed:>8.2f} {rate:>13.0f} {us_per_req_step:>12.2f}"
     )
+    if args.idle_memory:
+        per_stream = trio.run(idle_stream_bytes, args.streams, args.executor)
+        print(f"memory per idle open stream: {per_stream / 1024:.1f} KiB (Python heap)")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ class LegatoDecode:
 
     def step(self) -> float:
         """Seconds for one decode step of every request."""
-        cached = [CachedRequestData(r, [t], [], self.computed) for r, t in self.last.items()]
+        # The runner appends its own samples: a decode step sends no tokens back.
+        cached = [CachedRequestData(r, [], [], self.computed) for r in self.last]
         sched = dict.fromkeys(self.last, 1)
         step = SchedulerOutput(self.step_id, [], cached, sched, len(sched))
         began = time.perf_counter()

@@ -37,6 +37,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Overlap: plan step N+1 while the worker computes step N (same outputs either way).
+    async_scheduling: bool = True
     executor: Literal["process", "inproc"] = "process"
     # "null": the null-model runner (legato.testing.null_model), which answers every
     # step instantly with a fixed token; it measures the control plane, nothing else.

@@ -49,7 +49,7 @@ from .actors.renderer import (
     run_renderer,
 )
 from .actors.scheduler import Scheduler
-from .actors.stats import FinishedRequest, StatsCollector, StepStats, run_stats
+from .actors.stats import StatsCollector, run_stats
 from .actors.supervisor import Supervisor
 from .config import EngineConfig
 from .exception_groups import unwrap_single_error
@@ -244,7 +244,13 @@ class AsyncEngine(EngineClient):
         self.processor = OutputProcessor(tokenizer)
         outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
         self._render_send, render_recv = trio.open_memory_channel[RenderJob](math.inf)
-        self.core = EngineCore(self.scheduler, self.executor, outputs_send, self.stats.record)
+        self.core = EngineCore(
+            self.scheduler,
+            self.executor,
+            outputs_send,
+            self.stats.record,
+            async_scheduling=config.async_scheduling,
+        )
         start = self._nursery.start_soon
         run = self.supervisor.run_actor
         start(run, "scheduler", self.core.run)
@@ -273,23 +279,11 @@ class AsyncEngine(EngineClient):
 
     def _after_processing(self, step: ProcessedStep) -> None:
         """Pass a detokenizer result on: scheduler-side aborts, and the metrics."""
+        if step.requests_to_stop:
+            self.core.submit(FinishRequests(step.requests_to_stop, m.FinishReason.STOP))
         if step.requests_to_abort:
-            self.core.submit(FinishRequests(list(step.requests_to_abort)))
-        finished = [
-            FinishedRequest(
-                str(f.finish_reason), f.e2e_latency, f.num_prompt_tokens, f.num_generation_tokens
-            )
-            for f in step.finished
-        ]
-        self.stats.record(
-            StepStats(
-                timestamp=time.monotonic(),
-                num_generation_tokens=step.num_generation_tokens,
-                time_to_first_token=step.time_to_first_token,
-                inter_token_latency=step.inter_token_latency,
-                finished=finished,
-            )
-        )
+            self.core.submit(FinishRequests(step.requests_to_abort, m.FinishReason.ABORT))
+        self.stats.record(step.step_stats())
 
     # ------------------------------------------------------------- requests
 
@@ -477,7 +471,9 @@ class AsyncEngine(EngineClient):
         self._check_alive()
 
     async def do_log_stats(self) -> None:
-        logger.info(self.stats.log_line(window=self.config.log_stats_interval))
+        """Log one line of figures; silent when ``disable_log_stats``. A checkpoint."""
+        if not self.config.disable_log_stats:
+            logger.info(self.stats.log_line(window=self.config.log_stats_interval))
         await trio.lowlevel.checkpoint()
 
     async def is_tracing_enabled(self) -> bool:
@@ -591,6 +587,10 @@ class AsyncEngine(EngineClient):
 
     async def add_lora(self, lora_request: Any) -> bool:
         raise NotImplementedError("add_lora: LoRA adapters are not supported yet")
+
+    async def get_tokenizer(self) -> Any:
+        await trio.lowlevel.checkpoint()
+        return self.tokenizer
 
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         return ("generate",)

@@ -10,6 +10,7 @@ detokenizer, driven synchronously in this thread, one ``step()`` at a time.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,14 +18,18 @@ from typing import Any
 
 import trio
 
-from .actors.detokenizer import OutputProcessor
+from .actors.detokenizer import OutputProcessor, ProcessedStep
+from .actors.engine_core import CoreSteps
 from .actors.output_slot import OutputSlot
 from .actors.renderer import PromptType, Renderer, load_tokenizer
 from .actors.scheduler import Scheduler
+from .actors.stats import StatsCollector
 from .config import EngineConfig
 from .protocol import messages as m
 from .protocol.outputs import RequestOutput
 from .protocol.params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("legato.engine")
 
 
 class LLM:
@@ -161,7 +166,10 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 class LLMEngine:
     """vLLM's step-wise engine: ``add_request``, ``step``, ``abort_request``.
 
-    Everything runs in the calling thread; the model runs in this process.
+    A thin synchronous driver over the engine core's step (``CoreSteps``:
+    plan -> execute -> apply, the same step the async engine loops), with the
+    model runner in this process and the front end (renderer, output
+    processor) in the calling thread. Never overlaps steps. Not thread-safe.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -183,6 +191,8 @@ class LLMEngine:
             max_logprobs=config.max_logprobs,
         )
         self.scheduler = Scheduler(self.config)
+        self.stats = StatsCollector(model_name=self.config.model or "legato-toy")
+        self.core = CoreSteps(self.scheduler, self.stats.record)
         self.processor = OutputProcessor(self.tokenizer)
         # Live requests by the caller's id: the engine id each runs under, and its slot.
         self._live: dict[str, tuple[str, OutputSlot]] = {}
@@ -196,6 +206,9 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
     def add_request(
         self,
         request_id: str,
@@ -206,8 +219,9 @@ class LLMEngine:
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
         prompt_text: str | None = None,
-    ) -> None:
-        """Render and queue a request. Raises ValueError for bad input or a live duplicate id.
+    ) -> str:
+        """Render and queue a request; returns its id. Raises ValueError for bad input
+        or a live duplicate id (and queues nothing).
 
         ``tokenization_kwargs`` and ``prompt_text``: as for ``AsyncEngine.generate``.
         """
@@ -233,26 +247,37 @@ class LLMEngine:
             output_id=request_id,
         )
         self._live[request_id] = (engine_id, slot)
-        for request in requests:
-            self.scheduler.add_request(request)
+        self.core.add_requests(requests)
+        return request_id
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Abort requests; each one's last output (finish_reason "abort") comes from the next step()."""
+    def abort_request(self, request_ids: str | Sequence[str], internal: bool = False) -> None:
+        """Abort requests (the caller's ids; ``internal``: the engine's ids); each one's
+        last output (finish_reason "abort") comes from the next ``step()``. Unknown ids
+        are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        step = self.processor.abort_requests([self._live[i][0] for i in ids if i in self._live])
-        self.scheduler.finish_requests(step.requests_to_abort, m.FinishReason.ABORT)
+        if internal:
+            live = {engine_id for engine_id, _ in self._live.values()}
+            engine_ids = [i for i in ids if i in live]
+        else:
+            engine_ids = [self._live[i][0] for i in ids if i in self._live]
+        self._pass_on(self.processor.abort_requests(engine_ids))
+
+    def _pass_on(self, step: ProcessedStep) -> None:
+        """Finish in the scheduler what the front end finished (stop strings, aborts)."""
+        if step.requests_to_stop:
+            self.core.finish(step.requests_to_stop, m.FinishReason.STOP)
+        if step.requests_to_abort:
+            self.core.finish(step.requests_to_abort, m.FinishReason.ABORT)
+        self.stats.record(step.step_stats())
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs it produced (finished ones included)."""
-        plan = self.scheduler.schedule()
-        if plan.total_num_scheduled_tokens > 0 or plan.finished_req_ids:
-            runner_out = self.runner.execute(plan)
-            core_out = self.scheduler.update_from_output(plan, runner_out)
+        planned = self.core.plan()
+        if planned is not None:
+            core_out = self.core.apply(planned, self.runner.execute(planned.plan))
             if core_out.scheduler_stats is not None:
                 self._stats = core_out.scheduler_stats
-            step = self.processor.process_outputs(core_out)
-            if step.requests_to_abort:
-                self.scheduler.finish_requests(list(step.requests_to_abort), m.FinishReason.STOP)
+            self._pass_on(self.processor.process_outputs(core_out))
         results = []
         for rid, (_, slot) in list(self._live.items()):
             out = slot.get_nowait()
@@ -277,3 +302,37 @@ class LLMEngine:
             "kv_cache_usage": s.kv_cache_usage,
             "kv_cache_blocks_used": s.num_blocks_used,
         }
+
+    def do_log_stats(self) -> None:
+        """Log one line of figures; silent when ``disable_log_stats``."""
+        if not self.config.disable_log_stats:
+            logger.info(self.stats.log_line(window=self.config.log_stats_interval))
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget cached prefixes (see ``Scheduler.reset_prefix_cache``); whether it did."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
+
+    def sleep(self, level: int = 1) -> None:
+        """Abort every live request (their last outputs come from the next ``step()``)
+        and free the KV cache (level 2: also the weights) until ``wake_up``."""
+        if level not in (1, 2):
+            raise ValueError(f"level: must be 1 or 2, got {level!r}")
+        self.abort_request(list(self._live))
+        self.scheduler.reset_prefix_cache(True)
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.runner.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.runner.sleeping)
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on the model runner (the one worker); its result in a list."""
+        return [getattr(self.runner, method)(*args, **(kwargs or {}))]

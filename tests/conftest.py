@@ -160,6 +160,16 @@ class StepGate:
             await self.engine.wait_until_idle()
         assert self.engine.num_kv_blocks_used == 0
 
+    def submit_step(self, step: Any) -> Any:
+        """A step sent ahead (async scheduling) reaches the gate when its answer is awaited."""
+        gate = self
+
+        class _Held:
+            async def wait(self) -> Any:
+                return await gate.execute(step)
+
+        return _Held()
+
     async def execute(self, step: Any) -> Any:
         self.num_held += 1
         self._notify()

@@ -522,3 +522,51 @@ async def test_prompt_text_and_tokenization_kwargs_are_honoured(engine: AsyncEng
         assert caught.value.field == field
     with pytest.raises(ValidationError, match="prompt_text"):
         engine.generate(ids, greedy(1), "pt", prompt_text=5)  # type: ignore[arg-type]
+
+
+def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
+    toy_model_dir: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LLMEngine drives the engine core's step: add_request returns the id, user aborts
+    (by the caller's id or the engine's) finish as "abort", stop strings as "stop"."""
+    from legato.config import EngineConfig
+    from legato.llm import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS))
+    assert eng.get_supported_tasks() == ("generate",)
+    assert eng.get_tokenizer() is eng.tokenizer
+    assert eng.add_request("a", "to abort", greedy(50)) == "a"
+    assert eng.add_request("b", "to abort too", greedy(50)) == "b"
+    assert eng.add_request("c", "runs to the end", greedy(6, output_kind=FINAL)) == "c"
+    first = {out.request_id: out for out in eng.step()}
+    assert set(first) == {"a", "b"} and not first["a"].finished  # "c" is FINAL_ONLY
+    engine_id_of_b = eng._live["b"][0]
+    eng.abort_request(["a", "unknown"])
+    eng.abort_request(engine_id_of_b, internal=True)
+    assert eng.scheduler.get_num_unfinished_requests() == 1  # freed at once
+    ends: dict[str, RequestOutput] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                ends[out.request_id] = out
+    assert {rid: o.outputs[0].finish_reason for rid, o in ends.items()} == {
+        "a": "abort",
+        "b": "abort",
+        "c": "length",
+    }
+    assert eng.get_num_unfinished_requests() == 0
+    assert eng.reset_prefix_cache() is True
+    (held,) = eng.collective_rpc("held_requests")
+    assert set(held) <= {"c-3"}  # the runner forgot the aborted ones (c: at the next step)
+    caplog.set_level("INFO", logger="legato.engine")
+    eng.do_log_stats()
+    assert not caplog.records  # disable_log_stats=True: silent
+    eng.sleep(1)
+    assert eng.is_sleeping()
+    eng.wake_up()
+    assert not eng.is_sleeping()
+    eng.add_request("d", "after waking", greedy(3, output_kind=FINAL))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert len(outs[-1].outputs[0].token_ids) == 3

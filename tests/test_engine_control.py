@@ -72,6 +72,10 @@ async def test_rpc_profile_tasks_lora_and_noop_caches(
     engine: AsyncEngine, tmp_path: Path, caplog: Any
 ) -> None:
     assert await engine.get_supported_tasks() == ("generate",)
+    tokenizer = await engine.get_tokenizer()
+    assert tokenizer.decode(tokenizer.encode("hello world", add_special_tokens=False)) == (
+        "hello world"
+    )
     results = await engine.collective_rpc("held_requests")
     assert results == [[]]
     with pytest.raises(Exception, match="unknown worker method"):

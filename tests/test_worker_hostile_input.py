@@ -131,7 +131,7 @@ def test_hostile_frames_after_start_up(tmp_path: Path) -> None:
         m.HealthPing(5, 1.5),
     ]
     done = run_worker(framed(NULL_INIT, *calls) + raw_frame(pickle.dumps(_Boom(marker))))
-    assert done.returncode == 2 and b"bad frame from the engine: malformed frame" in done.stderr
+    assert done.returncode == 2 and b"bad frame from the engine: not a legato frame" in done.stderr
     ready, *answers = frames_in(done.stdout)
     assert isinstance(ready, m.WorkerReady)
     assert [a.error for a in answers[:3]] == [  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ from ..protocol.outputs import (
     SampleLogprobs,
 )
 from ..protocol.params import RequestOutputKind, SamplingParams
+from .stats import FinishedRequest, StepStats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -236,16 +237,36 @@ class FinishedRequestStats:
 class ProcessedStep:
     """What the engine must pass on after the detokenizer handled a step (or an abort).
 
-    ``requests_to_abort``: scheduler-level ids (children for n>1) that are
-    finished here (a stop string, an abort, a sibling's error) but still live
-    in the scheduler: abort them there. The rest is for the metrics.
+    ``requests_to_stop`` / ``requests_to_abort``: scheduler-level ids
+    (children for n>1) that are finished here but still live in the
+    scheduler: finish them there as STOP (a stop string) / ABORT (an abort, a
+    sibling's error). The rest is for the metrics.
     """
 
+    requests_to_stop: list[str] = field(default_factory=list)
     requests_to_abort: list[str] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     num_generation_tokens: int = 0
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
+
+    def step_stats(self) -> StepStats:
+        """The front end's figures of this step, for the stats collector."""
+        return StepStats(
+            timestamp=time.monotonic(),
+            num_generation_tokens=self.num_generation_tokens,
+            time_to_first_token=self.time_to_first_token,
+            inter_token_latency=self.inter_token_latency,
+            finished=[
+                FinishedRequest(
+                    str(f.finish_reason),
+                    f.e2e_latency,
+                    f.num_prompt_tokens,
+                    f.num_generation_tokens,
+                )
+                for f in self.finished
+            ],
+        )
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -345,6 +366,14 @@ class _Request:
         return all(c.finished for c in self.completions)
 
     def metrics(self, finished_time: float | None) -> RequestMetrics:
+        if len(self.completions) == 1:  # the common case, once per output: no lists
+            (c,) = self.completions
+            return RequestMetrics(
+                arrival_time=self.arrival_time,
+                first_token_time=c.first_token_time,
+                last_token_time=c.last_token_time,
+                finished_time=finished_time,
+            )
         first = [c.first_token_time for c in self.completions if c.first_token_time is not None]
         last = [c.last_token_time for c in self.completions if c.last_token_time is not None]
         return RequestMetrics(
@@ -538,7 +567,7 @@ class OutputProcessor:
                     end = start + len(stop) if params.include_stop_str_in_output else start
                     completion.text = completion.text[:end]
                     if finish_reason is None:
-                        step.requests_to_abort.append(completion.request_id)
+                        step.requests_to_stop.append(completion.request_id)
                     finish_reason, stop_reason = FinishReason.STOP, stop
         if finish_reason is not None:
             self._finish(completion, finish_reason, stop_reason, now, step)

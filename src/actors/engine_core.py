@@ -1,17 +1,32 @@
-"""The scheduler actor: the engine's step loop around the scheduler policy.
+"""The engine core: one step as plan -> execute -> apply, and the actor that loops it.
 
-Each step it drains its inbox (new requests, aborts, control), asks the
-``Scheduler`` for a plan, hands the plan to the executor, applies the runner's
-output and sends the step's ``EngineCoreOutputs`` to the detokenizer. When
-there is nothing to compute it waits on its inbox; it never spins.
+:class:`CoreSteps` is the synchronous step shared by every driver: ``plan``
+asks the ``Scheduler`` for the next step, the caller executes it (on a worker,
+or in this thread for ``LLMEngine``), ``apply`` takes the runner's output back
+into the scheduler and returns the step's ``EngineCoreOutputs``.
+
+:class:`EngineCore` is the scheduler actor around it. Each turn it drains its
+inbox (new requests, aborts, control), plans a step and sends it to the
+executor, applies the oldest answer and sends its outputs to the detokenizer
+(which processes them while the next step runs). When there is nothing to
+compute it waits on its inbox; it never spins.
+
+With ``async_scheduling`` (overlap) the loop plans and sends step N+1 before
+step N's answer arrives: the scheduler counts step N's samples as placeholder
+tokens and the worker, which runs steps in order, fills them in. Without it,
+each step is applied before the next is planned. Outputs are the same either
+way (greedy tokens, stops, ``max_tokens``, aborts); overlap only hides the
+control plane's time behind the worker's.
 
 Aborts and stop-string finishes that arrive while a step is running take
 effect before the next step is planned, so an aborted request's KV blocks are
-free within one step.
+free within one step (two with overlap: a step already sent still runs, and
+its answer for the aborted request is dropped).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -23,7 +38,7 @@ import trio
 
 from ..protocol import messages as m
 from ..protocol.errors import LegatoError
-from .executor import Executor, WorkerCallError
+from .executor import Executor, StepAnswer, WorkerCallError
 from .scheduler import Scheduler
 from .stats import StepStats
 
@@ -37,9 +52,11 @@ class AddRequests:
 
 @dataclass
 class FinishRequests:
-    """Requests the detokenizer finished (a stop string): free them, report nothing."""
+    """Requests the front end finished (a stop string, a user's abort): free them,
+    report nothing."""
 
     request_ids: list[str]
+    reason: m.FinishReason = m.FinishReason.STOP
 
 
 @dataclass
@@ -72,28 +89,127 @@ class _Call:
 CoreMessage = AddRequests | m.AbortRequests | FinishRequests | Control
 
 
+class PlannedStep:
+    """A step planned and not applied yet: the runner's message, and the queue times of
+    the requests it starts."""
+
+    __slots__ = ("plan", "queue_times")
+
+    def __init__(self, plan: m.SchedulerOutput, queue_times: list[float]) -> None:
+        self.plan = plan
+        self.queue_times = queue_times
+
+
+class CoreSteps:
+    """The synchronous engine-core step: ``plan`` -> (the caller executes) -> ``apply``.
+
+    Owns the scheduler's request bookkeeping for every driver (the async loop
+    and ``LLMEngine``): adding, aborting and finishing requests, and the
+    scheduler's figures (``record_stats`` gets one ``StepStats`` per applied
+    step). Not thread-safe; never blocks.
+    """
+
+    def __init__(
+        self, scheduler: Scheduler, record_stats: Callable[[StepStats], None] | None = None
+    ) -> None:
+        self.scheduler = scheduler
+        self.record_stats = record_stats
+        self._arrivals: dict[str, float] = {}  # requests not yet scheduled
+
+    def add_requests(self, requests: list[m.EngineRequest]) -> None:
+        """Queue requests; ValueError (that request not queued) as ``Scheduler.add_request``."""
+        for request in requests:
+            self.scheduler.add_request(request)
+            self._arrivals[request.request_id] = request.arrival_time
+
+    def abort(self, request_ids: list[str]) -> list[m.EngineCoreOutput]:
+        """Abort live requests; one ABORT output each (see ``Scheduler.abort``)."""
+        outputs = self.scheduler.abort(request_ids)
+        self.forget_finished(outputs)
+        return outputs
+
+    def finish(self, request_ids: list[str], reason: m.FinishReason) -> None:
+        """Finish requests whose end the front end already knows; no output."""
+        self.scheduler.finish_requests(request_ids, reason)
+        for request_id in request_ids:
+            self._arrivals.pop(request_id, None)
+
+    def plan(self) -> PlannedStep | None:
+        """Plan the next step; None if nothing can run now (nothing to do, frozen by a
+        pause, or every request waits for blocks or for steps in flight)."""
+        plan = self.scheduler.schedule()
+        if plan.total_num_scheduled_tokens == 0:
+            return None
+        now = time.monotonic()
+        queue_times = []
+        for new in plan.new_requests:  # also requests resumed after preemption: not queued
+            arrival = self._arrivals.pop(new.request_id, None)
+            if arrival is not None:
+                queue_times.append(now - arrival)
+        return PlannedStep(plan, queue_times)
+
+    def apply(self, step: PlannedStep, runner_output: m.ModelRunnerOutput) -> m.EngineCoreOutputs:
+        """Take a step's answer into the scheduler (steps in planning order); its outputs."""
+        core_out = self.scheduler.update_from_output(step.plan, runner_output)
+        self.forget_finished(core_out.outputs)
+        self.record(core_out.scheduler_stats, step.queue_times)
+        return core_out
+
+    def record(
+        self, stats: m.SchedulerStats | None, queue_times: list[float] | None = None
+    ) -> None:
+        """Publish the scheduler's figures (after a step, or after aborts freed blocks)."""
+        if self.record_stats is not None:
+            self.record_stats(
+                StepStats(
+                    timestamp=time.monotonic(),
+                    scheduler=stats,
+                    num_prompt_tokens=stats.num_prefill_tokens if stats is not None else 0,
+                    queue_time=queue_times or [],
+                )
+            )
+
+    def forget_finished(self, outputs: list[m.EngineCoreOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._arrivals.pop(out.request_id, None)
+
+
 @dataclass
 class EngineCore:
-    """State of the scheduler actor; ``run`` is the actor."""
+    """State of the scheduler actor; ``run`` is the actor.
+
+    ``async_scheduling``: plan step N+1 while the worker computes step N
+    (see the module docstring); False applies each step before planning the next.
+    """
 
     scheduler: Scheduler
     executor: Executor
     outputs: trio.MemorySendChannel[m.EngineCoreOutputs]
     record_stats: Callable[[StepStats], None] | None = None
+    async_scheduling: bool = False
     sleeping: bool = False
     _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
     # What WAIT-mode pauses and sleeps do once nothing is in flight.
     _waiters: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
-    _arrivals: dict[str, float] = field(default_factory=dict)  # requests not yet scheduled
 
     def __post_init__(self) -> None:
         self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
+        self.steps = CoreSteps(self.scheduler, self.record_stats)
+        # Steps sent to the executor and not applied yet, oldest first.
+        self._sent: collections.deque[tuple[PlannedStep, StepAnswer]] = collections.deque()
+        self._depth = 2 if self.async_scheduling else 1
         self._idle = trio.Event()
         self._idle.set()
         self._stats_dirty = False
         self._stopped = False
         self._calls: set[_Call] = set()
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps sent to the executor and not applied yet (at most 2 with overlap, else 1)."""
+        return len(self._sent)
 
     async def wait_idle(self) -> None:
         """Return once no request is left in the scheduler (all KV blocks free).
@@ -150,7 +266,7 @@ class EngineCore:
 
     async def _loop(self) -> None:
         while True:
-            if not self._has_work():
+            if not self._has_work() and not self._sent:
                 self._note_idle()
                 await self._handle(await self._inbox.receive())
             while True:
@@ -161,8 +277,15 @@ class EngineCore:
                 await self._handle(message)
             if self._stats_dirty:
                 self._record(self.scheduler.make_stats())
-            if self._has_work():
-                await self._step()
+            sent = False
+            if self._has_work() and len(self._sent) < self._depth:
+                sent = self._send_step()
+            if self._sent and (not sent or len(self._sent) >= self._depth):
+                await self._apply_oldest()
+            elif not sent and not self._sent and self._has_work():
+                # Nothing can run (frozen, or waiting on blocks only an abort can free):
+                # wait for news instead of spinning.
+                await self._handle(await self._inbox.receive())
             await self._answer_waiters()
             self._note_idle()
             await trio.lowlevel.checkpoint()
@@ -170,63 +293,46 @@ class EngineCore:
     def _has_work(self) -> bool:
         return not self.sleeping and self.scheduler.has_unfinished_requests()
 
-    async def _step(self) -> None:
-        plan = self.scheduler.schedule()
-        if plan.total_num_scheduled_tokens == 0 and not plan.finished_req_ids:
-            # Nothing can run (frozen, or waiting on blocks only an abort can free):
-            # wait for news instead of spinning.
-            await self._handle(await self._inbox.receive())
-            return
-        now = time.monotonic()
-        queue_times = []
-        for new in plan.new_requests:  # also requests resumed after preemption: not queued
-            arrival = self._arrivals.pop(new.request_id, None)
-            if arrival is not None:
-                queue_times.append(now - arrival)
-        runner_out = await self.executor.execute(plan)
-        core_out = self.scheduler.update_from_output(plan, runner_out)
-        self._forget_finished(core_out.outputs)
-        self.outputs.send_nowait(core_out)
-        self._record(core_out.scheduler_stats, queue_times)
+    def _send_step(self) -> bool:
+        """Plan a step and send it to the executor; False if nothing can run now."""
+        planned = self.steps.plan()
+        if planned is None:
+            return False
+        self._sent.append((planned, self.executor.submit_step(planned.plan)))
+        return True
 
-    def _record(
-        self, stats: m.SchedulerStats | None, queue_times: list[float] | None = None
-    ) -> None:
-        """Publish the scheduler's figures (after a step, or after aborts freed blocks)."""
+    async def _apply_oldest(self) -> None:
+        """Wait for the oldest step's answer, apply it, pass its outputs on. A checkpoint."""
+        planned, answer = self._sent[0]
+        runner_out = await answer.wait()
+        self._sent.popleft()
         self._stats_dirty = False
-        if self.record_stats is not None:
-            self.record_stats(
-                StepStats(
-                    timestamp=time.monotonic(),
-                    scheduler=stats,
-                    num_prompt_tokens=stats.num_prefill_tokens if stats is not None else 0,
-                    queue_time=queue_times or [],
-                )
-            )
+        self.outputs.send_nowait(self.steps.apply(planned, runner_out))
 
-    def _forget_finished(self, outputs: list[m.EngineCoreOutput]) -> None:
-        for out in outputs:
-            if out.finish_reason is not None:
-                self._arrivals.pop(out.request_id, None)
+    async def _drain_sent(self) -> None:
+        """Apply every step in flight (before a control that needs a quiet worker)."""
+        while self._sent:
+            await self._apply_oldest()
+
+    def _record(self, stats: m.SchedulerStats | None) -> None:
+        """Publish the scheduler's figures after aborts or arrivals changed them."""
+        self._stats_dirty = False
+        self.steps.record(stats)
 
     def _emit(self, outputs: list[m.EngineCoreOutput]) -> None:
         if outputs:
-            self._forget_finished(outputs)
             self.outputs.send_nowait(m.EngineCoreOutputs(outputs, time.monotonic(), None))
 
     async def _handle(self, message: CoreMessage) -> None:
         self._stats_dirty = True  # queues or blocks may have changed: publish before sleeping
         if isinstance(message, AddRequests):
-            for request in message.requests:
-                self._arrivals[request.request_id] = request.arrival_time
-                self.scheduler.add_request(request)
+            self.steps.add_requests(message.requests)
         elif isinstance(message, m.AbortRequests):
-            self._emit(self.scheduler.abort(message.request_ids))
+            self._emit(self.steps.abort(message.request_ids))
         elif isinstance(message, FinishRequests):
-            self.scheduler.finish_requests(message.request_ids, m.FinishReason.STOP)
-            for request_id in message.request_ids:
-                self._arrivals.pop(request_id, None)
+            self.steps.finish(message.request_ids, message.reason)
         elif isinstance(message, Control):
+            await self._drain_sent()  # a control sees (and may change) a quiet worker
             await self._control(message)
         else:  # pragma: no cover - a programming error
             raise TypeError(f"unexpected message {message!r}")
@@ -305,6 +411,8 @@ class EngineCore:
 
     async def _answer_waiters(self) -> None:
         """Run the WAIT-mode pauses and sleeps once nothing is in flight."""
+        if self._waiters and not self.scheduler.has_in_flight_requests():
+            await self._drain_sent()
         while self._waiters and not self.scheduler.has_in_flight_requests():
             waiters, self._waiters = self._waiters, []
             for waiter in waiters:

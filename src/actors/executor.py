@@ -1,7 +1,7 @@
 """The executor actor: drives the model worker, one request frame per step.
 
-Two implementations with one interface (``run``, ``execute``, ``ping``,
-``call``, ``begin_shutdown``, ``kill``), both serving frames with
+Two implementations with one interface (``run``, ``execute``, ``submit_step``,
+``ping``, ``call``, ``begin_shutdown``, ``kill``), both serving frames with
 ``legato.worker.Worker.handle``:
 
 - ``ProcessExecutor`` (the default) runs ``python -m legato.worker`` as a child
@@ -16,8 +16,8 @@ Two implementations with one interface (``run``, ``execute``, ``ping``,
   or a malformed answer raise ``WorkerDiedError``, which the supervisor
   turns into engine death; every caller still waiting then gets that error.
   The child is always reaped.
-- ``InprocExecutor`` runs the Worker in this process, in a worker thread
-  (for tests and small set-ups).
+- ``InprocExecutor`` runs the Worker in this process, one frame at a time in
+  order, in a worker thread (for tests and small set-ups).
 
 Both are started with ``await nursery.start(executor.run)``; ``started`` is
 signalled once the model is loaded, with the worker's ``WorkerReady``.
@@ -94,6 +94,24 @@ class _Answer:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+class StepAnswer:
+    """The answer to a step sent ahead of time (async scheduling).
+
+    ``wait`` returns the checked ``ModelRunnerOutput`` (WorkerDiedError for a
+    wrong one, or the worker's failure); a checkpoint. Steps sent ahead run
+    on the worker in the order they were sent.
+    """
+
+    __slots__ = ("step", "_answer")
+
+    def __init__(self, step: m.SchedulerOutput, answer: _Answer) -> None:
+        self.step = step
+        self._answer = answer
+
+    async def wait(self) -> m.ModelRunnerOutput:
+        return check_runner_output(self.step, await self._answer.wait())
 
 
 class _FrameReader:
@@ -315,6 +333,10 @@ class ProcessExecutor:
         """Run one step on the worker. A checkpoint; waits for the answer."""
         return check_runner_output(step, await self._request(step))
 
+    def submit_step(self, step: m.SchedulerOutput) -> StepAnswer:
+        """Send a step now without waiting (never blocks); its answer comes in the slot."""
+        return StepAnswer(step, self.submit(step))
+
     async def ping(self) -> float:
         """Round trip to the worker; returns the seconds it took."""
         sent = time.monotonic()
@@ -343,19 +365,20 @@ class ProcessExecutor:
 
 
 class InprocExecutor:
-    """The Worker in this process, answering in a worker thread, one frame at a time."""
+    """The Worker in this process: one task serves frames in order, each in a worker thread."""
 
     def __init__(self, config: EngineConfig, *, inject_fault: dict[str, Any] | None = None):
         self._config = config
         self._inject_fault = inject_fault
         self._worker: Any = None
-        self._limiter = trio.CapacityLimiter(1)
+        self._frames_send, self._frames = trio.open_memory_channel[tuple[object, _Answer]](math.inf)
         self.ready: m.WorkerReady | None = None
         self.pid: int | None = None
 
     async def run(
         self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Load the model, report ready, then serve frames in order until cancelled."""
         from ..worker import Worker
 
         init = m.WorkerInit(config=self._config.to_dict(), inject_fault=self._inject_fault)
@@ -365,19 +388,26 @@ class InprocExecutor:
             raise EngineStartupError(f"model failed to load: {type(exc).__name__}: {exc}") from exc
         self.ready = self._worker.ready()
         task_status.started(self.ready)
-        await trio.sleep_forever()
+        async for message, answer in self._frames:
+            try:
+                answer.set(await trio.to_thread.run_sync(self._worker.handle, message))
+            except Exception as exc:
+                answer.fail(WorkerDiedError(f"model runner failed: {type(exc).__name__}: {exc}"))
+
+    def _submit(self, message: object) -> _Answer:
+        answer = _Answer()
+        self._frames_send.send_nowait((message, answer))
+        return answer
 
     async def _request(self, message: object) -> object:
-        """``Worker.handle(message)`` in a thread; WorkerDiedError if it raised (fatal)."""
-        try:
-            return await trio.to_thread.run_sync(
-                self._worker.handle, message, limiter=self._limiter
-            )
-        except Exception as exc:
-            raise WorkerDiedError(f"model runner failed: {type(exc).__name__}: {exc}") from exc
+        """``Worker.handle(message)`` in turn; WorkerDiedError if it raised (fatal)."""
+        return await self._submit(message).wait()
 
     async def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
         return check_runner_output(step, await self._request(step))
+
+    def submit_step(self, step: m.SchedulerOutput) -> StepAnswer:
+        return StepAnswer(step, self._submit(step))
 
     async def ping(self) -> float:
         sent = time.monotonic()

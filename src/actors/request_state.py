@@ -30,6 +30,12 @@ class Request:
     by a preemption). ``block_hashes[i]`` is the chained prefix hash of full
     block ``i`` of ``all_token_ids``; the KV-cache manager fills it lazily.
     ``num_tokens_sent`` is how many of ``all_token_ids`` the model runner knows.
+    ``num_output_placeholders`` counts the tokens that steps already planned
+    will sample but whose answers have not come back yet (a step is planned
+    before the one in flight answers): the scheduler counts them as known
+    tokens to compute, and the runner fills them in with its own samples.
+    ``reset_step`` is the last step planned when a preemption restarted the
+    request: answers of that step and earlier ones are stale for it.
     """
 
     __slots__ = (
@@ -56,7 +62,8 @@ class Request:
         "finish_reason",
         "stop_reason",
         "sort_key",
-        "scheduled_step",
+        "num_output_placeholders",
+        "reset_step",
     )
 
     def __init__(self, request: EngineRequest, seq: int) -> None:
@@ -91,7 +98,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Priority order: lower value first, then earlier arrival, then admission order.
         self.sort_key: tuple[int, float, int] = (request.priority, request.arrival_time, seq)
-        self.scheduled_step: int = -1  # step_id of the last schedule() that included it
+        self.num_output_placeholders: int = 0
+        self.reset_step: int = 0
 
     @property
     def num_tokens(self) -> int:

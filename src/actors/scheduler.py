@@ -3,19 +3,24 @@
 :class:`Scheduler` decides, step by step, which requests compute how many
 tokens, within the per-step budgets ``max_num_batched_tokens`` and
 ``max_num_seqs``. It holds the requests (:mod:`.request_state`) and drives the
-block pool (:mod:`.kv_cache`); it never touches tensors. The scheduler actor
-calls it synchronously, strictly alternating::
+block pool (:mod:`.kv_cache`); it never touches tensors. The engine core
+calls it synchronously::
 
     out = scheduler.schedule()                     # SchedulerOutput for the runner
     runner_out = <model runner runs out>           # ModelRunnerOutput
     core_outs = scheduler.update_from_output(out, runner_out)
 
-with :meth:`~Scheduler.add_request`, :meth:`~Scheduler.abort`,
+A step may be planned before the one in flight has answered (async
+scheduling): a request whose planned tokens will sample counts that sample as
+a *placeholder* token, so the next step can already compute it (the runner
+fills it in with its own sample); when the answer comes, the placeholder
+becomes the real token. Answers must be applied in step order, one per
+planned step. :meth:`~Scheduler.add_request`, :meth:`~Scheduler.abort`,
 :meth:`~Scheduler.finish_requests`, :meth:`~Scheduler.pause` /
-:meth:`~Scheduler.resume` and :meth:`~Scheduler.reset_prefix_cache` allowed at
-any point between those calls, including between ``schedule`` and
-``update_from_output`` (results for requests finished or preempted in between
-are dropped).
+:meth:`~Scheduler.resume` and :meth:`~Scheduler.reset_prefix_cache` are
+allowed at any point between those calls (answers for requests finished or
+preempted in between are dropped). A request whose in-flight samples could
+already reach its ``max_tokens`` or ``max_model_len`` is not scheduled ahead.
 
 Policy, as in vLLM v1:
 
@@ -135,6 +140,17 @@ class _StepPlan:
         self.new_block_ids: dict[str, list[int]] = {}
 
 
+class _InFlight:
+    """A planned step the runner has not answered yet: its requests, in the runner's
+    order, and whether each one's scheduled tokens end in a sample."""
+
+    __slots__ = ("requests", "samples")
+
+    def __init__(self, requests: list[Request], samples: list[bool]) -> None:
+        self.requests = requests
+        self.samples = samples
+
+
 class Scheduler:
     """Continuous batching, prefix caching, chunked prefill and preemption by recompute.
 
@@ -170,6 +186,7 @@ class Scheduler:
         self._num_held = 0
         self._step_id = 0
         self._seq = 0
+        self._in_flight: dict[int, _InFlight] = {}  # planned steps not answered yet
         # Figures since the last make_stats().
         self._stat_preempted = 0
         self._stat_prefill_tokens = 0
@@ -366,7 +383,11 @@ class Scheduler:
         i = 0
         while i < len(running) and plan.budget > 0:
             req = running[i]
-            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            placeholders = req.num_output_placeholders
+            if placeholders and self._done_in_flight(req):
+                i += 1  # the samples already on their way may finish it
+                continue
+            num_new = len(req.all_token_ids) + placeholders - req.num_computed_tokens
             if num_new > plan.budget:
                 if not self.chunked_prefill:
                     i += 1
@@ -397,6 +418,15 @@ class Scheduler:
             i += 1
         return preempted
 
+    def _done_in_flight(self, req: Request) -> bool:
+        """Whether the samples of steps in flight may already reach a length limit."""
+        placeholders = req.num_output_placeholders
+        if len(req.all_token_ids) + placeholders >= self.max_model_len:
+            return True
+        return req.max_tokens is not None and (
+            len(req.output_token_ids) + placeholders >= req.max_tokens
+        )
+
     def _victim_index(self) -> int:
         """Index in ``running`` of the request to preempt: the lowest priority."""
         running = self.running
@@ -413,6 +443,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_tokens_sent = 0
+        req.num_output_placeholders = 0
+        req.reset_step = self._step_id  # answers of steps planned up to now are stale
         req.num_preemptions += 1
         self.waiting.push_front(req)
         self._preempted_ids.append(req.request_id)
@@ -462,23 +494,9 @@ class Scheduler:
         step_id = self._step_id
         num_scheduled = plan.num_scheduled
         prefill = decode = 0
+        requests: list[Request] = []
+        samples: list[bool] = []
         new_data: list[NewRequestData] = []
-        for req in plan.new:
-            n = num_scheduled[req.request_id]
-            new_data.append(
-                NewRequestData(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    req.sampling_params,
-                    self.kv.get_block_ids(req.request_id),
-                    req.num_computed_tokens,
-                    list(req.output_token_ids),
-                )
-            )
-            req.num_tokens_sent = req.num_tokens
-            req.num_computed_tokens += n
-            req.scheduled_step = step_id
-            prefill += n
         cached_data: list[CachedRequestData] = []
         new_block_ids = plan.new_block_ids
         for req in plan.running:
@@ -495,12 +513,38 @@ class Scheduler:
                 )
             )
             req.num_tokens_sent = num_tokens
-            if n == 1 and req.output_token_ids and req.num_computed_tokens == num_tokens - 1:
+            computed = req.num_computed_tokens + n
+            placeholders = req.num_output_placeholders
+            sampling = computed >= num_tokens + placeholders
+            if n == 1 and sampling and (placeholders or req.output_token_ids):
                 decode += 1
             else:
                 prefill += n
+            if sampling:
+                req.num_output_placeholders = placeholders + 1
+            req.num_computed_tokens = computed
+            requests.append(req)
+            samples.append(sampling)
+        for req in plan.new:  # admitted (or resumed) this step: after the running ones
+            n = num_scheduled[req.request_id]
+            new_data.append(
+                NewRequestData(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.sampling_params,
+                    self.kv.get_block_ids(req.request_id),
+                    req.num_computed_tokens,
+                    list(req.output_token_ids),
+                )
+            )
+            req.num_tokens_sent = req.num_tokens
             req.num_computed_tokens += n
-            req.scheduled_step = step_id
+            sampling = req.num_computed_tokens >= req.num_tokens
+            if sampling:
+                req.num_output_placeholders = 1
+            prefill += n
+            requests.append(req)
+            samples.append(sampling)
         total = prefill + decode
         if total == 0:
             return SchedulerOutput(step_id, [], [], {}, 0)
@@ -508,6 +552,7 @@ class Scheduler:
         self._stat_decode_tokens += decode
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
+        self._in_flight[step_id] = _InFlight(requests, samples)
         return SchedulerOutput(
             step_id, new_data, cached_data, num_scheduled, total, finished, preempted
         )
@@ -517,55 +562,62 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
-        """Accept the step's sampled tokens; finish requests that stopped.
+        """Accept a step's sampled tokens; finish requests that stopped.
 
-        ``runner_output`` must hold one token for every scheduled request whose
-        scheduled tokens reached the end of its known tokens (a ValueError
-        otherwise: a runner that drops requests would hang them); tokens for a
-        partial prefill chunk are ignored. Requests finished, aborted or
-        preempted since ``schedule()`` are skipped. Returns one output per
-        request that got tokens, prompt logprobs or finished, and the stats.
+        Answers must come in step order, one per non-empty step planned (an
+        empty step's answer is accepted and changes nothing).
+        ``runner_output`` must hold one entry per scheduled request, and one
+        token for every request whose scheduled tokens reached the end of its
+        tokens (a ValueError otherwise: a runner that drops requests would hang
+        them); tokens for a partial prefill chunk are ignored. Requests
+        finished, aborted or preempted since that step was planned are
+        skipped. Returns one output per request that got tokens, prompt
+        logprobs or finished, and the stats.
         """
         step_id = scheduler_output.step_id
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        req_ids = runner_output.req_ids
-        if len(req_ids) != len(runner_output.sampled_token_ids):
+        in_flight = self._in_flight.pop(step_id, None)
+        if in_flight is None:
+            if scheduler_output.is_empty:  # nothing was planned: nothing to accept
+                return EngineCoreOutputs([], time.monotonic(), self.make_stats())
+            raise ValueError(f"step {step_id} was not planned, or was answered already")
+        sampled = runner_output.sampled_token_ids
+        if len(sampled) != len(in_flight.requests) or len(runner_output.req_ids) != len(sampled):
             raise ValueError(
-                f"model runner returned {len(runner_output.sampled_token_ids)} samples "
-                f"for {len(req_ids)} requests"
+                f"model runner returned {len(sampled)} samples for {len(runner_output.req_ids)} "
+                f"ids; step {step_id} scheduled {len(in_flight.requests)} requests"
             )
-        if len(req_ids) < len(num_scheduled):
-            self._check_all_sampled(scheduler_output, runner_output)
-        requests = self.requests
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         kv = self.kv
-        block_size = kv.block_size
         prefix_caching = kv.enable_prefix_caching
         running = RequestStatus.RUNNING
         outputs: list[EngineCoreOutput] = []
         any_finished = False
-        for request_id, tokens in zip(req_ids, runner_output.sampled_token_ids):
-            req = requests.get(request_id)
-            if req is None or req.status is not running or req.scheduled_step != step_id:
-                continue  # finished, aborted or preempted since schedule()
-            computed = req.num_computed_tokens
+        for req, sampling, tokens in zip(in_flight.requests, in_flight.samples, sampled):
+            if step_id <= req.reset_step:
+                continue  # preempted since: its placeholders are gone already
+            if sampling:
+                req.num_output_placeholders -= 1
+            if req.status is not running:
+                continue  # finished or aborted since this step was planned
+            request_id = req.request_id
             reason: FinishReason | None = None
-            if computed < len(req.all_token_ids):
+            if not sampling:
                 new_ids: list[int] = []  # a partial prefill chunk samples nothing
             elif len(tokens) == 1:
                 token_id = tokens[0]
                 req.output_token_ids.append(token_id)
                 req.all_token_ids.append(token_id)
+                req.num_tokens_sent += 1  # the runner appended its own sample
                 new_ids = [token_id]
                 reason = self._check_stop(req, token_id)
             elif tokens:
                 new_ids, reason = self._append_tokens(req, tokens)
+                req.num_tokens_sent += len(new_ids)
             else:
                 raise ValueError(f"model runner returned no sampled token for {request_id!r}")
-            # Publish blocks this step filled (a chunk of n tokens crossed a boundary).
-            if prefix_caching and computed % block_size < num_scheduled[request_id]:
-                kv.cache_full_blocks(req)
+            if prefix_caching:
+                kv.cache_full_blocks(req)  # blocks whose KV is computed (or being computed)
             plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if new_ids or reason is not None or plp:
                 lp = logprobs.get(request_id) if logprobs else None
@@ -588,22 +640,6 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
         return EngineCoreOutputs(outputs, time.monotonic(), self.make_stats())
-
-    def _check_all_sampled(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> None:
-        """Raise ValueError if a scheduled request that must sample is missing."""
-        returned = set(runner_output.req_ids)
-        for request_id in scheduler_output.num_scheduled_tokens:
-            req = self.requests.get(request_id)
-            if (
-                request_id not in returned
-                and req is not None
-                and req.status is RequestStatus.RUNNING
-                and req.scheduled_step == scheduler_output.step_id
-                and req.num_computed_tokens >= len(req.all_token_ids)
-            ):
-                raise ValueError(f"model runner returned no sampled token for {request_id!r}")
 
     def _append_tokens(
         self, req: Request, tokens: list[int]

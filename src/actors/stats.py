@@ -125,12 +125,16 @@ class StatsCollector:
         self.prompt_tokens.labels(model).inc(step.num_prompt_tokens)
         self.generation_tokens.labels(model).inc(step.num_generation_tokens)
         self._window.append((step.timestamp, step.num_prompt_tokens, step.num_generation_tokens))
-        for value in step.time_to_first_token:
-            self.ttft.labels(model).observe(value)
-        for value in step.inter_token_latency:
-            self.itl.labels(model).observe(value)
-        for value in step.queue_time:
-            self.queue.labels(model).observe(value)
+        # One labels() lookup per series and step, not per token (it is a locked dict lookup).
+        for series, values in (
+            (self.ttft, step.time_to_first_token),
+            (self.itl, step.inter_token_latency),
+            (self.queue, step.queue_time),
+        ):
+            if values:
+                child = series.labels(model)
+                for value in values:
+                    child.observe(value)
         for done in step.finished:
             self.request_success.labels(model, done.finish_reason).inc()
             self.e2e.labels(model).observe(done.e2e_latency)

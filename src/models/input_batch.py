@@ -218,23 +218,26 @@ class InputBatch:
         self.req_rows[new.request_id] = row
 
     def update(self, cached: CachedRequestData) -> None:
-        """Append accepted tokens and new blocks; take the scheduler's computed count."""
+        """Append tokens and new blocks; take the scheduler's computed count."""
         row = self.row(cached.request_id)
-        new = cached.new_token_ids
-        if new:
-            start = int(self.num_tokens[row])
-            if start + len(new) > self.max_tokens:
-                raise ValueError(
-                    f"request {cached.request_id!r} would exceed max_model_len "
-                    f"({self.max_tokens - 1} tokens)"
-                )
-            self.token_ids[row, start : start + len(new)] = new
-            self.num_tokens[row] = start + len(new)
-            st = self.state(row)
-            if st.output_counts is not None:
-                self._count_outputs(st, new)
+        if cached.new_token_ids:
+            self.append_tokens(row, cached.new_token_ids)
         self._append_blocks(row, cached.new_block_ids)
         self.num_computed[row] = cached.num_computed_tokens
+
+    def append_tokens(self, row: int, new: list[int]) -> None:
+        """Append tokens to a request's known tokens (the runner's own samples, or a delta)."""
+        start = int(self.num_tokens[row])
+        if start + len(new) > self.max_tokens:
+            raise ValueError(
+                f"request {self.state(row).req_id!r} would exceed max_model_len "
+                f"({self.max_tokens - 1} tokens)"
+            )
+        self.token_ids[row, start : start + len(new)] = new
+        self.num_tokens[row] = start + len(new)
+        st = self.state(row)
+        if st.output_counts is not None:
+            self._count_outputs(st, new)
 
     def remove(self, req_id: str) -> None:
         """Drop a request's state; unknown ids are ignored."""

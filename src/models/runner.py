@@ -248,8 +248,11 @@ class ModelRunner:
 
         Returns one entry per request in ``step.num_scheduled_tokens`` (its
         order): a sampled token when the scheduled tokens reach the end of the
-        request's known tokens, else an empty list. Raises ``RuntimeError``
-        while asleep and ``ValueError`` / ``KeyError`` on an inconsistent step.
+        request's known tokens, else an empty list. A sampled token is also
+        appended to the request's own tokens here: the next step computes it
+        without the scheduler sending it back (so the scheduler can plan that
+        step before this one's answer arrives). Raises ``RuntimeError`` while
+        asleep and ``ValueError`` / ``KeyError`` on an inconsistent step.
         """
         if self.sleeping:
             raise RuntimeError("the model runner is asleep: call wake_up() first")
@@ -309,6 +312,7 @@ class ModelRunner:
             for j, i in enumerate(sampling.tolist()):
                 k = int(order[i])
                 out.sampled_token_ids[k] = [tokens[j]]
+                batch.append_tokens(int(rows[i]), [tokens[j]])
                 if j in result.logprobs:
                     out.logprobs[req_ids[k]] = [result.logprobs[j]]
         self._prompt_logprobs(out, req_ids, order, rows, starts, ends, query_start_loc, hidden)

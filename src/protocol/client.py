@@ -319,6 +319,10 @@ class EngineClient(abc.ABC):
 
     # ------------------------------------------------------------- optional
 
+    async def get_tokenizer(self) -> Any:
+        """The tokenizer requests are rendered with (a transformers tokenizer)."""
+        raise _unsupported(self, "get_tokenizer", "this client has no tokenizer")
+
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         """The tasks the loaded model serves, e.g. ("generate",)."""
         raise _unsupported(self, "get_supported_tasks", "this client does not report its tasks")

@@ -1,7 +1,9 @@
 """Messages between actors and processes, batched per step, never per token.
 
-Plain dataclasses; ``wire.py`` encodes each one explicitly for process
-boundaries. Field types are part of the contract: the codec checks them.
+msgspec Structs (``array_like``: encoded as arrays of their fields, in
+order; ``gc=False``: they hold no cycles, so the garbage collector never
+scans them); ``wire.py`` encodes each one explicitly for process boundaries.
+Field types are part of the contract: the decoder checks them.
 
 The flow of one engine step:
 
@@ -14,10 +16,16 @@ Never imports torch or trio.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+from msgspec import field
+
 from .params import SamplingParams
+
+
+class Message(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
+    """Base of every message: a Struct encoded as the array of its fields (no more, no fewer)."""
 
 
 class FinishReason(enum.IntEnum):
@@ -35,8 +43,7 @@ class FinishReason(enum.IntEnum):
 # ---------------------------------------------------------------- requests
 
 
-@dataclass
-class EngineRequest:
+class EngineRequest(Message):
     """A rendered, validated request as the scheduler admits it.
 
     For n>1 the engine fans a parent request out into n children whose
@@ -58,8 +65,7 @@ class EngineRequest:
 # ------------------------------------------------------- scheduler -> runner
 
 
-@dataclass
-class NewRequestData:
+class NewRequestData(Message):
     """A request the model runner has not seen (or must rebuild after preemption).
 
     ``output_token_ids`` is non-empty only for a request resumed after a
@@ -75,8 +81,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
-class CachedRequestData:
+class CachedRequestData(Message):
     """What changed for a request the runner already holds.
 
     ``new_token_ids`` are the sampled tokens the scheduler accepted since the
@@ -90,8 +95,7 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
-@dataclass
-class SchedulerOutput:
+class SchedulerOutput(Message):
     """One step's plan: which requests compute how many tokens.
 
     ``num_scheduled_tokens[id]`` tokens are computed for each scheduled request,
@@ -117,8 +121,7 @@ class SchedulerOutput:
 # ------------------------------------------------------- runner -> scheduler
 
 
-@dataclass
-class TokenLogprobs:
+class TokenLogprobs(Message):
     """Log-probabilities at one position: the chosen token first, then the top-k.
 
     ``ranks[i]`` is the 1-based rank of ``token_ids[i]`` in the full distribution.
@@ -129,8 +132,7 @@ class TokenLogprobs:
     ranks: list[int]
 
 
-@dataclass
-class ModelRunnerOutput:
+class ModelRunnerOutput(Message):
     """Sampled tokens per scheduled request for one step.
 
     ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: one token, or none for a
@@ -149,8 +151,7 @@ class ModelRunnerOutput:
 # ------------------------------------------------- scheduler -> detokenizer
 
 
-@dataclass
-class SchedulerStats:
+class SchedulerStats(Message):
     """Per-step figures for metrics and the log line."""
 
     num_running: int = 0
@@ -166,8 +167,7 @@ class SchedulerStats:
     num_decode_tokens: int = 0
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(Message):
     """What happened to one request in one step."""
 
     request_id: str
@@ -184,8 +184,7 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-@dataclass
-class EngineCoreOutputs:
+class EngineCoreOutputs(Message):
     """Every request's news from one step."""
 
     outputs: list[EngineCoreOutput]
@@ -202,58 +201,48 @@ class PauseMode(enum.IntEnum):
     KEEP = 2  # freeze everything until resume
 
 
-@dataclass
-class AbortRequests:
+class AbortRequests(Message):
     request_ids: list[str]
 
 
-@dataclass
-class PauseGeneration:
+class PauseGeneration(Message):
     mode: PauseMode
     clear_cache: bool = False  # reset the prefix cache once nothing is in flight (not KEEP)
 
 
-@dataclass
-class ResumeGeneration:
-    pass
+class ResumeGeneration(Message):
+    """Leave any pause."""
 
 
-@dataclass
-class Sleep:
+class Sleep(Message):
     level: int = 1  # 1: drop the KV cache; 2: also drop the weights
     mode: PauseMode = PauseMode.ABORT  # in-flight requests: abort them, or WAIT for them
 
 
-@dataclass
-class WakeUp:
+class WakeUp(Message):
     tags: list[str] | None = None  # None: everything; else subset of "weights", "kv_cache"
 
 
-@dataclass
-class ResetPrefixCache:
+class ResetPrefixCache(Message):
     reset_running_requests: bool = False
 
 
-@dataclass
-class Profile:
+class Profile(Message):
     start: bool  # True: start a trace; False: stop and write it
     trace_dir: str | None = None
 
 
-@dataclass
-class HealthPing:
+class HealthPing(Message):
     seq: int
     sent_time: float
 
 
-@dataclass
-class HealthPong:
+class HealthPong(Message):
     seq: int
     sent_time: float
 
 
-@dataclass
-class UtilityCall:
+class UtilityCall(Message):
     """Call a named method on the worker(s); answered by UtilityResult."""
 
     call_id: int
@@ -262,8 +251,7 @@ class UtilityCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class UtilityResult:
+class UtilityResult(Message):
     call_id: int
     result: Any = None
     error: str | None = None  # set when the call raised; the message of the error
@@ -272,16 +260,14 @@ class UtilityResult:
 # ------------------------------------------------------ executor <-> worker
 
 
-@dataclass
-class WorkerInit:
+class WorkerInit(Message):
     """First frame to a worker process: what to load."""
 
     config: dict[str, Any]  # EngineConfig.to_dict(), with model resolved to a path
     inject_fault: dict[str, Any] | None = None  # chaos testing: see legato.testing.chaos
 
 
-@dataclass
-class WorkerReady:
+class WorkerReady(Message):
     """The worker's answer to WorkerInit once the model is loaded."""
 
     pid: int
@@ -293,8 +279,7 @@ class WorkerReady:
     device: str
 
 
-@dataclass
-class WorkerError:
+class WorkerError(Message):
     """The worker could not do what a frame asked; ``fatal`` means it will exit."""
 
     message: str

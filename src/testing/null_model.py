@@ -47,9 +47,14 @@ class NullModelRunner:
             computed[cached.request_id] = cached.num_computed_tokens
         req_ids = list(step.num_scheduled_tokens)
         sampled = []
+        token = [self.token_id]
         for rid in req_ids:
             reaches_end = computed.get(rid, 0) + step.num_scheduled_tokens[rid] >= self._known[rid]
-            sampled.append([self.token_id] if reaches_end else [])
+            if reaches_end:
+                self._known[rid] += 1  # the sample is the request's next token, as in ModelRunner
+                sampled.append(token)
+            else:
+                sampled.append([])
         return m.ModelRunnerOutput(step.step_id, req_ids, sampled)
 
     def sleep(self, level: int = 1) -> None:

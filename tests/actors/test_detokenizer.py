@@ -98,7 +98,7 @@ class Engine:
         for i, token_id in enumerate(ids):
             last = i == len(ids) - 1
             step = self.step(core(request_id, [token_id], finish=finish if last else None))
-            aborted += step.requests_to_abort
+            aborted += step.requests_to_stop + step.requests_to_abort
             taken.append(self.take(request_id))
             if aborted:
                 break
@@ -409,9 +409,9 @@ def test_n3_delta_merges_children_under_the_parent_id(tok: PreTrainedTokenizerBa
     assert first is not None and not first.finished
     assert first.request_id == "r"
     assert [(c.index, c.text) for c in first.outputs] == [(0, "The"), (2, " cat")]
-    # Child 1 stops on a stop string: abort it in the scheduler.
+    # Child 1 stops on a stop string: finish it in the scheduler (as STOP, not abort).
     step = engine.step(core("1_r", [cat, sat]), core("0_r", [the], finish=FinishReason.LENGTH))
-    assert step.requests_to_abort == ["1_r"]
+    assert step.requests_to_stop == ["1_r"] and step.requests_to_abort == []
     second = engine.take("r")
     assert second is not None and not second.finished
     assert [(c.index, c.text, c.finish_reason) for c in second.outputs] == [

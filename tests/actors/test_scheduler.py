@@ -45,7 +45,8 @@ class _Mirror:
 
 @dataclass
 class FakeRunner:
-    """Keeps the runner's copy of each request from the scheduler's messages and checks it."""
+    """Keeps the runner's copy of each request from the scheduler's messages and its own
+    samples, and checks it, as ModelRunner does."""
 
     block_size: int
     sampler: Sampler = default_sampler
@@ -80,8 +81,12 @@ class FakeRunner:
             assert len(mirror.block_ids) * self.block_size >= mirror.num_computed
             assert 0 not in mirror.block_ids
             req_ids.append(request_id)
-            done = mirror.num_computed == len(mirror.tokens)
-            sampled.append([self.sampler(request_id, mirror.tokens)] if done else [])
+            if mirror.num_computed == len(mirror.tokens):
+                token = self.sampler(request_id, mirror.tokens)
+                mirror.tokens.append(token)  # a runner keeps its own samples
+                sampled.append([token])
+            else:
+                sampled.append([])
         return ModelRunnerOutput(out.step_id, req_ids, sampled)
 
 
@@ -242,7 +247,7 @@ def test_multi_token_output_is_truncated_at_the_stop_with_its_logprobs() -> None
 # ----------------------------------------------------------- runner protocol
 
 
-def test_first_step_sends_new_request_then_cached_with_last_token() -> None:
+def test_first_step_sends_new_request_then_cached_without_the_runners_own_samples() -> None:
     h = Harness(make_config())
     h.add(make_request("r", 20, max_tokens=3))
     first = h.step()
@@ -251,7 +256,7 @@ def test_first_step_sends_new_request_then_cached_with_last_token() -> None:
     assert new.output_token_ids == [] and first.num_scheduled_tokens == {"r": 20}
     second = h.step()
     (cached,) = second.cached_requests
-    assert cached.new_token_ids == h.tokens["r"][:1]
+    assert h.tokens["r"][:1] and cached.new_token_ids == []  # the runner has it already
     assert cached.num_computed_tokens == 20 and cached.new_block_ids == []
     assert second.num_scheduled_tokens == {"r": 1}
     h.run()
@@ -267,8 +272,11 @@ def test_runner_that_drops_a_request_is_an_error() -> None:
     sched = Scheduler(make_config())
     sched.add_request(make_request("r", 4))
     plan = sched.schedule()
-    with pytest.raises(ValueError, match="no sampled token"):
+    with pytest.raises(ValueError, match="returned 0 samples for 0 ids; step 1 scheduled 1"):
         sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, [], []))
+    plan = sched.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, ["r"], [[]]))
 
 
 def test_logprobs_and_num_cached_tokens_pass_through() -> None:

@@ -87,8 +87,12 @@ class FakeRunner:
             mirror.num_computed += n
             assert len(mirror.block_ids) * self.block_size >= mirror.num_computed
             req_ids.append(request_id)
-            done = mirror.num_computed == len(mirror.tokens)
-            sampled.append([self.sample()] if done else [])
+            if mirror.num_computed == len(mirror.tokens):
+                token = self.sample()
+                mirror.tokens.append(token)  # a runner keeps its own samples
+                sampled.append([token])
+            else:
+                sampled.append([])
         return ModelRunnerOutput(out.step_id, req_ids, sampled)
 
 
@@ -260,6 +264,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         for i in range(times):
             self.do_step(between if i == times - 1 else "none")
 
+    @rule(
+        times=st.integers(1, 4),
+        between=st.sampled_from(["none", "none", "abort", "reset", "keep", "stop"]),
+    )
+    def overlapped_steps(self, times: int, between: str) -> None:
+        """Async scheduling: each step is planned (and run) before the previous one's
+        answer is applied; ``between`` happens while two steps are in flight."""
+        sched = self.sched
+        in_flight: list[tuple[SchedulerOutput, ModelRunnerOutput]] = []
+        for i in range(times + 1):
+            if i < times:
+                plan = sched.schedule()
+                self.check_plan(plan)
+                in_flight.append((plan, self.runner.execute(plan)))
+            if i == times - 1:
+                self.between(between)
+            if len(in_flight) == 2 or i == times:
+                self.apply(*in_flight.pop(0))
+
     @rule(mode=st.sampled_from(list(PauseMode)))
     def pause(self, mode: PauseMode) -> None:
         before = self.live()
@@ -285,8 +308,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not self.sched.running and self.sched.kv.num_cached_free_blocks == 0
 
     def do_step(self, between: str = "none") -> None:
+        plan = self.sched.schedule()
+        self.check_plan(plan)
+        runner_out = self.runner.execute(plan)
+        self.between(between)
+        self.apply(plan, runner_out)
+
+    def check_plan(self, plan: SchedulerOutput) -> None:
         sched = self.sched
-        plan = sched.schedule()
         config = self.config
         assert plan.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(plan.num_scheduled_tokens) <= config.max_num_seqs
@@ -298,13 +327,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request_id not in sched.requests or request_id in [
                 n.request_id for n in plan.new_requests
             ]
-        runner_out = self.runner.execute(plan)
+
+    def between(self, between: str) -> None:
+        """Something that happens while a step is in flight."""
+        sched = self.sched
         if between == "abort" and sched.requests:
             self.record(sched.abort(self.live()[:1]))
+        elif between == "stop" and sched.requests:
+            ids = self.live()[-1:]
+            assert sched.finish_requests(ids, FinishReason.STOP) == ids
+            self.finish_externally(ids, FinishReason.STOP)
         elif between == "reset":
             assert sched.reset_prefix_cache(reset_running_requests=True)
         elif between == "keep":
             sched.pause(PauseMode.KEEP)
+
+    def apply(self, plan: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        sched = self.sched
+        config = self.config
         result = sched.update_from_output(plan, runner_out)
         for out in result.outputs:
             assert out.request_id in plan.num_scheduled_tokens

@@ -264,8 +264,7 @@ class MiniScheduler:
                 assert req.num_computed < len(req.tokens)
                 continue
             assert req.num_computed == len(req.tokens)
-            req.outputs.extend(sampled)
-            req.pending_tokens = list(sampled)
+            req.outputs.extend(sampled)  # the runner appends its own samples: nothing to send
             req.logprobs.extend(out.logprobs.get(req_id, []))
             if len(req.outputs) >= req.max_tokens:
                 self.done[req_id] = self.running.pop(req_id)

@@ -8,6 +8,7 @@ import inspect
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -53,7 +54,6 @@ from legato.protocol.outputs import (
 from legato.protocol.params import PoolingParams, RequestOutputKind, SamplingParams
 from legato.protocol.wire import (
     HEADER_SIZE,
-    MAX_ANY_DEPTH,
     WIRE_MAGIC,
     WIRE_TYPES,
     WIRE_VERSION,
@@ -359,7 +359,8 @@ def test_every_message_type_is_registered_and_has_a_strategy() -> None:
         obj
         for _, obj in inspect.getmembers(messages, inspect.isclass)
         if obj.__module__ == messages.__name__
-        and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+        and obj is not messages.Message
+        and (issubclass(obj, msgspec.Struct) or issubclass(obj, enum.Enum))
     }
     assert in_messages <= set(WIRE_TYPES.values())
     assert set(STRATEGIES) == set(WIRE_TYPES.values())
@@ -466,7 +467,7 @@ def test_oversized_frames_are_rejected_both_ways() -> None:
     ],
 )
 def test_huge_declared_lengths_are_rejected_without_allocating(data: bytes) -> None:
-    with pytest.raises(WireError, match="malformed frame"):
+    with pytest.raises(WireError, match="malformed frame|not a legato frame"):
         decode(data)
 
 
@@ -498,29 +499,27 @@ def test_expected_type_mismatch() -> None:
 
 def test_wrong_arity() -> None:
     tag = _tag(HealthPing)
-    with pytest.raises(
-        WireError, match=r"HealthPing: expected 2 fields for HealthPing, got 1 \(tag 48\)"
-    ):
+    with pytest.raises(WireError, match=r"bad frame: HealthPing \(tag 48\): Expected `array` of"):
         decode(_frame(tag, [1]))
-    with pytest.raises(WireError, match="expected 2 fields for HealthPing, got 3"):
+    with pytest.raises(WireError, match="bad frame: HealthPing"):
         decode(_frame(tag, [1, 2.0, 3]))
-    with pytest.raises(WireError, match=r"expected HealthPing \(an array of 2 fields\), got dict"):
+    with pytest.raises(WireError, match=r"Expected `array`, got `object`"):
         decode(_frame(tag, {"seq": 1, "sent_time": 2.0}))
 
 
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        (["1", 2.0], "HealthPing.seq: expected int, got str"),
-        ([True, 2.0], "HealthPing.seq: expected int, got bool"),
-        ([1.0, 2.0], "HealthPing.seq: expected int, got float"),
-        ([1, "2"], "HealthPing.sent_time: expected float, got str"),
-        ([1, None], "HealthPing.sent_time: expected float, got NoneType"),
-        ([1, b"2"], "HealthPing.sent_time: expected float, got bytes"),
+        (["1", 2.0], r"Expected `int`, got `str` - at `\$\[0\]`"),
+        ([True, 2.0], r"Expected `int`, got `bool` - at `\$\[0\]`"),
+        ([1.0, 2.0], r"Expected `int`, got `float` - at `\$\[0\]`"),
+        ([1, "2"], r"Expected `float`, got `str` - at `\$\[1\]`"),
+        ([1, None], r"Expected `float`, got `None` - at `\$\[1\]`"),
+        ([1, b"2"], r"Expected `float`, got `bytes` - at `\$\[1\]`"),
     ],
 )
 def test_wrong_field_types(payload: list[Any], message: str) -> None:
-    with pytest.raises(WireError, match=message):
+    with pytest.raises(WireError, match=r"bad frame: HealthPing \(tag 48\): " + message):
         decode(_frame(_tag(HealthPing), payload))
 
 
@@ -529,55 +528,44 @@ def test_nested_error_names_the_path() -> None:
         NewRequestData(f"r{i}", [1, 2], SamplingParams(top_p=0.5), [0], 0) for i in range(3)
     ]
     payload = _payload(SchedulerOutput(1, requests, [], {}, 0))
-    top_p = [f.name for f in dataclasses.fields(SamplingParams)].index("top_p")
-    payload[1][2][2][top_p] = "high"
+    payload[1][2][2]["top_p"] = "high"
     with pytest.raises(WireError) as caught:
         decode(_frame(_tag(SchedulerOutput), payload))
     assert str(caught.value) == (
-        "bad frame: SchedulerOutput.new_requests[2].sampling_params.top_p: "
-        "expected float, got str (tag 23)"
+        "bad frame: SchedulerOutput (tag 23): Expected `float`, got `str` - at `$[1][2][2].top_p`"
     )
 
 
 def test_error_path_through_dicts_and_optionals() -> None:
     payload = _payload(ModelRunnerOutput(1, ["a"], [[1]], {"a": [TokenLogprobs([1], [-0.5], [1])]}))
     payload[3]["a"][0][1][0] = "x"
-    with pytest.raises(
-        WireError, match=r"ModelRunnerOutput.logprobs\['a'\]\[0\].logprobs\[0\]: expected float"
-    ):
+    with pytest.raises(WireError, match=r"Expected `float`, got `str` - at `\$\[3\]\[\.\.\.\]"):
         decode(_frame(_tag(ModelRunnerOutput), payload))
     payload = _payload(CompletionOutput(0, "", [], logprobs=[{5: Logprob(-1.0)}]))
-    payload[4][0] = {"5": payload[4][0][5]}
-    with pytest.raises(
-        WireError, match=r"CompletionOutput.logprobs\[0\]\['5'\]: expected int, got str"
-    ):
+    payload["logprobs"][0] = {"5": payload["logprobs"][0][5]}
+    with pytest.raises(WireError, match=r"Expected `int`, got `str` - at `key` in `\$.logprobs"):
         decode(_frame(_tag(CompletionOutput), payload))
 
 
 def test_invalid_sampling_params_in_a_frame_is_a_wire_error() -> None:
     payload = _payload(EngineRequest("r", [1], SamplingParams(), 0.0))
-    fields = [f.name for f in dataclasses.fields(SamplingParams)]
-    payload[2][fields.index("min_tokens")] = 100  # > max_tokens=16
+    payload[2]["min_tokens"] = 100  # > max_tokens=16
     with pytest.raises(WireError) as caught:
         decode(_frame(_tag(EngineRequest), payload))
     assert type(caught.value) is WireError
-    assert (
-        "EngineRequest.sampling_params: invalid SamplingParams: min_tokens: must be <= max_tokens=16"
-        in str(caught.value)
+    assert "EngineRequest (tag 20): min_tokens: must be <= max_tokens=16, got 100 - at `$[2]`" in (
+        str(caught.value)
     )
 
 
 def test_invalid_config_in_a_frame_is_a_wire_error() -> None:
     payload = _payload(EngineConfig())
-    names = [f.name for f in dataclasses.fields(EngineConfig)]
-    payload[names.index("block_size")] = 0
-    with pytest.raises(WireError, match="EngineConfig: invalid EngineConfig: block_size"):
+    payload["block_size"] = 0
+    with pytest.raises(WireError, match=r"EngineConfig \(tag 60\): block_size: must be a positive"):
         decode(_frame(_tag(EngineConfig), payload))
     payload = _payload(EngineConfig())
-    payload[names.index("dtype")] = "float64"
-    with pytest.raises(
-        WireError, match=r"EngineConfig.dtype: expected one of 'auto', .*, got 'float64'"
-    ):
+    payload["dtype"] = "float64"
+    with pytest.raises(WireError, match=r"Invalid enum value 'float64' - at `\$.dtype`"):
         decode(_frame(_tag(EngineConfig), payload))
 
 
@@ -588,36 +576,33 @@ def test_enum_values_must_be_members(value: Any) -> None:
     if value is None:
         assert decode(_frame(_tag(EngineCoreOutput), payload)).finish_reason is None  # type: ignore[attr-defined]
         return
-    with pytest.raises(WireError, match="EngineCoreOutput.finish_reason: expected"):
+    with pytest.raises(WireError, match=r"EngineCoreOutput \(tag 27\): .* - at `\$\[4\]`"):
         decode(_frame(_tag(EngineCoreOutput), payload))
 
 
 def test_unions_check_each_arm() -> None:
     payload = _payload(EngineCoreOutput("r", [], stop_reason=3))
     payload[5] = 1.5
-    with pytest.raises(WireError, match=r"stop_reason: expected int \| str \| None, got float"):
+    with pytest.raises(WireError, match=r"Expected `int \| str \| null`, got `float` - at `\$\[5\]`"):
         decode(_frame(_tag(EngineCoreOutput), payload))
     payload[5] = "</s>"
     assert decode(_frame(_tag(EngineCoreOutput), payload)).stop_reason == "</s>"  # type: ignore[attr-defined]
 
 
 def test_extension_types_are_rejected() -> None:
+    """No extension type is decoded, except msgpack's own timestamp (a datetime: plain data)."""
     payload = _payload(UtilityResult(1, None))
-    for alien in (msgpack.ExtType(5, b"x"), msgpack.Timestamp(1)):
-        payload[1] = alien
-        with pytest.raises(
-            WireError, match="UtilityResult.result: expected a msgpack-native value"
-        ):
-            decode(_frame(_tag(UtilityResult), payload))
+    payload[1] = msgpack.ExtType(5, b"x")
+    with pytest.raises(WireError, match="msgpack extension type 5 is not accepted"):
+        decode(_frame(_tag(UtilityResult), payload))
+    payload[1] = msgpack.Timestamp(1)
+    assert decode(_frame(_tag(UtilityResult), payload)).result.timestamp() == 1  # type: ignore[attr-defined]
 
 
 def test_dict_keys_are_checked() -> None:
     payload = _payload(SamplingParams(logit_bias={1: 0.5}))
-    fields = [f.name for f in dataclasses.fields(SamplingParams)]
-    payload[fields.index("logit_bias")] = {True: 0.5}
-    with pytest.raises(
-        WireError, match=r"SamplingParams.logit_bias\[True\]: expected int, got bool"
-    ):
+    payload["logit_bias"] = {True: 0.5}
+    with pytest.raises(WireError, match=r"Expected `int`, got `bool` - at `key` in `\$.logit_bias`"):
         decode(_frame(_tag(SamplingParams), payload))
 
 
@@ -629,14 +614,13 @@ def _nested(depth: int) -> Any:
 
 
 def test_deeply_nested_any_payloads() -> None:
-    shallow = UtilityCall(1, "m", [_nested(MAX_ANY_DEPTH - 1)], {"k": {"a": _nested(5)}})
+    """Nesting is bounded by the interpreter's recursion limit on both sides: a hostile frame
+    gets a WireError, never a crash."""
+    shallow = UtilityCall(1, "m", [_nested(200)], {"k": {"a": _nested(5)}})
     assert decode(encode(shallow)) == shallow
-    with pytest.raises(WireError, match=r"UtilityCall.args\[0\]" + r"\[0\]" * 3):
-        encode(UtilityCall(1, "m", [_nested(200)]))
-    for depth in (MAX_ANY_DEPTH + 1, 400):
-        with pytest.raises(WireError, match=f"nested deeper than {MAX_ANY_DEPTH} levels"):
-            decode(_frame(_tag(UtilityResult), [1, _nested(depth), None]))
-    deep = b"\x94\xa6legato\x01\x33\x93\x01" + b"\x91" * 5000 + b"\x01\xc0"
+    with pytest.raises(WireError, match="cannot encode UtilityCall"):
+        encode(UtilityCall(1, "m", [_nested(100_000)]))
+    deep = b"\x94\xa6legato\x01\x33\x93\x01" + b"\x91" * 100_000 + b"\x01\xc0"
     with pytest.raises(WireError, match="malformed frame"):
         decode(deep)
 
@@ -647,9 +631,7 @@ def test_deeply_nested_any_payloads() -> None:
 def test_encode_refuses_callables() -> None:
     params = SamplingParams()
     params.logits_processors = [lambda token_ids, logits: logits]
-    with pytest.raises(
-        WireError, match=r"SamplingParams.logits_processors\[0\]: a callable cannot cross the wire"
-    ):
+    with pytest.raises(WireError, match="cannot encode SamplingParams \\(tag 1\\): .*function"):
         encode(params)
 
 
@@ -664,19 +646,15 @@ def test_encode_refuses_unregistered_types() -> None:
         encode({"a": 1})
 
 
-def test_encode_checks_field_types() -> None:
-    with pytest.raises(
-        WireError, match=r"cannot encode HealthPing.seq: expected int, got str \(tag 48\)"
-    ):
-        encode(HealthPing(seq="1", sent_time=0.0))  # type: ignore[arg-type]
-    with pytest.raises(
-        WireError, match="UtilityCall.kwargs\\['f'\\]: expected a msgpack-native value, got object"
-    ):
+def test_wrong_field_types_are_refused_by_the_receiver() -> None:
+    """Encoding does not check annotations (the receiving decoder does, loudly); values with
+    no msgpack form cannot be encoded at all."""
+    with pytest.raises(WireError, match=r"HealthPing \(tag 48\): Expected `int`, got `str`"):
+        decode(encode(HealthPing(seq="1", sent_time=0.0)))  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="cannot encode UtilityCall .*object"):
         encode(UtilityCall(1, "m", [], {"f": object()}))
     with pytest.raises(WireError, match="cannot encode UtilityResult"):
         encode(UtilityResult(1, 2**70))
-    with pytest.raises(WireError, match="finish_reason: expected FinishReason"):
-        encode(EngineCoreOutput("r", [], finish_reason=0))  # type: ignore[arg-type]
 
 
 def test_encode_widens_subclasses_and_tuples() -> None:
