@@ -80,11 +80,17 @@ class TensorParallelGroup:
                 torch.cuda.synchronize()
             self.collective_seconds += time.perf_counter() - began
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
+    def broadcast_bytes(self, data: bytes | None, *, wait: float | None = None) -> bytes:
         """Rank 0 passes ``data``; every rank gets it back. Two gloo broadcasts
-        (length, then bytes): no pickling."""
+        (length, then bytes): no pickling. ``wait``: seconds the first may wait
+        for rank 0 instead of the group's timeout (an idle rank waiting for the
+        next frame)."""
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-        self.ctrl.broadcast(size, 0).wait()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if wait is not None:
+            opts.timeout = datetime.timedelta(seconds=wait)
+        self.ctrl.broadcast([size], opts).wait()
         length = int(size.item())
         if length == 0:
             return b""
@@ -92,7 +98,7 @@ class TensorParallelGroup:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buffer = torch.empty(length, dtype=torch.uint8)
-        self.ctrl.broadcast(buffer, 0).wait()
+        self.ctrl.broadcast([buffer], opts).wait()
         return data if data is not None else buffer.numpy().tobytes()
 
     def barrier(self) -> None:
