@@ -14,8 +14,8 @@ nodes' ranks come from ``legato worker``) and watches them:
 - a rank that hangs or is stopped blocks rank 0 in its next collective, and
   so the heartbeat's ping (rank 0 answers a ping only after a barrier of
   every rank): ``HeartbeatTimeout`` within ``heartbeat_timeout``; every
-  collective's own timeout is also ``heartbeat_timeout``, never torch's 30
-  minutes;
+  collective's own timeout is a little longer (the backstop), never torch's
+  30 minutes;
 - every local rank is reaped when the executor stops, however it stops
   (SIGKILL to its process group when it does not exit by itself).
 
@@ -28,28 +28,18 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from typing import Any
 
 import trio
 
 from ..config import EngineConfig
+from ..distributed.rank_worker import RankAddress
 from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
 from .executor import ProcessExecutor, WorkerDiedError, _cpu_threads
 
 _STARTUP_GRACE = 5.0  # seconds rank 0 has to report why a rank failed to start
-
-
-def rank_command(config: EngineConfig, rank: int, local_rank: int, port: int) -> list[str]:
-    """The command line of rank ``rank`` (``local_rank`` on its node)."""
-    return [
-        sys.executable, "-m", "legato.distributed.rank_worker",
-        "--rank", str(rank), "--world-size", str(config.tensor_parallel_size),
-        "--local-rank", str(local_rank),
-        "--master-addr", config.master_addr, "--master-port", str(port),
-    ]  # fmt: skip
 
 
 def rank_env(ranks_on_node: int) -> dict[str, str]:
@@ -91,7 +81,14 @@ class TensorParallelExecutor(ProcessExecutor):
         return [self.pid, *(p.pid for p in self._others.values())]
 
     def _worker_command(self) -> list[str]:
-        return rank_command(self._config, 0, 0, self._port)
+        return self._rank_command(0)
+
+    def _rank_command(self, rank: int) -> list[str]:
+        config = self._config
+        address = RankAddress(
+            rank, config.tensor_parallel_size, rank, config.master_addr, self._port
+        )
+        return address.command()
 
     def _worker_env(self) -> dict[str, str]:
         return rank_env(self._ranks_on_node)
@@ -106,7 +103,7 @@ class TensorParallelExecutor(ProcessExecutor):
         try:
             for rank in range(1, self._ranks_on_node):
                 self._others[rank] = await trio.lowlevel.open_process(
-                    rank_command(self._config, rank, rank, self._port),
+                    self._rank_command(rank),
                     stdin=subprocess.DEVNULL,
                     env=rank_env(self._ranks_on_node),
                     start_new_session=True,

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def join_group(
     span = datetime.timedelta(seconds=timeout)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(GROUP_PREFIX, store),
+        store=PrefixStore(GROUP_PREFIX, store),
         rank=rank,
         world_size=world_size,
         timeout=span,
@@ -149,6 +150,6 @@ def gloo_group(store: Any, *, rank: int, world_size: int, timeout: float) -> Ten
     """A gloo group through ``store`` without touching torch.distributed's global state
     (several ranks may live in one process: tests)."""
     pg = dist.ProcessGroupGloo(
-        dist.PrefixStore(GROUP_PREFIX, store), rank, world_size, datetime.timedelta(seconds=timeout)
+        PrefixStore(GROUP_PREFIX, store), rank, world_size, datetime.timedelta(seconds=timeout)
     )
     return TensorParallelGroup(rank=rank, world_size=world_size, backend="gloo", pg=pg, ctrl=pg)

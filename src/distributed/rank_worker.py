@@ -11,7 +11,7 @@ host or on others (``legato worker``), connect to that store. Start-up:
 1. rank 0 reads WorkerInit from stdin and puts it in the store; the others
    read it from there (so a remote node needs no model arguments);
 2. every rank joins the process group (:func:`~legato.distributed.group.join_group`,
-   with the heartbeat timeout as every collective's timeout), loads its share
+   with :func:`collective_timeout` as every collective's timeout), loads its share
    of the model, and puts its WorkerReady, or a WorkerError, in the store;
 3. rank 0 waits for every rank's entry: the first error fails start-up with
    that rank's message (rank 0 answers WorkerError and exits; the store goes
@@ -62,6 +62,14 @@ _BROADCAST = (m.SchedulerOutput, m.UtilityCall, m.HealthPing)
 _W = TypeVar("_W", bound="RankWorker")
 
 
+def collective_timeout(heartbeat_interval: float, heartbeat_timeout: float) -> float:
+    """Every collective's timeout: past the heartbeat's own bound (the next ping's
+    interval and its timeout, twice over), so that the heartbeat reports a stopped
+    rank, and the collective's timeout is only the backstop (a rank whose rank 0
+    hangs, on a node the heartbeat does not reach), never torch's 30 minutes."""
+    return heartbeat_interval + 2 * heartbeat_timeout
+
+
 def ready_key(rank: int) -> str:
     return f"legato/ready/{rank}"
 
@@ -73,6 +81,15 @@ class RankAddress:
     local_rank: int
     master_addr: str
     master_port: int
+
+    def command(self) -> list[str]:
+        """The command line that runs this rank."""
+        return [
+            sys.executable, "-m", "legato.distributed.rank_worker",
+            "--rank", str(self.rank), "--world-size", str(self.world_size),
+            "--local-rank", str(self.local_rank),
+            "--master-addr", self.master_addr, "--master-port", str(self.master_port),
+        ]  # fmt: skip
 
 
 class RankWorker(Worker):
@@ -108,9 +125,9 @@ def _rank_faults(init: m.WorkerInit, rank: int) -> m.WorkerInit:
 
 
 def _store(address: RankAddress) -> Any:
-    import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
 
-    return dist.TCPStore(
+    return TCPStore(
         address.master_addr,
         address.master_port,
         address.world_size,
@@ -120,9 +137,7 @@ def _store(address: RankAddress) -> Any:
     )
 
 
-def _join_and_load(
-    init: m.WorkerInit, store: Any, address: RankAddress, cls: type[_W]
-) -> _W:
+def _join_and_load(init: m.WorkerInit, store: Any, address: RankAddress, cls: type[_W]) -> _W:
     """Join the group and load this rank's share; returns the Worker. Raises what failed."""
     import torch
 
@@ -141,7 +156,7 @@ def _join_and_load(
         rank=address.rank,
         world_size=address.world_size,
         device=device,
-        timeout=config.heartbeat_timeout,
+        timeout=collective_timeout(config.heartbeat_interval, config.heartbeat_timeout),
     )
     worker = cls.start(_rank_faults(init, address.rank), TensorParallel(group))
     worker.group, worker.store = group, store

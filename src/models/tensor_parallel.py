@@ -38,7 +38,7 @@ from .attention_backend import Backend
 from .config import ModelConfig, read_json
 from .gguf_checkpoint import is_gguf_path, iter_gguf_weights, open_gguf
 from .layers import Embedding, Linear, RMSNorm
-from .llama import _FUSED, LlamaForCausalLM
+from .llama import _FUSED, DecoderLayer, LlamaForCausalLM
 from .loader import RANDOM_WEIGHTS_FILE, build_model, safetensors_files
 
 
@@ -146,10 +146,12 @@ class TensorParallel:
         model = build_model(plan.rank_config(cfg), backend, dtype, device, max_positions)
         group = self.group
         for layer in model.model.layers:
+            assert isinstance(layer, DecoderLayer)
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallelLinear(
-                attn.q_size, cfg.hidden_size, cfg.o_bias, dtype, device, group
-            )
+                plan.heads_per_rank * plan.head_dim, cfg.hidden_size, cfg.o_bias, dtype, device,
+                group,
+            )  # fmt: skip
             mlp.down_proj = RowParallelLinear(
                 plan.intermediate_per_rank, cfg.hidden_size, cfg.mlp_bias, dtype, device, group
             )
@@ -179,7 +181,9 @@ class TensorParallel:
         self.fill_weights(model, model_dir, cfg)
         return model
 
-    def fill_weights(self, model: LlamaForCausalLM, model_dir: str | Path, cfg: ModelConfig) -> None:
+    def fill_weights(
+        self, model: LlamaForCausalLM, model_dir: str | Path, cfg: ModelConfig
+    ) -> None:
         """Fill this rank's ``model`` (of whole-model config ``cfg``) from ``model_dir``."""
         plan = self.plan(cfg)
         marker = Path(model_dir) / RANDOM_WEIGHTS_FILE
@@ -286,10 +290,11 @@ def random_checkpoint(
         else:
             full.normal_(0.0, std, generator=generator)
         prefix, _, kind = name.rpartition(".")
-        fused = next((f for f in sizes if prefix.endswith(f)), None)
-        if fused is None:
+        fused_name = next((f for f in sizes if prefix.endswith(f)), None)
+        if fused_name is None:
             yield name, full
             continue
-        base = prefix[: -len(fused)]
-        for hf, part in zip(parts[fused], full.split(sizes[fused]), strict=True):
+        base = prefix[: -len(fused_name)]
+        pieces = torch.split(full, sizes[fused_name])
+        for hf, part in zip(parts[fused_name], pieces, strict=True):
             yield f"{base}{hf}.{kind}", part
