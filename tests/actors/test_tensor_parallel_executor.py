@@ -42,9 +42,9 @@ PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
 
 def test_llm_two_ranks_match_one_worker(toy_model_dir: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    one = LLM(str(toy_model_dir), max_model_len=256, num_kv_blocks=64).generate(PROMPTS, params)
+    one = LLM(str(toy_model_dir), executor="inproc", max_model_len=256, num_kv_blocks=64)
+    want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, params)]
     two = LLM(str(toy_model_dir), **TP2).generate(PROMPTS, params)
-    want = [out.outputs[0].token_ids for out in one]
     assert [len(t) for t in want] == [16, 16, 16]
     assert [out.outputs[0].token_ids for out in two] == want
 
@@ -102,7 +102,5 @@ async def test_restart_supervisor_brings_a_two_rank_engine_back(toy_model_dir: P
         with trio.fail_after(60):
             engine = await h.wait_running()
         assert engine is not first and isinstance(engine.executor, TensorParallelExecutor)
-        out = None
-        async for out in engine.generate("Hello", params, "after"):
-            pass
-        assert out is not None and len(out.outputs[0].token_ids) == 4
+        outputs = [out async for out in engine.generate("Hello", params, "after")]
+        assert len(outputs[-1].outputs[0].token_ids) == 4
