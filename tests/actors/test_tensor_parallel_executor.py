@@ -42,9 +42,10 @@ PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
 
 def test_llm_two_ranks_match_one_worker(toy_model_dir: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    one = LLM(str(toy_model_dir), executor="inproc", max_model_len=256, num_kv_blocks=64)
-    want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, params)]
-    two = LLM(str(toy_model_dir), **TP2).generate(PROMPTS, params)
+    with LLM(str(toy_model_dir), executor="inproc", max_model_len=256, num_kv_blocks=64) as one:
+        want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, params)]
+    with LLM(str(toy_model_dir), **TP2) as llm:
+        two = llm.generate(PROMPTS, params)
     assert [len(t) for t in want] == [16, 16, 16]
     assert [out.outputs[0].token_ids for out in two] == want
 
