@@ -25,7 +25,7 @@ import resource
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,7 +40,9 @@ from .llama import KVCache, LlamaForCausalLM
 from .loader import fill_weights, load_model
 from .registry import resolve_architecture
 from .sampler import SamplingMetadata, sample, token_logprobs
-from .tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:  # imported by the rank workers only: it needs torch.distributed
+    from .tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
