@@ -1,4 +1,4 @@
-"""The ``legato`` command: demo | generate | toy-model | serve | bench serve.
+"""The ``legato`` command: demo | generate | toy-model | serve | worker | bench serve.
 
 Engine arguments use vLLM's flag names (``--max-model-len``, ``--dtype``, ...).
 """
@@ -278,6 +278,20 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run this node's tensor-parallel ranks for an engine on another node."""
+    from .distributed.node import run_node
+
+    try:
+        return run_node(
+            args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr,
+            args.master_port,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"legato worker: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="legato", description="trio-native LLM inference engine")
     parser.add_argument("--log-level", default="INFO")
@@ -310,6 +324,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser(
+        "worker",
+        help="run this node's tensor-parallel ranks for `legato serve --nnodes N` on node 0",
+    )
+    worker.add_argument("--tensor-parallel-size", type=int, required=True)
+    worker.add_argument("--nnodes", type=int, required=True)
+    worker.add_argument("--node-rank", type=int, required=True, help="this node: 1..nnodes-1")
+    worker.add_argument("--master-addr", required=True, help="node 0's address (rank 0)")
+    worker.add_argument("--master-port", type=int, required=True)
+    worker.set_defaults(func=cmd_worker)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

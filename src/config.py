@@ -51,6 +51,14 @@ class EngineConfig:
     log_stats_interval: float = 10.0
     profile_dir: str | None = None
     max_logprobs: int = 20
+    # Tensor parallelism (legato.distributed): one worker process per rank in a
+    # torch.distributed group (gloo on CPU, NCCL on CUDA), ranks split evenly over
+    # ``nnodes`` hosts; the engine runs on node 0, other nodes run ``legato worker``.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"  # rank 0's host: the rendezvous store listens there
+    master_port: int = 0  # 0: a free port (one node only)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -74,6 +82,20 @@ class EngineConfig:
             raise ValueError(f"runner: unknown runner {self.runner!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("nnodes", self.nnodes)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes: {self.nnodes} nodes cannot share {self.tensor_parallel_size} ranks evenly"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: must be in [0, {self.nnodes}), got {self.node_rank}")
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"master_port: not a port: {self.master_port}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("master_port: several nodes need an agreed port (not 0)")
+        if self.tensor_parallel_size > 1 and self.executor != "process":
+            raise ValueError("executor: tensor_parallel_size > 1 needs the process executor")
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout: must exceed heartbeat_interval > 0")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

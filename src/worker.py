@@ -31,7 +31,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import Any, BinaryIO, Self
 
 from .protocol import messages as m
 from .protocol import wire
@@ -87,7 +88,7 @@ class _FaultPlan:
         return output
 
 
-def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
+def _build_runner(init: m.WorkerInit, faults: _FaultPlan, parallel: Any) -> Any:
     from .config import EngineConfig
 
     if faults.fail_load:
@@ -99,7 +100,7 @@ def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
         return NullModelRunner(config)
     from .models.runner import ModelRunner
 
-    return ModelRunner(config)
+    return ModelRunner(config, parallel=parallel)
 
 
 class _Profiler:
@@ -148,9 +149,11 @@ class Worker:
         self._profiler = _Profiler()
 
     @classmethod
-    def start(cls, init: m.WorkerInit) -> Worker:
+    def start(cls, init: m.WorkerInit, parallel: Any = None) -> Self:
+        """``parallel``: this process's ``legato.models.tensor_parallel.TensorParallel``
+        when it is one rank of a tensor-parallel group."""
         faults = _FaultPlan(init.inject_fault)
-        return cls(_build_runner(init, faults), faults)
+        return cls(_build_runner(init, faults, parallel), faults)
 
     def ready(self) -> m.WorkerReady:
         runner = self.runner
@@ -197,8 +200,14 @@ class Worker:
         return answer
 
 
-def serve(inp: BinaryIO, out: BinaryIO) -> int:
-    """Serve frames until stdin closes. Returns the process exit code."""
+def serve(
+    inp: BinaryIO, out: BinaryIO, start: Callable[[m.WorkerInit], Worker] = Worker.start
+) -> int:
+    """Serve frames until ``inp`` ends. Returns the process exit code.
+
+    ``start`` builds the Worker from the WorkerInit frame (a tensor-parallel
+    rank joins its group there first).
+    """
     frame = read_frame(inp)
     frame_id, first = frame if frame is not None else (0, None)
     if not isinstance(first, m.WorkerInit):
@@ -206,7 +215,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> int:
         write_frame(out, frame_id, error)
         return 2
     try:
-        worker = Worker.start(first)
+        worker = start(first)
     except Exception as exc:
         traceback.print_exc()
         write_frame(out, frame_id, m.WorkerError(str(exc), type(exc).__name__, fatal=True))

@@ -171,13 +171,11 @@ class ProcessExecutor:
         also when cancelled; callers still waiting for an answer then raise
         that WorkerDiedError (or one saying the worker was stopped).
         """
-        env = dict(os.environ)
-        env.setdefault("LEGATO_WORKER_THREADS", str(max(1, _cpu_threads())))
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "legato.worker"],
+            self._worker_command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
+            env=self._worker_env(),
             start_new_session=True,  # a Ctrl-C to the app is the engine's to handle
         )
         self._process = process
@@ -203,6 +201,15 @@ class ProcessExecutor:
             self._fail_waiting(WorkerDiedError("the model worker has been stopped"))
             with trio.CancelScope(shield=True):
                 await self._reap(process)
+
+    def _worker_command(self) -> list[str]:
+        """The worker process's command line (the tensor-parallel executor runs rank 0)."""
+        return [sys.executable, "-m", "legato.worker"]
+
+    def _worker_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("LEGATO_WORKER_THREADS", str(max(1, _cpu_threads())))
+        return env
 
     async def _start_worker(self, process: trio.Process, reader: _FrameReader) -> m.WorkerReady:
         """Send WorkerInit, read the answer; EngineStartupError unless it is WorkerReady."""
@@ -432,6 +439,10 @@ Executor = ProcessExecutor | InprocExecutor
 
 
 def make_executor(config: EngineConfig, *, inject_fault: dict[str, Any] | None = None) -> Executor:
+    if config.tensor_parallel_size > 1:
+        from .tensor_parallel_executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(config, inject_fault=inject_fault)
     if config.executor == "inproc":
         return InprocExecutor(config, inject_fault=inject_fault)
     return ProcessExecutor(config, inject_fault=inject_fault)

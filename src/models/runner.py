@@ -25,7 +25,7 @@ import resource
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from .llama import KVCache, LlamaForCausalLM
 from .loader import fill_weights, load_model
 from .registry import resolve_architecture
 from .sampler import SamplingMetadata, sample, token_logprobs
+
+if TYPE_CHECKING:  # imported by the rank workers only: it needs torch.distributed
+    from .tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -108,17 +111,31 @@ class ModelRunner:
     after the weights and a profile run, else (CPU) 1 GiB capped at what
     ``max_model_len * max_num_seqs`` tokens need. ``attention_backend``
     overrides ``config.attention_backend`` (tests use "reference").
+    ``parallel`` makes this runner one rank of a tensor-parallel group: it
+    holds the rank's share of the model (:mod:`legato.models.tensor_parallel`)
+    and a KV cache of the rank's KV heads; every rank of the group must be
+    given the same steps.
     Construction blocks while the weights load and, on CUDA, while the decode
     graphs are captured (``decode_graphs``; None when steps run eagerly).
     """
 
-    def __init__(self, config: EngineConfig, *, attention_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        attention_backend: str | None = None,
+        parallel: TensorParallel | None = None,
+    ) -> None:
         if config.model is None:
             raise ValueError("model: ModelRunner needs a model directory (config.model)")
         self.config = config
         self.model_dir = Path(config.model)
         self.device = resolve_device(config.device)
         _, mcfg = resolve_architecture(load_model_config(self.model_dir))
+        self.parallel = parallel
+        self._checkpoint_config = mcfg  # the whole model's figures
+        if parallel is not None:
+            mcfg = parallel.rank_config(mcfg)  # this rank's heads and MLP share
         self.model_config = mcfg
         self.dtype = resolve_dtype(config.dtype, mcfg.config_dtype, self.device)
         self.block_size = config.block_size
@@ -130,9 +147,19 @@ class ModelRunner:
         if mcfg.sliding_window is not None and mcfg.sliding_window < wanted_len:
             logger.info("max_model_len capped at the sliding window (%d)", mcfg.sliding_window)
             wanted_len = mcfg.sliding_window
-        self.model: LlamaForCausalLM = load_model(
-            self.model_dir, mcfg, self.backend, self.dtype, self.device, wanted_len + 1
-        )
+        if parallel is None:
+            self.model: LlamaForCausalLM = load_model(
+                self.model_dir, mcfg, self.backend, self.dtype, self.device, wanted_len + 1
+            )
+        else:
+            self.model = parallel.load_model(
+                self.model_dir,
+                self._checkpoint_config,
+                self.backend,
+                self.dtype,
+                self.device,
+                wanted_len + 1,
+            )
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self._packed_bytes = pack_linears(self.model)  # CPU: oneDNN-packed matmul weights
         self.kv_block_bytes = (
@@ -165,7 +192,9 @@ class ModelRunner:
         self._weights_state = "loaded"  # "loaded" | "offloaded" | "dropped"
         self.decode_graphs: DecodeGraphRunner | None = None
         self._graph_settings: tuple[CaptureMode, list[int]] | None = None
-        if wants_decode_graphs(self.device, config.enforce_eager, self.backend):
+        if parallel is not None and self.device.type == "cuda" and not config.enforce_eager:
+            logger.info("tensor parallel: decode runs eagerly (no CUDA graphs)")
+        elif wants_decode_graphs(self.device, config.enforce_eager, self.backend):
             self.capture_decode_graphs()
         elif self.device.type == "cuda" and not config.enforce_eager:
             logger.info("backend %r is not graph-safe: decode runs eagerly", self.backend.name)
@@ -505,7 +534,10 @@ class ModelRunner:
                 param.data = torch.empty(
                     self._param_shapes[name], dtype=self.dtype, device=self.device
                 )
-            fill_weights(self.model, self.model_dir)
+            if self.parallel is None:
+                fill_weights(self.model, self.model_dir)
+            else:
+                self.parallel.fill_weights(self.model, self.model_dir, self._checkpoint_config)
             self._packed_bytes = pack_linears(self.model)
             self._weights_state = "loaded"
         elif "weights" in wanted and self._weights_state == "offloaded":

@@ -55,6 +55,7 @@ except ImportError as exc:  # an optional dependency of the engine
 from ..actors.executor import WorkerDiedError
 from ..actors.heartbeat import HeartbeatTimeout
 from ..actors.supervisor import InjectedFault
+from ..actors.tensor_parallel_executor import TensorParallelExecutor
 from ..engine import AsyncEngine, open_engine
 from ..protocol.errors import EngineDeadError, EngineStartupError
 from ..protocol.outputs import RequestOutput
@@ -118,13 +119,18 @@ class Fault:
     kind: FaultKind
     actor: str | None = None
     when: Moment = AfterDelay(0.0)
+    rank: int = 0  # the worker process it strikes: a tensor-parallel rank (0: the only one)
 
     def __post_init__(self) -> None:
         if self.kind is FaultKind.KILL_ACTOR:
             if self.actor not in ACTORS:
                 raise ValueError(f"actor: must be one of {', '.join(ACTORS)}, got {self.actor!r}")
+            if self.rank:
+                raise ValueError("rank: a kill fault strikes an actor, not a rank")
         elif self.actor is not None:
             raise ValueError(f"actor: only a {FaultKind.KILL_ACTOR.value} fault names an actor")
+        if self.rank < 0:
+            raise ValueError(f"rank: must be >= 0, got {self.rank}")
         needed: dict[FaultKind, tuple[type, ...]] = {
             FaultKind.RAISE_ON_STEP: (OnStep,),
             FaultKind.FAIL_LOAD: (AtStartup,),
@@ -139,7 +145,7 @@ class Fault:
         """The fault's row in the table: ``kill:<actor>`` or the kind's value."""
         if self.kind is FaultKind.KILL_ACTOR:
             return f"kill:{self.actor}"
-        return str(self.kind.value)
+        return str(self.kind.value) + (f"@rank{self.rank}" if self.rank else "")
 
     @property
     def is_live(self) -> bool:
@@ -148,10 +154,11 @@ class Fault:
 
     def engine_faults(self) -> dict[str, Any] | None:
         """The ``faults=`` argument of ``open_engine`` for a start-time fault, else None."""
+        spec: dict[str, Any] = {"rank": self.rank} if self.rank else {}
         if isinstance(self.when, OnStep):
-            return {"worker": {"raise_on_step": self.when.step}}
+            return {"worker": {"raise_on_step": self.when.step, **spec}}
         if self.kind is FaultKind.FAIL_LOAD:
-            return {"worker": {"fail_load": True}}
+            return {"worker": {"fail_load": True, **spec}}
         return None
 
     @property
@@ -192,11 +199,15 @@ def apply_fault(engine: AsyncEngine, fault: Fault) -> BaseException | None:
         error = InjectedFault(f"chaos: injected fault in the {fault.actor} actor")
         engine.inject_fault(fault.actor, error)
         return error
-    if fault.kind is FaultKind.SIGKILL:
-        engine.executor.kill(signal.SIGKILL)
-        return None
-    if fault.kind is FaultKind.SIGSTOP:
-        engine.executor.kill(signal.SIGSTOP)
+    if fault.kind in (FaultKind.SIGKILL, FaultKind.SIGSTOP):
+        sig = signal.SIGKILL if fault.kind is FaultKind.SIGKILL else signal.SIGSTOP
+        executor = engine.executor
+        if fault.rank == 0:
+            executor.kill(sig)
+        elif isinstance(executor, TensorParallelExecutor):
+            executor.kill_rank(fault.rank, sig)
+        else:
+            raise ValueError(f"rank: {fault.rank} needs a tensor-parallel engine")
         return None
     raise ValueError(f"fault: {fault.name} is set up at start; pass fault.engine_faults()")
 

@@ -1,0 +1,107 @@
+"""A tensor-parallel engine (two rank processes on gloo) from the outside.
+
+Correctness: LLM with ``tensor_parallel_size=2`` gives the same greedy tokens
+as one worker. Supervision, through the chaos harness (legato.testing.chaos),
+which checks that every stream ends with EngineDeadError within its deadline,
+``errored`` is set and no process is left: SIGKILL of rank 1 mid-stream,
+SIGSTOP of rank 1, a start-up failure on rank 1 (open_engine fails with rank
+1's own error), and the restart supervisor bringing a TP=2 engine back.
+Each test starts two-rank engines, a few seconds each on two cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from legato.actors.tensor_parallel_executor import TensorParallelExecutor
+from legato.llm import LLM
+from legato.protocol.errors import EngineDeadError
+from legato.protocol.params import SamplingParams
+from legato.supervise import open_supervised_engine
+from legato.testing.chaos import (
+    AfterTokens,
+    AtStartup,
+    ChaosConfig,
+    Fault,
+    FaultKind,
+    StreamSpec,
+    check_round,
+    find_cause,
+    run_round,
+)
+
+TP2: dict[str, Any] = dict(
+    tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64, disable_log_stats=True
+)
+PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
+
+
+def test_llm_two_ranks_match_one_worker(toy_model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with LLM(str(toy_model_dir), executor="inproc", max_model_len=256, num_kv_blocks=64) as one:
+        want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, params)]
+    with LLM(str(toy_model_dir), **TP2) as llm:
+        two = llm.generate(PROMPTS, params)
+    assert [len(t) for t in want] == [16, 16, 16]
+    assert [out.outputs[0].token_ids for out in two] == want
+
+
+def _config(model: Path) -> ChaosConfig:
+    return ChaosConfig(
+        model=str(model),
+        num_streams=4,
+        max_tokens=(1, 24),
+        engine_args={**TP2, "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0},
+    )
+
+
+def _streams() -> list[StreamSpec]:
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    return [StreamSpec(f"chaos-{i}", "Tell me a story", long) for i in range(4)]
+
+
+@pytest.mark.parametrize("kind", [FaultKind.SIGKILL, FaultKind.SIGSTOP])
+async def test_rank_one_killed_or_stopped_ends_every_stream(
+    toy_model_dir: Path, kind: FaultKind
+) -> None:
+    fault = Fault(kind, when=AfterTokens(0, 3), rank=1)
+    result = await run_round(fault, _streams(), config=_config(toy_model_dir))
+    assert check_round(result) == []  # every stream ended dead in time; no process left
+    assert result.dead_error is not None and isinstance(result.dead_error, EngineDeadError)
+    assert all(record.outcome == "dead" for record in result.streams)
+    cause = find_cause(result.dead_error, fault)
+    assert cause is not None
+    if kind is FaultKind.SIGKILL:
+        assert "rank" in str(cause)  # a rank's exit or rank 0's failed collective
+
+
+async def test_a_rank_that_fails_to_load_fails_open_engine_with_its_error(
+    toy_model_dir: Path,
+) -> None:
+    fault = Fault(FaultKind.FAIL_LOAD, when=AtStartup(), rank=1)
+    result = await run_round(fault, [], config=_config(toy_model_dir))
+    assert check_round(result) == []
+    assert "tensor-parallel rank 1 failed to start" in str(result.startup_error)
+    assert "weight loading failed" in str(result.startup_error)
+
+
+async def test_restart_supervisor_brings_a_two_rank_engine_back(toy_model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    async with open_supervised_engine(str(toy_model_dir), max_restarts=1, window=600, **TP2) as h:
+        first = h.engine
+        executor = first.executor
+        assert isinstance(executor, TensorParallelExecutor) and len(executor.rank_pids) == 2
+        executor.kill_rank(1)
+        with trio.fail_after(30):
+            await first.supervisor.dead.wait()
+        with pytest.raises(EngineDeadError):
+            await first.check_health()
+        with trio.fail_after(60):
+            engine = await h.wait_running()
+        assert engine is not first and isinstance(engine.executor, TensorParallelExecutor)
+        outputs = [out async for out in engine.generate("Hello", params, "after")]
+        assert len(outputs[-1].outputs[0].token_ids) == 4
