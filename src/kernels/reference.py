@@ -18,6 +18,8 @@ prefill after a prefix-cache hit and decode (query_len 1) are all this one case.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -142,3 +144,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d``."""
     d = x.shape[-1] // 2
     return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    token_slots: torch.Tensor,
+    offsets: Sequence[int],
+) -> None:
+    """Add each token's LoRA update to ``y`` in place (multi-adapter, punica-style).
+
+    ``x`` ``[T, in]``; ``token_slots`` ``[T]`` int: the adapter slot of each
+    token, 0 for the base model (no update). ``lora_a`` ``[L, S * R, in]``
+    holds each slot's down-projections of ``S`` slices stacked (slice ``s`` in
+    rows ``s*R .. s*R+R``); ``lora_b[s]`` ``[L, out_s, R]`` its up-projections
+    (scaling folded in). Slice ``s`` updates columns ``offsets[s] ..
+    offsets[s] + out_s`` of ``y`` ``[T, out]``. fp32 math, one token at a time;
+    the result is rounded to ``y``'s dtype once.
+    """
+    rank = lora_a.shape[1] // len(lora_b)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot == 0:
+            continue
+        h = lora_a[slot].float() @ x[t].float()  # [S * R]
+        for s, (b, off) in enumerate(zip(lora_b, offsets, strict=True)):
+            delta = b[slot].float() @ h[s * rank : (s + 1) * rank]
+            cols = slice(off, off + b.shape[1])
+            y[t, cols] = (y[t, cols].float() + delta).to(y.dtype)

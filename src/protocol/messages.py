@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from .params import SamplingParams
+from .params import LoRARequest, PoolingParams, SamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -64,7 +64,10 @@ class NewRequestData:
 
     ``output_token_ids`` is non-empty only for a request resumed after a
     preemption: the tokens it had already generated, recomputed as prompt.
-    ``block_ids`` is the request's whole block table so far.
+    ``block_ids`` is the request's whole block table so far. ``lora_request``
+    names the adapter its tokens run through (None: the base model).
+    ``pooling_params`` marks a pooling (embedding) request: nothing is sampled
+    for it; its pooled hidden state comes back once its prompt is computed.
     """
 
     request_id: str
@@ -73,6 +76,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -136,7 +141,8 @@ class ModelRunnerOutput:
     ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: one token, or none for a
     partial prefill chunk. ``logprobs`` (requests that asked) holds one entry
     per sampled token; ``prompt_logprobs`` holds one entry per prompt position
-    computed this step (None for the first prompt token).
+    computed this step (None for the first prompt token). ``pooled`` holds
+    the pooled hidden state of each pooling request whose prompt finished this step.
     """
 
     step_id: int
@@ -144,6 +150,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ------------------------------------------------- scheduler -> detokenizer

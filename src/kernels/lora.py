@@ -1,0 +1,250 @@
+# @triton.jit kernels take untyped tensor/pointer arguments:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""Triton multi-adapter LoRA (segmented gather matmul, punica's SGMV/BGMV idea).
+
+Same contract as :func:`legato.kernels.reference.add_lora`: every token of a
+flat batch carries the slot of its adapter (0 = the base model, no update),
+and ``y += (x @ A[slot].T) @ B[slot].T`` is applied per token, many adapters in
+one launch. Two kernels:
+
+- **shrink** ``h[t] = x[t] @ A[slot(t)].T`` for all slices at once
+  (``A`` stacks the slices' down-projections, ``[L, S * R, in]``), fp32 out;
+- **expand** ``y[t, off_s:] += h[t, s*R:(s+1)*R] @ B_s[slot(t)].T``, one launch
+  per slice.
+
+Tokens are grouped by slot on the device (a stable argsort plus per-slot
+counts and starts, :func:`lora_meta`), and the grid is ``(token blocks x
+column blocks, L - 1)``: one program axis per non-base slot, each program
+gathering up to ``BLOCK_M`` of that slot's token rows. Programs past a slot's
+count return at once. Nothing reads a length back to the host, so a step can
+be captured in a CUDA graph. Decode batches (one row per request) are the BGMV
+case of the same kernels.
+
+fp32 inputs use exact (IEEE) dot products; fp16/bf16 accumulate in fp32.
+Imports triton at module import; set ``TRITON_INTERPRET=1`` first for the CPU
+interpreter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["LoRAKernelMeta", "add_lora", "lora_meta"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAKernelMeta:
+    """Tokens grouped by slot: ``order`` (token rows, slot-major), and each slot's
+    ``counts`` and ``starts`` into ``order``. All on the tokens' device."""
+
+    order: torch.Tensor  # [T] int64
+    counts: torch.Tensor  # [L] int32
+    starts: torch.Tensor  # [L] int32
+
+
+def lora_meta(token_slots: torch.Tensor, num_slots: int) -> LoRAKernelMeta:
+    """Group the tokens of one step by slot, on the device, without a host sync."""
+    slots = token_slots.long()
+    order = torch.argsort(slots, stable=True)
+    counts = torch.zeros(num_slots, dtype=torch.int32, device=slots.device)
+    counts.scatter_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
+    starts = (torch.cumsum(counts, 0, dtype=torch.int32) - counts).to(torch.int32)
+    return LoRAKernelMeta(order, counts, starts)
+
+
+@triton.jit
+def _slot_rows(order_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
+    """This program's token rows (and their mask) among ``slot``'s tokens."""
+    count = tl.load(counts_ptr + slot)
+    start = tl.load(starts_ptr + slot)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(order_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return rows, mask_m, count
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr,
+    a_ptr,
+    h_ptr,
+    order_ptr,
+    counts_ptr,
+    starts_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_al,
+    stride_an,
+    stride_hm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``h[rows, n] = x[rows] @ a[slot, n].T`` for one (row block, column block, slot)."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    slot = tl.program_id(1).to(tl.int64) + 1
+    rows, mask_m, count = _slot_rows(order_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            a_ptr + slot * stride_al + offs_n[None, :] * stride_an + offs_k[:, None],
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        acc += tl.dot(x, a, input_precision=PRECISION)
+    tl.store(
+        h_ptr + rows[:, None] * stride_hm + offs_n[None, :],
+        acc,
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
+
+
+@triton.jit
+def _expand_kernel(
+    h_ptr,
+    b_ptr,
+    y_ptr,
+    order_ptr,
+    counts_ptr,
+    starts_ptr,
+    N,
+    R,
+    h_col,
+    y_col,
+    stride_hm,
+    stride_bl,
+    stride_bn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """``y[rows, y_col + n] += h[rows, h_col:h_col+R] @ b[slot, n].T`` for one block."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    slot = tl.program_id(1).to(tl.int64) + 1
+    rows, mask_m, count = _slot_rows(order_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
+    if pid_m * BLOCK_M >= count:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    h = tl.load(
+        h_ptr + rows[:, None] * stride_hm + h_col + offs_r[None, :],
+        mask=mask_m[:, None] & mask_r[None, :],
+        other=0.0,
+    )
+    b = tl.load(
+        b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
+        mask=mask_r[:, None] & mask_n[None, :],
+        other=0.0,
+    )
+    acc = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + y_col + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(n: int, cap: int) -> int:
+    return max(16, min(cap, int(triton.next_power_of_2(max(n, 1)))))
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: Sequence[torch.Tensor],
+    token_slots: torch.Tensor,
+    offsets: Sequence[int],
+    *,
+    meta: LoRAKernelMeta | None = None,
+) -> None:
+    """In-place ``y += `` each token's LoRA update; see the reference for shapes.
+
+    ``meta`` (from :func:`lora_meta`) may be computed once per step and shared
+    by every layer. ``x``, ``lora_a`` and each ``lora_b`` must be contiguous in
+    their last dimension; ``y`` may be a column view of a wider tensor.
+    """
+    num_tokens = x.shape[0]
+    num_slots = lora_a.shape[0]
+    if num_tokens == 0 or num_slots < 2:
+        return
+    if meta is None:
+        meta = lora_meta(token_slots, num_slots)
+    stacked_rank = lora_a.shape[1]
+    rank = stacked_rank // len(lora_b)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    block_m = 16 if num_tokens <= 64 else 64
+    h = torch.zeros((num_tokens, stacked_rank), dtype=torch.float32, device=x.device)
+    block_n = _block(stacked_rank, 64)
+    in_features = x.shape[1]
+    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(stacked_rank, block_n), num_slots - 1)
+    _shrink_kernel[grid](
+        x,
+        lora_a,
+        h,
+        meta.order,
+        meta.counts,
+        meta.starts,
+        stacked_rank,
+        in_features,
+        x.stride(0),
+        lora_a.stride(0),
+        lora_a.stride(1),
+        h.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=_block(in_features, 64),
+        PRECISION=precision,
+    )
+    for s, (b, off) in enumerate(zip(lora_b, offsets, strict=True)):
+        out_features = b.shape[1]
+        block_n = _block(out_features, 64)
+        grid = (
+            triton.cdiv(num_tokens, block_m) * triton.cdiv(out_features, block_n),
+            num_slots - 1,
+        )
+        _expand_kernel[grid](
+            h,
+            b,
+            y,
+            meta.order,
+            meta.counts,
+            meta.starts,
+            out_features,
+            rank,
+            s * rank,
+            off,
+            h.stride(0),
+            b.stride(0),
+            b.stride(1),
+            y.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_R=_block(rank, 128),
+            PRECISION=precision,
+        )

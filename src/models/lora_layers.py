@@ -1,0 +1,267 @@
+"""Multi-LoRA on the model's projections: stacked adapter weights, per-step token slots.
+
+:class:`LoRALayers` attaches to a loaded :class:`~legato.models.llama.LlamaForCausalLM`
+without changing its modules or parameter names: it keeps, for each layer's
+four fused projections (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+``down_proj``), the stacked weights of ``max_loras`` adapter slots plus slot 0
+(the base model, all zeros), and registers a forward hook on each projection
+that adds every token's LoRA update to the projection's output in place.
+
+A step announces which slot each of its tokens uses with :meth:`LoRALayers.begin_step`
+(per-token slots, punica's "token -> adapter" mapping). Then:
+
+- on CUDA with Triton, the SGMV kernels of :mod:`legato.kernels.lora` group the
+  tokens by slot on the device and apply every adapter in one launch per
+  shrink and per slice;
+- elsewhere (the CPU path), plain torch: a gather of each adapter's tokens into
+  a padded ``[adapters, rows, in]`` block and one batched matmul per shrink and
+  per slice, whatever the number of adapters (one adapter: plain matmuls).
+
+A step whose tokens all use slot 0 costs nothing beyond a flag test per hook.
+The slot contents are written by :meth:`LoRALayers.write_slot`, which the
+registry calls (:mod:`legato.models.lora_registry`).
+
+Never imports trio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .lora_adapter import LoRAAdapter, LoRAWeights, projection_shapes
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """One fused projection of a decoder layer and the PEFT modules it holds, in order."""
+
+    attr: str  # path inside a decoder layer, e.g. "self_attn.qkv_proj"
+    modules: tuple[str, ...]  # PEFT names of its slices, e.g. ("q_proj", "k_proj", "v_proj")
+    in_features: int
+    out_features: tuple[int, ...]  # per slice
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.cumsum((0, *self.out_features[:-1])))
+
+
+def projection_specs(cfg: ModelConfig) -> list[ProjectionSpec]:
+    """The four fused projections of a decoder layer of ``cfg``."""
+    shapes = projection_shapes(cfg)
+
+    def spec(attr: str, modules: tuple[str, ...]) -> ProjectionSpec:
+        return ProjectionSpec(
+            attr, modules, shapes[modules[0]][0], tuple(shapes[m][1] for m in modules)
+        )
+
+    return [
+        spec("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        spec("self_attn.o_proj", ("o_proj",)),
+        spec("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+        spec("mlp.down_proj", ("down_proj",)),
+    ]
+
+
+class LoRAStack:
+    """One projection's weights for every slot: ``a`` ``[L, S * R, in]``, ``b[s]`` ``[L, out_s, R]``.
+
+    Slot 0 stays zero (the base model); adapters of rank below ``R`` are zero-padded.
+    """
+
+    def __init__(
+        self,
+        spec: ProjectionSpec,
+        num_slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.offsets = spec.offsets
+        slices = len(spec.modules)
+        self.a = torch.zeros(
+            (num_slots, slices * rank, spec.in_features), dtype=dtype, device=device
+        )
+        self.b = [
+            torch.zeros((num_slots, out, rank), dtype=dtype, device=device)
+            for out in spec.out_features
+        ]
+
+    def write(self, slot: int, weights: list[LoRAWeights | None]) -> None:
+        """Fill ``slot`` with one adapter's slices (None: that slice has no update)."""
+        self.a[slot].zero_()
+        for s, w in enumerate(weights):
+            self.b[s][slot].zero_()
+            if w is None:
+                continue
+            r = w.rank
+            self.a[slot, s * self.rank : s * self.rank + r].copy_(w.a)
+            self.b[s][slot, :, :r].copy_(w.b)
+
+
+@dataclass(frozen=True)
+class _TorchPlan:
+    """Host-side grouping of one step's LoRA tokens for the plain-torch path.
+
+    ``rows``: the tokens that use an adapter; ``slots``: the distinct slots they
+    use; ``dest``: where each of ``rows`` sits in the padded ``[G * M]`` block.
+    ``rows is None`` means every token uses ``slots[0]``.
+    """
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor  # [G] int64
+    slot_list: list[int]
+    dest: torch.Tensor | None
+    padded_rows: int  # M
+
+
+def _torch_plan(token_slots: np.ndarray, device: torch.device) -> _TorchPlan:
+    used = np.flatnonzero(token_slots)
+    slot_list = sorted(set(token_slots[used].tolist()))
+    slots = torch.tensor(slot_list, dtype=torch.int64, device=device)
+    if len(used) == len(token_slots) and len(slot_list) == 1:
+        return _TorchPlan(None, slots, slot_list, None, len(used))
+    group = np.searchsorted(np.asarray(slot_list), token_slots[used])
+    order = np.argsort(group, kind="stable")
+    counts = np.bincount(group, minlength=len(slot_list))
+    pos = np.empty(len(used), dtype=np.int64)
+    pos[order] = np.arange(len(used)) - np.repeat(np.cumsum(counts) - counts, counts)
+    padded = int(counts.max())
+    dest = group * padded + pos
+    return _TorchPlan(
+        torch.from_numpy(used.astype(np.int64)).to(device),
+        slots,
+        slot_list,
+        torch.from_numpy(dest.astype(np.int64)).to(device),
+        padded,
+    )
+
+
+def add_lora_torch(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, plan: _TorchPlan) -> None:
+    """``y += `` each LoRA token's update (plain torch: gather, batched matmul, scatter-add)."""
+    rank = stack.rank
+    if len(plan.slot_list) == 1:
+        slot = plan.slot_list[0]
+        xs = x if plan.rows is None else x.index_select(0, plan.rows)
+        h = xs @ stack.a[slot].T
+        for s, (b, off) in enumerate(zip(stack.b, stack.offsets, strict=True)):
+            delta = h[:, s * rank : (s + 1) * rank] @ b[slot].T
+            cols = y[:, off : off + b.shape[1]]
+            if plan.rows is None:
+                cols += delta
+            else:
+                cols.index_add_(0, plan.rows, delta)
+        return
+    assert plan.rows is not None and plan.dest is not None
+    groups, padded = len(plan.slot_list), plan.padded_rows
+    xs = x.index_select(0, plan.rows)
+    block = x.new_zeros((groups * padded, x.shape[1])).index_copy_(0, plan.dest, xs)
+    a = stack.a.index_select(0, plan.slots)  # [G, S * R, in]
+    h = torch.bmm(block.view(groups, padded, -1), a.transpose(1, 2))  # [G, M, S * R]
+    for s, (b, off) in enumerate(zip(stack.b, stack.offsets, strict=True)):
+        bs = b.index_select(0, plan.slots)  # [G, out, R]
+        delta = torch.bmm(h[:, :, s * rank : (s + 1) * rank], bs.transpose(1, 2))
+        picked = delta.view(groups * padded, -1).index_select(0, plan.dest)
+        y[:, off : off + b.shape[1]].index_add_(0, plan.rows, picked)
+
+
+class LoRALayers:
+    """The stacked adapter weights of a model and the hooks that apply them.
+
+    ``max_loras`` adapter slots (1..max_loras) plus the base slot 0, each of
+    rank ``max_lora_rank``. ``use_triton`` picks the SGMV kernels (CUDA, or the
+    interpreter in tests); otherwise the plain-torch path runs.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: ModelConfig,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        use_triton: bool = False,
+    ) -> None:
+        self.num_slots = max_loras + 1
+        self.max_lora_rank = max_lora_rank
+        self.device = device
+        self.use_triton = use_triton
+        self.specs = projection_specs(cfg)
+        self.stacks: dict[tuple[int, str], LoRAStack] = {}
+        self._handles: list[Any] = []
+        self._active = False
+        self._plan: _TorchPlan | None = None
+        self._token_slots: torch.Tensor | None = None
+        self._meta: Any = None
+        layers: Any = model.model.layers  # type: ignore[union-attr]
+        for index, layer in enumerate(layers):
+            for spec in self.specs:
+                stack = LoRAStack(spec, self.num_slots, max_lora_rank, dtype, device)
+                self.stacks[(index, spec.attr)] = stack
+                module = layer.get_submodule(spec.attr)
+                self._handles.append(module.register_forward_hook(self._hook(stack)))
+
+    # ------------------------------------------------------------ weights
+
+    def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy ``adapter`` into ``slot`` (1..max_loras) of every stack."""
+        if not 1 <= slot < self.num_slots:
+            raise ValueError(f"slot: must be in 1..{self.num_slots - 1}, got {slot}")
+        for (layer, _), stack in self.stacks.items():
+            stack.write(slot, [adapter.weights.get((layer, m)) for m in stack.spec.modules])
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.a.nbytes + sum(b.nbytes for b in s.b) for s in self.stacks.values())
+
+    # -------------------------------------------------------------- steps
+
+    def begin_step(self, token_slots: np.ndarray | None) -> None:
+        """Announce the slot of every token of the next forward (``[T]`` ints, 0 = base).
+
+        None, or all zeros, turns the hooks off for that forward.
+        """
+        if token_slots is None or not token_slots.any():
+            self._active = False
+            return
+        self._active = True
+        if self.use_triton:
+            from ..kernels.lora import lora_meta
+
+            self._token_slots = torch.from_numpy(token_slots.astype(np.int64)).to(self.device)
+            self._meta = lora_meta(self._token_slots, self.num_slots)
+        else:
+            self._plan = _torch_plan(token_slots, self.device)
+
+    def _hook(self, stack: LoRAStack) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            if self._active:
+                self._apply(stack, args[0], output)
+            return output
+
+        return hook
+
+    def _apply(self, stack: LoRAStack, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.use_triton:
+            from ..kernels.lora import add_lora
+
+            assert self._token_slots is not None
+            add_lora(y, x, stack.a, stack.b, self._token_slots, stack.offsets, meta=self._meta)
+        else:
+            assert self._plan is not None
+            add_lora_torch(y, x, stack, self._plan)
+
+    def detach(self) -> None:
+        """Remove the hooks; the model runs as the base model again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
