@@ -134,7 +134,10 @@ def test_evicted_adapter_reloads_and_slots_rotate(
 
 
 def test_lora_request_without_enable_lora_is_refused(
-    llama: Any, make_adapter: Callable[..., Any], make_runner: Callable[..., Any], mini_scheduler: Any
+    llama: Any,
+    make_adapter: Callable[..., Any],
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
 ) -> None:
     sched = mini_scheduler(make_runner(llama))
     sched.add("r", [1, 2, 3], lora=make_adapter(llama, r=4).request("a", 1))
@@ -168,7 +171,9 @@ def test_wrong_shapes_are_refused(
     """An adapter trained on a model of another width does not fit."""
     wider = make_checkpoint("llama", hidden_size=96)
     adapter = make_adapter(wider, r=4, targets=("q_proj",))
-    with pytest.raises(LoRAError, match=r"q_proj\.lora_A has shape \(4, 96\), expected \(rank, 64\)"):
+    with pytest.raises(
+        LoRAError, match=r"q_proj\.lora_A has shape \(4, 96\), expected \(rank, 64\)"
+    ):
         _load(adapter.path, llama)
 
 
@@ -202,7 +207,9 @@ def test_unsupported_configs_are_refused(
     assert info.value.field == field
 
 
-def test_missing_files_are_refused(llama: Any, make_adapter: Callable[..., Any], tmp_path: Path) -> None:
+def test_missing_files_are_refused(
+    llama: Any, make_adapter: Callable[..., Any], tmp_path: Path
+) -> None:
     with pytest.raises(LoRAError, match="is not a directory"):
         _load(tmp_path / "nope", llama)
     with pytest.raises(LoRAError, match="has no adapter_config.json"):
@@ -210,7 +217,9 @@ def test_missing_files_are_refused(llama: Any, make_adapter: Callable[..., Any],
     source = make_adapter(llama, r=4).path
     (tmp_path / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
     (tmp_path / "adapter_model.bin").write_bytes(b"not unpickled")
-    with pytest.raises(LoRAError, match=r"no adapter_model.safetensors \(adapter_model.bin is never"):
+    with pytest.raises(
+        LoRAError, match=r"no adapter_model.safetensors \(adapter_model.bin is never"
+    ):
         _load(tmp_path, llama)
     (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(LoRAError, match="not a readable safetensors file"):
