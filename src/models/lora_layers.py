@@ -110,66 +110,61 @@ class LoRAStack:
 class _TorchPlan:
     """Host-side grouping of one step's LoRA tokens for the plain-torch path.
 
-    ``rows``: the tokens that use an adapter; ``slots``: the distinct slots they
-    use; ``dest``: where each of ``rows`` sits in the padded ``[G * M]`` block.
-    ``rows is None`` means every token uses ``slots[0]``.
+    The groups are the slots ``first .. first + groups - 1`` (a view of the
+    stacks, no copy; a slot in that range that no token uses is an empty group).
+    ``rows``: the tokens that use an adapter (None: every token, in order);
+    ``dest``: where each of them sits in the padded ``[groups * padded_rows]``
+    block (None: one group, no padding).
     """
 
+    first: int
+    groups: int
+    padded_rows: int
     rows: torch.Tensor | None
-    slots: torch.Tensor  # [G] int64
-    slot_list: list[int]
     dest: torch.Tensor | None
-    padded_rows: int  # M
 
 
 def _torch_plan(token_slots: np.ndarray, device: torch.device) -> _TorchPlan:
     used = np.flatnonzero(token_slots)
-    slot_list = sorted(set(token_slots[used].tolist()))
-    slots = torch.tensor(slot_list, dtype=torch.int64, device=device)
-    if len(used) == len(token_slots) and len(slot_list) == 1:
-        return _TorchPlan(None, slots, slot_list, None, len(used))
-    group = np.searchsorted(np.asarray(slot_list), token_slots[used])
+    slots = token_slots[used]
+    first, last = int(slots.min()), int(slots.max())
+    rows = None if len(used) == len(token_slots) else torch.from_numpy(used).to(device)
+    if first == last:
+        return _TorchPlan(first, 1, len(used), rows, None)
+    group = slots - first
     order = np.argsort(group, kind="stable")
-    counts = np.bincount(group, minlength=len(slot_list))
+    counts = np.bincount(group, minlength=last - first + 1)
     pos = np.empty(len(used), dtype=np.int64)
     pos[order] = np.arange(len(used)) - np.repeat(np.cumsum(counts) - counts, counts)
     padded = int(counts.max())
-    dest = group * padded + pos
-    return _TorchPlan(
-        torch.from_numpy(used.astype(np.int64)).to(device),
-        slots,
-        slot_list,
-        torch.from_numpy(dest.astype(np.int64)).to(device),
-        padded,
-    )
+    dest = torch.from_numpy((group * padded + pos).astype(np.int64)).to(device)
+    return _TorchPlan(first, last - first + 1, padded, rows, dest)
 
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, plan: _TorchPlan) -> None:
     """``y += `` each LoRA token's update (plain torch: gather, batched matmul, scatter-add)."""
-    rank = stack.rank
-    if len(plan.slot_list) == 1:
-        slot = plan.slot_list[0]
-        xs = x if plan.rows is None else x.index_select(0, plan.rows)
-        h = xs @ stack.a[slot].T
-        for s, (b, off) in enumerate(zip(stack.b, stack.offsets, strict=True)):
-            delta = h[:, s * rank : (s + 1) * rank] @ b[slot].T
-            cols = y[:, off : off + b.shape[1]]
-            if plan.rows is None:
-                cols += delta
-            else:
-                cols.index_add_(0, plan.rows, delta)
-        return
-    assert plan.rows is not None and plan.dest is not None
-    groups, padded = len(plan.slot_list), plan.padded_rows
-    xs = x.index_select(0, plan.rows)
-    block = x.new_zeros((groups * padded, x.shape[1])).index_copy_(0, plan.dest, xs)
-    a = stack.a.index_select(0, plan.slots)  # [G, S * R, in]
-    h = torch.bmm(block.view(groups, padded, -1), a.transpose(1, 2))  # [G, M, S * R]
+    rank, rows, dest = stack.rank, plan.rows, plan.dest
+    xs = x if rows is None else x.index_select(0, rows)
+    if dest is None:  # one adapter: plain matmuls
+        a, bs = stack.a[plan.first].T, [b[plan.first].T for b in stack.b]
+        h = xs @ a
+    else:
+        groups, padded = plan.groups, plan.padded_rows
+        slots = slice(plan.first, plan.first + groups)
+        block = x.new_zeros((groups * padded, x.shape[1])).index_copy_(0, dest, xs)
+        h = torch.bmm(block.view(groups, padded, -1), stack.a[slots].transpose(1, 2))
     for s, (b, off) in enumerate(zip(stack.b, stack.offsets, strict=True)):
-        bs = b.index_select(0, plan.slots)  # [G, out, R]
-        delta = torch.bmm(h[:, :, s * rank : (s + 1) * rank], bs.transpose(1, 2))
-        picked = delta.view(groups * padded, -1).index_select(0, plan.dest)
-        y[:, off : off + b.shape[1]].index_add_(0, plan.rows, picked)
+        hs = h[..., s * rank : (s + 1) * rank]
+        if dest is None:
+            delta = hs @ bs[s]
+        else:
+            delta = torch.bmm(hs, b[slots].transpose(1, 2)).view(groups * padded, -1)
+            delta = delta.index_select(0, dest)
+        cols = y[:, off : off + b.shape[1]]
+        if rows is None:
+            cols += delta
+        else:
+            cols.index_add_(0, rows, delta)
 
 
 class LoRALayers:

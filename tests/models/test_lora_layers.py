@@ -16,6 +16,7 @@ from legato.models.lora_layers import LoRAStack, ProjectionSpec, _torch_plan, ad
         [2, 2, 2, 2],  # one adapter, every token: plain matmuls
         [0, 1, 0, 0, 1, 1],  # one adapter and the base
         [3, 0, 1, 2, 1, 3, 3, 0, 2],  # three adapters and the base, decode-like
+        [1, 3, 3, 1, 3],  # two adapters, every token (slot 2 an empty group)
         [1] * 9 + [0] * 4 + [3] * 17 + [2] * 2,  # prefill-like runs
     ],
 )
