@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from legato.models.lora_adapter import LoRAError, load_peft_adapter
-from legato.protocol.params import LoRARequest, SamplingParams
+from legato.protocol.params import LoRARequest
 
 NEW_TOKENS = 24
 
