@@ -68,13 +68,16 @@ def test_two_adapters_and_base_in_one_batch(
     hf_greedy: Any,
 ) -> None:
     """Adapters of different ranks and targets share batches with the base model;
-    each request equals its own single run (and peft / transformers)."""
+    each request equals its own single run (and peft / transformers). The Triton
+    kernels run on a GPU where there is one, else under the interpreter."""
+    device = "cpu"
     if backend == "triton":
         from legato.kernels import triton_available
 
         if not triton_available():
             pytest.skip("triton cannot run here (no CUDA device and no TRITON_INTERPRET)")
-    n = NEW_TOKENS if backend == "torch" else 6
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = NEW_TOKENS if backend == "torch" or device == "cuda" else 6
     ck = make_checkpoint("qwen2")
     first = make_adapter(ck, r=4, targets=("q_proj", "v_proj"), seed=1)
     second = make_adapter(ck, r=8, seed=2, use_rslora=True)
@@ -83,7 +86,12 @@ def test_two_adapters_and_base_in_one_batch(
 
     def run(pairs: list[tuple[int, LoRARequest | None]]) -> dict[str, list[int]]:
         runner = make_runner(
-            ck, enable_lora=True, max_loras=2, max_lora_rank=8, attention_backend=backend
+            ck,
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=8,
+            attention_backend=backend,
+            device=device,
         )
         sched = mini_scheduler(runner, chunk=5)
         for i, lora in pairs:
