@@ -9,12 +9,13 @@ one launch. Two kernels:
 
 - **shrink** ``h[t] = x[t] @ A[slot(t)].T`` for all slices at once
   (``A`` stacks the slices' down-projections, ``[L, S * R, in]``), fp32 out;
-- **expand** ``y[t, off_s:] += h[t, s*R:(s+1)*R] @ B_s[slot(t)].T``, one launch
-  per slice.
+- **expand** ``y[t, cols_s] += h[t, s*R:(s+1)*R] @ B[slot(t), cols_s].T`` for
+  every slice ``s`` at once (``B`` ``[L, out, R]`` keeps each slice's rows at
+  its output columns).
 
 Tokens are grouped by slot on the device (a stable argsort plus per-slot
 counts and starts, :func:`lora_meta`), and the grid is ``(token blocks x
-column blocks, L - 1)``: one program axis per non-base slot, each program
+column blocks, [slices,] L - 1)``: a program axis over the non-base slots, each program
 gathering up to ``BLOCK_M`` of that slot's token rows. Programs past a slot's
 count return at once. Nothing reads a length back to the host, so a step can
 be captured in a CUDA graph. Decode batches (one row per request) are the BGMV
@@ -27,6 +28,7 @@ interpreter.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,10 +129,11 @@ def _expand_kernel(
     order_ptr,
     counts_ptr,
     starts_ptr,
-    N,
     R,
-    h_col,
-    y_col,
+    END0,
+    END1,
+    END2,
+    num_n,
     stride_hm,
     stride_bl,
     stride_bn,
@@ -140,20 +143,28 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """``y[rows, y_col + n] += h[rows, h_col:h_col+R] @ b[slot, n].T`` for one block."""
-    num_n = tl.cdiv(N, BLOCK_N)
+    """``y[rows, cols] += h[rows, s*R:(s+1)*R] @ b[slot, cols].T`` for slice ``s``'s columns.
+
+    Slice ``s`` (program axis 1) owns output columns ``END[s-1] .. END[s]``;
+    ``num_n`` column blocks cover the widest slice.
+    """
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
-    slot = tl.program_id(1).to(tl.int64) + 1
+    s = tl.program_id(1)
+    slot = tl.program_id(2).to(tl.int64) + 1
+    col_start = tl.where(s == 0, 0, tl.where(s == 1, END0, END1))
+    col_end = tl.where(s == 0, END0, tl.where(s == 1, END1, END2))
+    if col_start + pid_n * BLOCK_N >= col_end:
+        return
     rows, mask_m, count = _slot_rows(order_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
     if pid_m * BLOCK_M >= count:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    offs_n = col_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < col_end
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     h = tl.load(
-        h_ptr + rows[:, None] * stride_hm + h_col + offs_r[None, :],
+        h_ptr + rows[:, None] * stride_hm + s * R + offs_r[None, :],
         mask=mask_m[:, None] & mask_r[None, :],
         other=0.0,
     )
@@ -163,7 +174,7 @@ def _expand_kernel(
         other=0.0,
     )
     acc = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + y_col + offs_n[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
@@ -177,33 +188,35 @@ def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
-    lora_b: Sequence[torch.Tensor],
+    lora_b: torch.Tensor,
     token_slots: torch.Tensor,
-    offsets: Sequence[int],
+    slice_sizes: Sequence[int],
     *,
     meta: LoRAKernelMeta | None = None,
 ) -> None:
     """In-place ``y += `` each token's LoRA update; see the reference for shapes.
 
+    Two launches whatever the number of adapters and slices (at most three).
     ``meta`` (from :func:`lora_meta`) may be computed once per step and shared
-    by every layer. ``x``, ``lora_a`` and each ``lora_b`` must be contiguous in
+    by every layer. ``x``, ``lora_a`` and ``lora_b`` must be contiguous in
     their last dimension; ``y`` may be a column view of a wider tensor.
     """
     num_tokens = x.shape[0]
     num_slots = lora_a.shape[0]
     if num_tokens == 0 or num_slots < 2:
         return
+    if not 1 <= len(slice_sizes) <= 3:
+        raise ValueError(f"slice_sizes: 1 to 3 slices, got {len(slice_sizes)}")
     if meta is None:
         meta = lora_meta(token_slots, num_slots)
     stacked_rank = lora_a.shape[1]
-    rank = stacked_rank // len(lora_b)
+    rank = stacked_rank // len(slice_sizes)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    block_m = 16 if num_tokens <= 64 else 64
-    h = torch.zeros((num_tokens, stacked_rank), dtype=torch.float32, device=x.device)
+    block_m = 16
+    m_blocks = triton.cdiv(num_tokens, block_m)
+    h = torch.empty((num_tokens, stacked_rank), dtype=torch.float32, device=x.device)
     block_n = _block(stacked_rank, 64)
-    in_features = x.shape[1]
-    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(stacked_rank, block_n), num_slots - 1)
-    _shrink_kernel[grid](
+    _shrink_kernel[(m_blocks * triton.cdiv(stacked_rank, block_n), num_slots - 1)](
         x,
         lora_a,
         h,
@@ -211,40 +224,39 @@ def add_lora(
         meta.counts,
         meta.starts,
         stacked_rank,
-        in_features,
+        x.shape[1],
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
         h.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=_block(in_features, 64),
+        BLOCK_K=_block(x.shape[1], 64),
         PRECISION=precision,
     )
-    for s, (b, off) in enumerate(zip(lora_b, offsets, strict=True)):
-        out_features = b.shape[1]
-        block_n = _block(out_features, 64)
-        grid = (
-            triton.cdiv(num_tokens, block_m) * triton.cdiv(out_features, block_n),
-            num_slots - 1,
-        )
-        _expand_kernel[grid](
-            h,
-            b,
-            y,
-            meta.order,
-            meta.counts,
-            meta.starts,
-            out_features,
-            rank,
-            s * rank,
-            off,
-            h.stride(0),
-            b.stride(0),
-            b.stride(1),
-            y.stride(0),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_R=_block(rank, 128),
-            PRECISION=precision,
-        )
+    ends = [int(e) for e in itertools.accumulate(slice_sizes)]
+    ends += [ends[-1]] * (3 - len(ends))
+    block_n = _block(max(slice_sizes), 64)
+    num_n = triton.cdiv(max(slice_sizes), block_n)
+    grid = (m_blocks * num_n, len(slice_sizes), num_slots - 1)
+    _expand_kernel[grid](
+        h,
+        lora_b,
+        y,
+        meta.order,
+        meta.counts,
+        meta.starts,
+        rank,
+        ends[0],
+        ends[1],
+        ends[2],
+        num_n,
+        h.stride(0),
+        lora_b.stride(0),
+        lora_b.stride(1),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=_block(rank, 128),
+        PRECISION=precision,
+    )

@@ -150,26 +150,28 @@ def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
-    lora_b: Sequence[torch.Tensor],
+    lora_b: torch.Tensor,
     token_slots: torch.Tensor,
-    offsets: Sequence[int],
+    slice_sizes: Sequence[int],
 ) -> None:
     """Add each token's LoRA update to ``y`` in place (multi-adapter, punica-style).
 
     ``x`` ``[T, in]``; ``token_slots`` ``[T]`` int: the adapter slot of each
-    token, 0 for the base model (no update). ``lora_a`` ``[L, S * R, in]``
-    holds each slot's down-projections of ``S`` slices stacked (slice ``s`` in
-    rows ``s*R .. s*R+R``); ``lora_b[s]`` ``[L, out_s, R]`` its up-projections
-    (scaling folded in). Slice ``s`` updates columns ``offsets[s] ..
-    offsets[s] + out_s`` of ``y`` ``[T, out]``. fp32 math, one token at a time;
-    the result is rounded to ``y``'s dtype once.
+    token, 0 for the base model (no update). A projection may be several fused
+    slices (q, k, v) of ``slice_sizes`` output columns each. ``lora_a``
+    ``[L, S * R, in]`` holds each slot's down-projections, slice ``s`` in rows
+    ``s*R .. s*R+R``; ``lora_b`` ``[L, out, R]`` its up-projections (scaling
+    folded in), slice ``s`` in the rows of its output columns. fp32 math, one
+    token at a time; the result is rounded to ``y``'s dtype once.
     """
-    rank = lora_a.shape[1] // len(lora_b)
+    rank = lora_a.shape[1] // len(slice_sizes)
     for t, slot in enumerate(token_slots.tolist()):
         if slot == 0:
             continue
         h = lora_a[slot].float() @ x[t].float()  # [S * R]
-        for s, (b, off) in enumerate(zip(lora_b, offsets, strict=True)):
-            delta = b[slot].float() @ h[s * rank : (s + 1) * rank]
-            cols = slice(off, off + b.shape[1])
+        start = 0
+        for s, size in enumerate(slice_sizes):
+            cols = slice(start, start + size)
+            delta = lora_b[slot, cols].float() @ h[s * rank : (s + 1) * rank]
             y[t, cols] = (y[t, cols].float() + delta).to(y.dtype)
+            start += size

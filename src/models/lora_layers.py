@@ -69,9 +69,11 @@ def projection_specs(cfg: ModelConfig) -> list[ProjectionSpec]:
 
 
 class LoRAStack:
-    """One projection's weights for every slot: ``a`` ``[L, S * R, in]``, ``b[s]`` ``[L, out_s, R]``.
+    """One projection's weights for every slot: ``a`` ``[L, S * R, in]``, ``b`` ``[L, out, R]``.
 
-    Slot 0 stays zero (the base model); adapters of rank below ``R`` are zero-padded.
+    Slice ``s`` sits in rows ``s*R .. s*R+R`` of ``a`` and in the rows of its own
+    output columns of ``b``. Slot 0 stays zero (the base model); adapters of
+    rank below ``R`` are zero-padded.
     """
 
     def __init__(
@@ -84,26 +86,21 @@ class LoRAStack:
     ) -> None:
         self.spec = spec
         self.rank = rank
-        self.offsets = spec.offsets
-        slices = len(spec.modules)
-        self.a = torch.zeros(
-            (num_slots, slices * rank, spec.in_features), dtype=dtype, device=device
-        )
-        self.b = [
-            torch.zeros((num_slots, out, rank), dtype=dtype, device=device)
-            for out in spec.out_features
+        self.slices = [
+            slice(off, off + out) for off, out in zip(spec.offsets, spec.out_features, strict=True)
         ]
+        rows = len(spec.modules) * rank
+        self.a = torch.zeros((num_slots, rows, spec.in_features), dtype=dtype, device=device)
+        self.b = torch.zeros((num_slots, sum(spec.out_features), rank), dtype=dtype, device=device)
 
     def write(self, slot: int, weights: list[LoRAWeights | None]) -> None:
         """Fill ``slot`` with one adapter's slices (None: that slice has no update)."""
         self.a[slot].zero_()
-        for s, w in enumerate(weights):
-            self.b[s][slot].zero_()
-            if w is None:
-                continue
-            r = w.rank
-            self.a[slot, s * self.rank : s * self.rank + r].copy_(w.a)
-            self.b[s][slot, :, :r].copy_(w.b)
+        self.b[slot].zero_()
+        for s, (w, cols) in enumerate(zip(weights, self.slices, strict=True)):
+            if w is not None:
+                self.a[slot, s * self.rank : s * self.rank + w.rank].copy_(w.a)
+                self.b[slot, cols, : w.rank].copy_(w.b)
 
 
 @dataclass(frozen=True)
@@ -146,25 +143,24 @@ def add_lora_torch(y: torch.Tensor, x: torch.Tensor, stack: LoRAStack, plan: _To
     rank, rows, dest = stack.rank, plan.rows, plan.dest
     xs = x if rows is None else x.index_select(0, rows)
     if dest is None:  # one adapter: plain matmuls
-        a, bs = stack.a[plan.first].T, [b[plan.first].T for b in stack.b]
-        h = xs @ a
+        h = xs @ stack.a[plan.first].T
     else:
         groups, padded = plan.groups, plan.padded_rows
         slots = slice(plan.first, plan.first + groups)
         block = x.new_zeros((groups * padded, x.shape[1])).index_copy_(0, dest, xs)
         h = torch.bmm(block.view(groups, padded, -1), stack.a[slots].transpose(1, 2))
-    for s, (b, off) in enumerate(zip(stack.b, stack.offsets, strict=True)):
+    for s, cols in enumerate(stack.slices):
         hs = h[..., s * rank : (s + 1) * rank]
         if dest is None:
-            delta = hs @ bs[s]
+            delta = hs @ stack.b[plan.first, cols].T
         else:
-            delta = torch.bmm(hs, b[slots].transpose(1, 2)).view(groups * padded, -1)
-            delta = delta.index_select(0, dest)
-        cols = y[:, off : off + b.shape[1]]
+            delta = torch.bmm(hs, stack.b[slots, cols].transpose(1, 2))
+            delta = delta.view(groups * padded, -1).index_select(0, dest)
+        out = y[:, cols]
         if rows is None:
-            cols += delta
+            out += delta
         else:
-            cols.index_add_(0, rows, delta)
+            out.index_add_(0, rows, delta)
 
 
 class LoRALayers:
@@ -216,7 +212,7 @@ class LoRALayers:
 
     @property
     def num_bytes(self) -> int:
-        return sum(s.a.nbytes + sum(b.nbytes for b in s.b) for s in self.stacks.values())
+        return sum(s.a.nbytes + s.b.nbytes for s in self.stacks.values())
 
     # -------------------------------------------------------------- steps
 
@@ -250,7 +246,8 @@ class LoRALayers:
             from ..kernels.lora import add_lora
 
             assert self._token_slots is not None
-            add_lora(y, x, stack.a, stack.b, self._token_slots, stack.offsets, meta=self._meta)
+            sizes = stack.spec.out_features
+            add_lora(y, x, stack.a, stack.b, self._token_slots, sizes, meta=self._meta)
         else:
             assert self._plan is not None
             add_lora_torch(y, x, stack, self._plan)

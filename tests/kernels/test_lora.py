@@ -37,12 +37,11 @@ def _case(
     x = rand(len(slots), in_features)
     a = rand(num_slots, len(out_features) * rank, in_features, scale=0.1)
     a[0].zero_()  # slot 0 is the base model: never written, always zero
-    bs = [rand(num_slots, out, rank, scale=0.1) for out in out_features]
-    for b in bs:
-        b[0].zero_()
+    b = rand(num_slots, sum(out_features), rank, scale=0.1)
+    b[0].zero_()
     y = rand(len(slots), sum(out_features))
     token_slots = torch.tensor(slots, dtype=torch.int64, device=device)
-    return x, a, *bs, y, token_slots
+    return x, a, b, y, token_slots
 
 
 CASES = [
@@ -50,6 +49,7 @@ CASES = [
     ([1, 0, 2, 3, 1, 2, 0, 3], 64, [48], 8, 4, f32),  # decode, one slice
     ([2, 1, 0, 2, 1], 96, [64, 32, 32], 16, 3, f32),  # decode, fused qkv
     ([1] * 20 + [0] * 7 + [2] * 33 + [1] * 5, 64, [40, 24], 8, 3, f32),  # prefill runs
+    ([2, 1, 2, 2, 1, 1, 2], 32, [100, 20, 20], 8, 3, f32),  # slices of unequal widths
     ([3, 3, 0, 1, 2, 0, 1], 64, [64, 32, 32], 16, 4, f16),
     ([0] * 70 + [1] * 3 + [2] * 30, 48, [80], 16, 3, f16),  # more rows than one block
     ([0, 0, 0], 32, [32], 8, 2, f32),  # only the base: y untouched
@@ -67,15 +67,14 @@ def test_add_lora_matches_reference(
     num_slots: int,
     dtype: torch.dtype,
 ) -> None:
-    x, a, *bs, y, token_slots = _case(
+    x, a, b, y, token_slots = _case(
         slots, in_features=in_f, out_features=outs, rank=rank, num_slots=num_slots,
         dtype=dtype, device=device, seed=len(slots) + rank,
     )  # fmt: skip
-    offsets = [sum(outs[:i]) for i in range(len(outs))]
     expected = y.clone()
-    reference.add_lora(expected, x, a, bs, token_slots, offsets)
+    reference.add_lora(expected, x, a, b, token_slots, outs)
     got = y.clone()
-    lora.add_lora(got, x, a, bs, token_slots, offsets)
+    lora.add_lora(got, x, a, b, token_slots, outs)
     torch.testing.assert_close(got, expected, **tol(dtype))
     base_rows = token_slots == 0
     assert torch.equal(got[base_rows], y[base_rows])  # slot 0 rows are never touched
@@ -96,9 +95,9 @@ def test_shared_meta_and_column_view(device: str, tol: Any) -> None:
     assert meta.counts.tolist() == [2, 2, 2]
     assert meta.order.tolist() == [1, 5, 2, 3, 0, 4]
     for _ in range(2):
-        lora.add_lora(wide[:, 8:32], x, a, [b], token_slots, [0], meta=meta)
+        lora.add_lora(wide[:, 8:32], x, a, b, token_slots, [24], meta=meta)
     expected = y.clone()
     for _ in range(2):
-        reference.add_lora(expected, x, a, [b], token_slots, [0])
+        reference.add_lora(expected, x, a, b, token_slots, [24])
     torch.testing.assert_close(wide[:, 8:32], expected, **tol(f32))
     assert torch.count_nonzero(wide[:, :8]) == 0 and torch.count_nonzero(wide[:, 32:]) == 0

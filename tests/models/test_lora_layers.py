@@ -26,14 +26,13 @@ def test_torch_path_matches_reference(slots: list[int], dtype: torch.dtype) -> N
     spec = ProjectionSpec("self_attn.qkv_proj", ("q", "k", "v"), 32, (24, 8, 8))
     stack = LoRAStack(spec, num_slots=4, rank=4, dtype=dtype, device=torch.device("cpu"))
     stack.a[1:] = (torch.randn(stack.a[1:].shape, generator=g) * 0.2).to(dtype)
-    for b in stack.b:
-        b[1:] = (torch.randn(b[1:].shape, generator=g) * 0.2).to(dtype)
+    stack.b[1:] = (torch.randn(stack.b[1:].shape, generator=g) * 0.2).to(dtype)
     x = torch.randn(len(slots), 32, generator=g).to(dtype)
     y = torch.randn(len(slots), 40, generator=g).to(dtype)
     token_slots = np.asarray(slots)
     expected = y.clone()
     reference.add_lora(
-        expected, x, stack.a, stack.b, torch.from_numpy(token_slots), list(stack.offsets)
+        expected, x, stack.a, stack.b, torch.from_numpy(token_slots), spec.out_features
     )
     got = y.clone()
     add_lora_torch(got, x, stack, _torch_plan(token_slots, torch.device("cpu")))
@@ -55,7 +54,7 @@ def test_slot_write_pads_rank_and_zeroes_missing_slices() -> None:
     assert torch.count_nonzero(stack.a[1, :4]) == 0  # gate has no update
     assert torch.equal(stack.a[1, 4:6], torch.ones(2, 8))
     assert torch.count_nonzero(stack.a[1, 6:]) == 0  # rank 2 padded to 4
-    assert torch.count_nonzero(stack.b[0][1]) == 0
-    assert torch.equal(stack.b[1][1, :, :2], torch.full((6, 2), 3.0))
-    assert torch.count_nonzero(stack.b[1][1, :, 2:]) == 0
+    assert torch.count_nonzero(stack.b[1, :6]) == 0
+    assert torch.equal(stack.b[1, 6:, :2], torch.full((6, 2), 3.0))
+    assert torch.count_nonzero(stack.b[1, 6:, 2:]) == 0
     assert torch.all(stack.a[0] == 7.0)  # other slots untouched
