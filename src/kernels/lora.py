@@ -8,7 +8,10 @@ and ``y += (x @ A[slot].T) @ B[slot].T`` is applied per token, many adapters in
 one launch. Two kernels:
 
 - **shrink** ``h[t] = x[t] @ A[slot(t)].T`` for all slices at once
-  (``A`` stacks the slices' down-projections, ``[L, S * R, in]``), fp32 out;
+  (``A`` stacks the slices' down-projections, ``[L, S * R, in]``), fp32 out.
+  With few rows (decode) the ``in`` dimension is split into up to eight
+  partial sums so that more programs run at once; the expand adds them up
+  (deterministic: no atomics);
 - **expand** ``y[t, cols_s] += h[t, s*R:(s+1)*R] @ B[slot(t), cols_s].T`` for
   every slice ``s`` at once (``B`` ``[L, out, R]`` keeps each slice's rows at
   its output columns).
@@ -37,6 +40,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["LoRAKernelMeta", "add_lora", "lora_meta"]
+
+_MAX_SPLIT_K = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,19 +85,25 @@ def _shrink_kernel(
     starts_ptr,
     N,
     K,
+    k_per_split,
     stride_xm,
     stride_al,
     stride_an,
+    stride_hk,
     stride_hm,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """``h[rows, n] = x[rows] @ a[slot, n].T`` for one (row block, column block, slot)."""
+    """``h[split, rows, n] = x[rows, ks] @ a[slot, n, ks].T`` over one split ``ks`` of the
+    input columns, for one (row block, column block, split, slot)."""
     num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tl.program_id(0) // num_n
-    pid_n = tl.program_id(0) % num_n
+    pid = tl.program_id(0)
+    pid_k = pid % SPLIT_K
+    pid_m = pid // SPLIT_K // num_n
+    pid_n = pid // SPLIT_K % num_n
     slot = tl.program_id(1).to(tl.int64) + 1
     rows, mask_m, count = _slot_rows(order_ptr, counts_ptr, starts_ptr, slot, pid_m, BLOCK_M)
     if pid_m * BLOCK_M >= count:
@@ -100,9 +111,11 @@ def _shrink_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_end
         x = tl.load(
             x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
             mask=mask_m[:, None] & mask_k[None, :],
@@ -115,7 +128,7 @@ def _shrink_kernel(
         )
         acc += tl.dot(x, a, input_precision=PRECISION)
     tl.store(
-        h_ptr + rows[:, None] * stride_hm + offs_n[None, :],
+        h_ptr + pid_k * stride_hk + rows[:, None] * stride_hm + offs_n[None, :],
         acc,
         mask=mask_m[:, None] & mask_n[None, :],
     )
@@ -134,6 +147,7 @@ def _expand_kernel(
     END1,
     END2,
     num_n,
+    stride_hk,
     stride_hm,
     stride_bl,
     stride_bn,
@@ -141,12 +155,14 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """``y[rows, cols] += h[rows, s*R:(s+1)*R] @ b[slot, cols].T`` for slice ``s``'s columns.
 
-    Slice ``s`` (program axis 1) owns output columns ``END[s-1] .. END[s]``;
-    ``num_n`` column blocks cover the widest slice.
+    ``h`` is the sum of the shrink's ``SPLIT_K`` partial results. Slice ``s``
+    (program axis 1) owns output columns ``END[s-1] .. END[s]``; ``num_n``
+    column blocks cover the widest slice.
     """
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
@@ -163,11 +179,11 @@ def _expand_kernel(
     mask_n = offs_n < col_end
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    h = tl.load(
-        h_ptr + rows[:, None] * stride_hm + s * R + offs_r[None, :],
-        mask=mask_m[:, None] & mask_r[None, :],
-        other=0.0,
-    )
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + s * R + offs_r[None, :]
+    mask_h = mask_m[:, None] & mask_r[None, :]
+    h = tl.load(h_ptrs, mask=mask_h, other=0.0)
+    for k in tl.static_range(1, SPLIT_K):
+        h += tl.load(h_ptrs + k * stride_hk, mask=mask_h, other=0.0)
     b = tl.load(
         b_ptr + slot * stride_bl + offs_n[None, :] * stride_bn + offs_r[:, None],
         mask=mask_r[:, None] & mask_n[None, :],
@@ -214,9 +230,15 @@ def add_lora(
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     block_m = 16
     m_blocks = triton.cdiv(num_tokens, block_m)
-    h = torch.empty((num_tokens, stacked_rank), dtype=torch.float32, device=x.device)
+    in_features = x.shape[1]
+    block_k = _block(in_features, 128)
+    # Few rows make few programs, each walking all of ``in``: split it so more run at once.
+    split_k = max(1, min(_MAX_SPLIT_K, in_features // (8 * block_k))) if num_tokens <= 256 else 1
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k), block_k) * block_k
+    h = torch.empty((split_k, num_tokens, stacked_rank), dtype=torch.float32, device=x.device)
     block_n = _block(stacked_rank, 64)
-    _shrink_kernel[(m_blocks * triton.cdiv(stacked_rank, block_n), num_slots - 1)](
+    grid = (m_blocks * triton.cdiv(stacked_rank, block_n) * split_k, num_slots - 1)
+    _shrink_kernel[grid](
         x,
         lora_a,
         h,
@@ -224,22 +246,24 @@ def add_lora(
         meta.counts,
         meta.starts,
         stacked_rank,
-        x.shape[1],
+        in_features,
+        k_per_split,
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
         h.stride(0),
+        h.stride(1),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=_block(x.shape[1], 64),
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
         PRECISION=precision,
     )
     ends = [int(e) for e in itertools.accumulate(slice_sizes)]
     ends += [ends[-1]] * (3 - len(ends))
     block_n = _block(max(slice_sizes), 64)
     num_n = triton.cdiv(max(slice_sizes), block_n)
-    grid = (m_blocks * num_n, len(slice_sizes), num_slots - 1)
-    _expand_kernel[grid](
+    _expand_kernel[(m_blocks * num_n, len(slice_sizes), num_slots - 1)](
         h,
         lora_b,
         y,
@@ -252,11 +276,13 @@ def add_lora(
         ends[2],
         num_n,
         h.stride(0),
+        h.stride(1),
         lora_b.stride(0),
         lora_b.stride(1),
         y.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_R=_block(rank, 128),
+        SPLIT_K=split_k,
         PRECISION=precision,
     )
