@@ -33,6 +33,13 @@ Policy, as in vLLM v1:
   again it is sent as ``NewRequestData`` with the tokens it had generated. A
   step that preempted admits no waiting request.
 
+* At most ``max_loras`` distinct LoRA adapters run in one step (when
+  ``enable_lora``): a waiting request whose adapter would be one too many
+  waits like one that does not fit (:mod:`.lora_admission`).
+* A pooling (embedding) request never starts from a prefix-cache hit (its
+  pooler needs every prompt position) and finishes in the step that
+  computes the end of its prompt, with the runner's pooled vector.
+
 Ids the runner must drop ride in ``finished_req_ids`` / ``preempted_req_ids``
 of the next step that schedules tokens (an empty step carries none, so the
 caller may skip the runner for an empty step). The runner applies them before
@@ -63,6 +70,7 @@ from ..protocol.messages import (
     SchedulerStats,
 )
 from .kv_cache import KVCacheManager
+from .lora_admission import AdapterLimit
 from .request_state import Request, RequestStatus
 
 __all__ = ["RequestQueue", "Scheduler"]
@@ -160,6 +168,7 @@ class Scheduler:
         self.kv = KVCacheManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.adapter_limit = AdapterLimit(config.max_loras if config.enable_lora else None)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -439,7 +448,12 @@ class Scheduler:
 
     def _admit(self, req: Request, plan: _StepPlan) -> bool:
         """Start (or resume) a waiting request from its prefix-cache hit, if it fits."""
-        hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        if not self.adapter_limit.admits(req, self.running):
+            return False
+        if req.pooling_params is None:
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        else:
+            hit_blocks, num_hit = [], 0
         num_new = req.num_tokens - num_hit
         if num_new > plan.budget:
             if not self.chunked_prefill:
@@ -473,6 +487,8 @@ class Scheduler:
                     self.kv.get_block_ids(req.request_id),
                     req.num_computed_tokens,
                     list(req.output_token_ids),
+                    req.lora_request,
+                    req.pooling_params,
                 )
             )
             req.num_tokens_sent = req.num_tokens
@@ -551,8 +567,14 @@ class Scheduler:
                 continue  # finished, aborted or preempted since schedule()
             computed = req.num_computed_tokens
             reason: FinishReason | None = None
+            pooled: list[float] | None = None
             if computed < len(req.all_token_ids):
                 new_ids: list[int] = []  # a partial prefill chunk samples nothing
+            elif req.pooling_params is not None:
+                new_ids, reason = [], FinishReason.STOP
+                pooled = runner_output.pooled.get(request_id)
+                if pooled is None:
+                    raise ValueError(f"model runner returned no pooled vector for {request_id!r}")
             elif len(tokens) == 1:
                 token_id = tokens[0]
                 req.output_token_ids.append(token_id)
@@ -580,6 +602,7 @@ class Scheduler:
                         reason,
                         req.stop_reason,
                         req.num_cached_tokens,
+                        pooled=pooled,
                     )
                 )
             if reason is not None:

@@ -591,8 +591,13 @@ class ModelRunner:
             raise ValueError("enable_lora: LoRA adapters need an engine started with enable_lora")
         return self.lora
 
-    def add_lora(self, request: LoRARequest) -> bool:
-        """Load an adapter into host memory (blocks while reading); LoRAError if unservable."""
+    def add_lora(self, request: LoRARequest | dict[str, Any]) -> bool:
+        """Load an adapter into host memory (blocks while reading); LoRAError if unservable.
+
+        ``request`` may be LoRARequest's fields as a dict (how a worker call carries it).
+        """
+        if isinstance(request, dict):
+            request = LoRARequest(**request)
         return self._lora().add(request)
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -601,10 +606,14 @@ class ModelRunner:
     def pin_lora(self, lora_id: int) -> bool:
         return self._lora().pin(lora_id)
 
-    def list_loras(self) -> set[int]:
-        return self._lora().ids() if self.lora is not None else set()
+    def list_loras(self) -> list[int]:
+        return sorted(self._lora().ids()) if self.lora is not None else []
 
     # --------------------------------------------------------- utilities
+
+    def embedding_size(self) -> int:
+        """The length of a pooled vector: the model's hidden size."""
+        return self.model_config.hidden_size
 
     def held_requests(self) -> list[str]:
         """Ids of the requests whose state the runner holds."""

@@ -41,6 +41,9 @@ class EngineRequest:
 
     For n>1 the engine fans a parent request out into n children whose
     ``parent_id`` is the caller's id and whose ``index`` is 0..n-1.
+    ``lora_request`` runs it through an adapter (``lora_name`` is its name, a
+    prefix-cache key); ``pooling_params`` makes it a pooling (embedding)
+    request, finished once its prompt is computed.
     """
 
     request_id: str
@@ -53,6 +56,8 @@ class EngineRequest:
     cache_salt: str | None = None
     parent_id: str | None = None
     index: int = 0
+    lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 # ------------------------------------------------------- scheduler -> runner
@@ -185,6 +190,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR
+    pooled: list[float] | None = None  # a pooling request's vector, with its finish
 
     @property
     def finished(self) -> bool:

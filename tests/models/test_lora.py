@@ -126,7 +126,7 @@ def test_evicted_adapter_reloads_and_slots_rotate(
     for k in (0, 1, 0):
         request = adapters[k].request(f"a{k}", k + 1)
         runner.add_lora(request)
-        assert runner.list_loras() == {k + 1}
+        assert runner.list_loras() == [k + 1]
         sched = mini_scheduler(runner)
         rid = f"r{len(outputs)}"
         sched.add(rid, prompt, max_tokens=8, lora=request)
@@ -135,11 +135,11 @@ def test_evicted_adapter_reloads_and_slots_rotate(
     assert outputs[1] == _peft_greedy(adapters[1], prompt, 8)
     # a request whose adapter was never added is read from its path at its first step
     runner.remove_lora(1)
-    assert runner.list_loras() == set()
+    assert runner.list_loras() == []
     sched = mini_scheduler(runner)
     sched.add("late", prompt, max_tokens=8, lora=adapters[1].request("a1", 2))
     assert sched.run()["late"] == outputs[1]
-    assert runner.list_loras() == {2}
+    assert runner.list_loras() == [2]
 
 
 def test_lora_request_without_enable_lora_is_refused(
