@@ -439,7 +439,6 @@ class AsyncEngine(EngineClient):
             del self._live[request_id]
         self._registered.discard(engine_id)
         self._abort_on_accept.discard(engine_id)
-        self._pooled.pop(engine_id, None)
 
     def _abort_quietly(self, request_id: str, engine_id: str) -> None:
         """The consumer left: abort in the scheduler, forget the request. Never blocks."""
@@ -495,18 +494,21 @@ class AsyncEngine(EngineClient):
             priority=priority,
         )
         stream._pooling = params
-        async with stream:
-            async for output in stream:
-                if not output.finished:
-                    continue
-                vector = self._pooled.pop(stream.engine_id, None)
-                if vector is not None:
-                    yield PoolingRequestOutput(
-                        stream.request_id,
-                        PoolingOutput(vector),
-                        list(output.prompt_token_ids or []),
-                        True,
-                    )
+        try:
+            async with stream:
+                async for output in stream:
+                    if not output.finished:
+                        continue
+                    vector = self._pooled.pop(stream.engine_id, None)
+                    if vector is not None:
+                        yield PoolingRequestOutput(
+                            stream.request_id,
+                            PoolingOutput(vector),
+                            list(output.prompt_token_ids or []),
+                            True,
+                        )
+        finally:  # a vector that came while nobody read it any more
+            self._pooled.pop(stream.engine_id, None)
 
     async def _check_pooling(self, params: object) -> PoolingParams:
         if not isinstance(params, PoolingParams):

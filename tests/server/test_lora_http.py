@@ -52,6 +52,13 @@ async def complete(client: httpx.AsyncClient, model: str) -> httpx.Response:
     )  # fmt: skip
 
 
+def same_text(engine: AsyncEngine, text: str, tokens: list[int]) -> bool:
+    """``text`` is what ``tokens`` decode to (a trailing incomplete UTF-8 character
+    the incremental detokenizer holds back aside)."""
+    expected = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    return bool(text) and text.rstrip("\ufffd") == expected.rstrip("\ufffd")
+
+
 def parse(modules: list[str]) -> tuple[LoRARequest, ...]:
     return parse_lora_modules(modules)
 
@@ -74,8 +81,7 @@ async def test_adapters_as_model_names(
                 assert response.status_code == 200, response.text
                 body = response.json()
                 assert body["model"] == model
-                text = body["choices"][0]["text"]
-                assert text == engine.tokenizer.decode(expected, skip_special_tokens=True)
+                assert same_text(engine, body["choices"][0]["text"], expected)
 
             response = await complete(client, "b")
             assert response.status_code == 404
@@ -106,8 +112,8 @@ async def test_adapters_as_model_names(
             )  # fmt: skip
             assert response.status_code == 200 and response.json()["model"] == "b"
             response = await complete(client, "b")
-            assert response.json()["choices"][0]["text"] == engine.tokenizer.decode(
-                adapters["b"].greedy(PROMPT, N), skip_special_tokens=True
+            assert same_text(
+                engine, response.json()["choices"][0]["text"], adapters["b"].greedy(PROMPT, N)
             )
 
             # The WebSocket selects an adapter by model name too.
