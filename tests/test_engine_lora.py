@@ -173,6 +173,8 @@ async def test_lora_needs_enable_lora(toy_model_dir: Path, adapters: dict[str, A
             await engine.add_lora(lora)
         with pytest.raises(ValidationError, match="enable_lora"):
             await run(engine, PROMPTS[1], "r", lora)
+        out = await run(engine, PROMPTS[1], "base")  # the engine serves on
+        assert out.outputs[0].token_ids == adapters["a"].base_greedy(PROMPTS[1], NEW_TOKENS)
 
 
 # ---------------------------------------------------------------- embeddings
