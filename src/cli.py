@@ -40,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, int | float) and not isinstance(default, bool):
             group.add_argument(flag, type=type(default), default=default)
-        elif field.name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+        elif field.name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_cpu_loras"):
             group.add_argument(flag, type=int, default=None)
         else:
             group.add_argument(flag, default=default)
@@ -173,6 +173,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "WebSocket port at another host or port (default: the page's host, --ws-port)",
     )
     group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served as model names; needs --enable-lora. "
+        'Also vLLM\'s JSON form {"name": ..., "path": ..., "base_model_name": ...}',
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
+    )
+    group.add_argument(
         "--restart-on-failure",
         action="store_true",
         help="restart a dead engine in place (the servers keep running; /health is 503 meanwhile)",
@@ -197,6 +212,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from .server.app import serve
+    from .server.lora_routes import parse_lora_modules
     from .server.state import ServerSettings
     from .supervise import RestartLimitExceeded, RestartPolicy
 
@@ -215,7 +231,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_requests=not args.disable_log_requests,
             web_ui=args.web_ui,
             web_ui_ws_url=args.web_ui_ws_url,
+            lora_modules=parse_lora_modules(args.lora_modules),
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
+        if settings.lora_modules and not args.enable_lora:
+            raise ValueError("lora_modules: serving LoRA adapters needs --enable-lora")
         restart = None
         if args.restart_on_failure:
             restart = RestartPolicy(args.max_restarts, args.restart_window)

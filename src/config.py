@@ -59,6 +59,15 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"  # rank 0's host: the rendezvous store listens there
     master_port: int = 0  # 0: a free port (one node only)
+    # LoRA (as vLLM): adapters per step (device slots), their largest rank, adapters
+    # kept loaded in host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # Pooling (encode / embeddings): how a prompt's final hidden states become one
+    # vector (vLLM's pooler_config.pooling_type): "LAST" token, "MEAN" or "CLS" (first).
+    pooling_type: Literal["LAST", "MEAN", "CLS"] = "LAST"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -96,6 +105,19 @@ class EngineConfig:
             raise ValueError("master_port: several nodes need an agreed port (not 0)")
         if self.tensor_parallel_size > 1 and self.executor != "process":
             raise ValueError("executor: tensor_parallel_size > 1 needs the process executor")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            _positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras: must be >= max_loras ({self.max_loras}), "
+                    f"got {self.max_cpu_loras}"
+                )
+        if self.pooling_type not in ("LAST", "MEAN", "CLS"):
+            raise ValueError(
+                f"pooling_type: unknown pooling {self.pooling_type!r}; expected LAST, MEAN or CLS"
+            )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout: must exceed heartbeat_interval > 0")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

@@ -36,7 +36,13 @@ import trio
 
 from .actors.detokenizer import OutputProcessor, ProcessedStep
 from .actors.engine_core import AddRequests, CoreStopped, EngineCore, FinishRequests
-from .actors.executor import Executor, ProcessExecutor, WorkerDiedError, make_executor
+from .actors.executor import (
+    Executor,
+    ProcessExecutor,
+    WorkerCallError,
+    WorkerDiedError,
+    make_executor,
+)
 from .actors.heartbeat import run_heartbeat
 from .actors.output_slot import OutputSlot
 from .actors.renderer import (
@@ -52,12 +58,13 @@ from .actors.scheduler import Scheduler
 from .actors.stats import StatsCollector, run_stats
 from .actors.supervisor import Supervisor
 from .config import EngineConfig
+from .engine_adapters import EngineAdapters
 from .exception_groups import unwrap_single_error
 from .protocol import messages as m
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError, ValidationError
-from .protocol.outputs import PoolingRequestOutput, RequestOutput
-from .protocol.params import PoolingParams, SamplingParams
+from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("legato.engine")
 
@@ -104,6 +111,8 @@ class RequestStream:
         self._priority = priority
         self._slot = OutputSlot(params.output_kind)
         self._render_options: dict[str, Any] = {}  # tokenization_kwargs, prompt_text
+        self._lora: LoRARequest | None = None  # the adapter it runs through
+        self._pooling: PoolingParams | None = None  # set for an encode() request
         self._submitted = False
         self._done = False
         self._token = trio.lowlevel.current_trio_token()
@@ -207,6 +216,9 @@ class AsyncEngine(EngineClient):
         self._engine_ids = itertools.count(1)
         self._registered: set[str] = set()  # engine ids the detokenizer knows
         self._abort_on_accept: set[str] = set()  # engine ids aborted while being rendered
+        self.adapters = EngineAdapters(config.enable_lora, self._worker_call, WorkerCallError)
+        self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until read
+        self._embedding_size: int | None = None
         self._stopped = False
         self.supervisor.on_death(self._on_death)
 
@@ -274,6 +286,9 @@ class AsyncEngine(EngineClient):
 
     async def _run_detokenizer(self, inbox: trio.MemoryReceiveChannel[m.EngineCoreOutputs]) -> None:
         async for outputs in inbox:
+            for out in outputs.outputs:
+                if out.pooled is not None:  # read by encode() when the request ends
+                    self._pooled[out.request_id] = out.pooled
             self._after_processing(self.processor.process_outputs(outputs))
             await trio.lowlevel.checkpoint()
 
@@ -318,8 +333,10 @@ class AsyncEngine(EngineClient):
         ``sampling_params`` that are not SamplingParams, raise ValidationError
         at once.
         """
-        if lora_request is not None:
-            raise NotImplementedError("lora_request: LoRA adapters are not supported yet")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValidationError(
+                "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
+            )
         if data_parallel_rank not in (None, 0):
             raise ValueError(
                 f"data_parallel_rank: this engine has one core, got {data_parallel_rank}"
@@ -338,6 +355,7 @@ class AsyncEngine(EngineClient):
             request_id = uuid.uuid4().hex
         stream = RequestStream(self, prompt, params, str(request_id), priority)
         stream._render_options = {"tokenization_kwargs": kwargs, "prompt_text": prompt_text}
+        stream._lora = lora_request
         return stream
 
     async def _submit(self, stream: RequestStream) -> None:
@@ -347,9 +365,15 @@ class AsyncEngine(EngineClient):
         request is registered, never after (the stream would be marked done with
         its request left running and its id held for ever). While the engine is
         paused or asleep the request is accepted and held until it resumes.
+        A ``lora_request`` adapter not loaded yet is loaded first (a bad one
+        raises its ValidationError here, before anything is registered).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_alive()
+        lora, pooling = stream._lora, stream._pooling
+        if lora is not None:
+            await self.adapters.ensure(lora)
+            self._check_alive()
         # The closures below must not hold the stream: dropping it unfinished aborts it.
         request_id, slot, params = stream.request_id, stream._slot, stream._params
         prompt, priority = stream._prompt, stream._priority
@@ -361,6 +385,10 @@ class AsyncEngine(EngineClient):
         def accept(rendered: RenderedPrompt, requests: list[m.EngineRequest]) -> None:
             if not self._is_live(request_id, engine_id):
                 return  # abandoned while it was being rendered
+            for request in requests:
+                request.lora_request, request.pooling_params = lora, pooling
+                if lora is not None:
+                    request.lora_name = lora.lora_name  # a prefix-cache key
             self.processor.add_request(
                 engine_id,
                 rendered.text,
@@ -429,7 +457,7 @@ class AsyncEngine(EngineClient):
             self._abort_on_accept.update(e for e in engine_ids if e not in self._registered)
         await trio.lowlevel.checkpoint()
 
-    def encode(
+    async def encode(
         self,
         prompt: PromptType,
         pooling_params: PoolingParams,
@@ -439,7 +467,67 @@ class AsyncEngine(EngineClient):
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
-        raise NotImplementedError("encode: this engine serves the 'generate' task only")
+        """Embed ``prompt``: yields one PoolingRequestOutput (the pooled, by default
+        L2-normalised final hidden state; see legato.models.pooling).
+
+        The request is scheduled beside generation requests (one queue, the
+        same budgets) and ends in the step that computes its prompt's end.
+        ``pooling_params.task`` must be "embed"; ``dimensions`` is refused
+        (no model here is trained to be shortened) unless it is the hidden
+        size. Bad input raises ValidationError naming the field; an aborted
+        request yields nothing. Cancellation aborts it, as for ``generate``.
+        """
+        params = await self._check_pooling(pooling_params)
+        sampling = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        stream = self.generate(
+            prompt,
+            sampling,
+            request_id,
+            lora_request=lora_request,
+            tokenization_kwargs=tokenization_kwargs,
+            priority=priority,
+        )
+        stream._pooling = params
+        try:
+            async with stream:
+                async for output in stream:
+                    if not output.finished:
+                        continue
+                    vector = self._pooled.pop(stream.engine_id, None)
+                    if vector is not None:
+                        yield PoolingRequestOutput(
+                            stream.request_id,
+                            PoolingOutput(vector),
+                            list(output.prompt_token_ids or []),
+                            True,
+                        )
+        finally:  # a vector that came while nobody read it any more
+            self._pooled.pop(stream.engine_id, None)
+
+    async def _check_pooling(self, params: object) -> PoolingParams:
+        if not isinstance(params, PoolingParams):
+            raise ValidationError(
+                "pooling_params", f"must be PoolingParams, got {type(params).__name__}"
+            )
+        if params.task != "embed":
+            raise ValidationError(
+                "task", f"this engine serves the 'embed' pooling task, got {params.task!r}"
+            )
+        if params.dimensions is not None and params.dimensions != await self.embedding_size():
+            raise ValidationError(
+                "dimensions",
+                f"this model gives {self._embedding_size}-dimensional embeddings and was "
+                "not trained to be shortened (Matryoshka)",
+            )
+        return params
+
+    async def embedding_size(self) -> int:
+        """The length of the model's embedding vectors (its hidden size). A checkpoint."""
+        if self._embedding_size is None:
+            self._embedding_size = int(await self._worker_call("embedding_size"))
+        else:
+            await trio.lowlevel.checkpoint()
+        return self._embedding_size
 
     # -------------------------------------------------------------- health
 
@@ -586,14 +674,39 @@ class AsyncEngine(EngineClient):
         logger.info("profiler trace written to %s", path)
 
     async def add_lora(self, lora_request: Any) -> bool:
-        raise NotImplementedError("add_lora: LoRA adapters are not supported yet")
+        """Load a PEFT adapter on the worker (blocks the caller while it reads); True.
+
+        Requests name it by ``lora_request`` (Python) or by its ``lora_name``
+        as the model (HTTP). An adapter the engine cannot serve (bad path, a
+        rank above max_lora_rank, an unknown module...) raises ValidationError
+        naming the field; the engine lives. See legato.engine_adapters.
+        """
+        self._check_alive()
+        return await self.adapters.add(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; False if it was not loaded."""
+        self._check_alive()
+        return await self.adapters.remove(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        """The int ids of the loaded adapters. A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        return self.adapters.ids()
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """Exempt a loaded adapter from LRU eviction; False if it is not loaded."""
+        self._check_alive()
+        return await self.adapters.pin(lora_id)
 
     async def get_tokenizer(self) -> Any:
         await trio.lowlevel.checkpoint()
         return self.tokenizer
 
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
-        return ("generate",)
+        """Generation and embeddings (pooled final hidden states) from the one model."""
+        await trio.lowlevel.checkpoint()
+        return ("generate", "embed")
 
     async def collective_rpc(
         self,

@@ -13,8 +13,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import trio
 
@@ -26,8 +26,12 @@ from .actors.scheduler import Scheduler
 from .actors.stats import StatsCollector
 from .config import EngineConfig
 from .protocol import messages as m
-from .protocol.outputs import RequestOutput
-from .protocol.params import RequestOutputKind, SamplingParams
+from .protocol.errors import ValidationError
+from .protocol.outputs import PoolingRequestOutput, RequestOutput
+from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 logger = logging.getLogger("legato.engine")
 
@@ -84,10 +88,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in the prompts' order.
 
         A progress bar is shown for more than 16 prompts unless ``use_tqdm=False``.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -96,32 +102,112 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError("sampling_params: need one per prompt, or a single one")
+        loras = _per_prompt(lora_request, len(prompt_list))
+
+        async def one(i: int, request_id: str) -> RequestOutput | None:
+            final = params_list[i].clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            result = None
+            async with self.engine.generate(
+                prompt_list[i], final, request_id, lora_request=loras[i]
+            ) as stream:
+                async for out in stream:
+                    result = out
+            return result
+
         show = len(prompt_list) > 16 if use_tqdm is None else use_tqdm
-        return trio.from_thread.run(
-            self._generate_all, prompt_list, params_list, show, trio_token=self._token
+        return self._run_all(len(prompt_list), one, show, "generating")
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        lora_request: LoRAArg = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt's final hidden states (see ``AsyncEngine.encode``); outputs
+        in the prompts' order, each vector in ``outputs.data``."""
+        prompt_list = _as_prompt_list(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        loras = _per_prompt(lora_request, len(prompt_list))
+
+        async def one(i: int, request_id: str) -> PoolingRequestOutput | None:
+            result = None
+            async for out in self.engine.encode(
+                prompt_list[i], params, request_id, lora_request=loras[i]
+            ):
+                result = out
+            return result
+
+        show = len(prompt_list) > 16 if use_tqdm is None else use_tqdm
+        return self._run_all(len(prompt_list), one, show, "embedding")
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        lora_request: LoRAArg = None,
+    ) -> list[PoolingRequestOutput]:
+        """Embeddings (task "embed"): ``encode``; each vector is also ``outputs.embedding``."""
+        return self.encode(
+            prompts,
+            pooling_params or PoolingParams(task="embed"),
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
         )
 
-    async def _generate_all(
-        self, prompts: list[PromptType], params: list[SamplingParams], show_progress: bool
-    ) -> list[RequestOutput]:
-        """Run every prompt; a prompt that fails raises its own error.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (see ``AsyncEngine.add_lora``)."""
+        return self._call(self.engine.add_lora, lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._call(self.engine.remove_lora, lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._call(self.engine.list_loras)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._call(self.engine.pin_lora, lora_id)
+
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    def _run_all(
+        self,
+        count: int,
+        run_one: Callable[[int, str], Awaitable[T | None]],
+        show_progress: bool,
+        desc: str,
+    ) -> list[T]:
+        return trio.from_thread.run(
+            self._run_all_async, count, run_one, show_progress, desc, trio_token=self._token
+        )
+
+    async def _run_all_async(
+        self,
+        count: int,
+        run_one: Callable[[int, str], Awaitable[T | None]],
+        show_progress: bool,
+        desc: str,
+    ) -> list[T]:
+        """Run ``run_one(i, request_id)`` for every prompt; a prompt that fails raises
+        its own error.
 
         On a failure the other requests are aborted, and the error is raised
         as it is (a ValidationError for a bad prompt), never wrapped in a group.
         """
         from tqdm import tqdm
 
-        results: list[RequestOutput | None] = [None] * len(prompts)
+        results: list[T | None] = [None] * count
         errors: dict[int, Exception] = {}
         batch = f"llm-{time.monotonic_ns()}"
-        bar = tqdm(total=len(prompts), desc="generating", disable=not show_progress)
+        bar = tqdm(total=count, desc=desc, disable=not show_progress)
 
         async def one(i: int, cancel: trio.CancelScope) -> None:
-            final = params[i].clone(output_kind=RequestOutputKind.FINAL_ONLY)
             try:
-                async with self.engine.generate(prompts[i], final, f"{batch}-{i}") as stream:
-                    async for out in stream:
-                        results[i] = out
+                results[i] = await run_one(i, f"{batch}-{i}")
             except Exception as exc:
                 errors[i] = exc
                 cancel.cancel()
@@ -130,7 +216,7 @@ class LLM:
 
         try:
             async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
+                for i in range(count):
                     nursery.start_soon(one, i, nursery.cancel_scope)
         finally:
             bar.close()
@@ -152,6 +238,16 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _per_prompt(lora_request: LoRAArg, count: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a list of them."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValidationError("lora_request", "need one per prompt, or a single one")
+    return loras
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -219,11 +315,13 @@ class LLMEngine:
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
         prompt_text: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Render and queue a request; returns its id. Raises ValueError for bad input
         or a live duplicate id (and queues nothing).
 
-        ``tokenization_kwargs`` and ``prompt_text``: as for ``AsyncEngine.generate``.
+        ``tokenization_kwargs``, ``prompt_text`` and ``lora_request``: as for
+        ``AsyncEngine.generate`` (an adapter not loaded yet is loaded here).
         """
         if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -231,10 +329,16 @@ class LLMEngine:
         rendered = self.renderer.render_prompt(
             prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
         )
+        if lora_request is not None and lora_request.lora_int_id not in self.list_loras():
+            self.add_lora(lora_request)
         engine_id = f"{request_id}-{next(self._engine_ids)}"
         requests = self.renderer.make_requests(
             engine_id, rendered, params, priority=priority, arrival_time=arrival_time
         )
+        for request in requests:
+            request.lora_request = lora_request
+            if lora_request is not None:
+                request.lora_name = lora_request.lora_name
         slot = OutputSlot(params.output_kind)
         self.processor.add_request(
             engine_id,
@@ -249,6 +353,23 @@ class LLMEngine:
         self._live[request_id] = (engine_id, slot)
         self.core.add_requests(requests)
         return request_id
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter in this process; ValidationError naming the field if it cannot."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValidationError(
+                "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
+            )
+        return self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.runner.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.runner.list_loras())
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.runner.pin_lora(lora_id)
 
     def abort_request(self, request_ids: str | Sequence[str], internal: bool = False) -> None:
         """Abort requests (the caller's ids; ``internal``: the engine's ids); each one's

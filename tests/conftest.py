@@ -189,3 +189,78 @@ class StepGate:
 def gate_steps() -> Any:
     """``gate_steps(engine)`` puts a ``StepGate`` around the engine's executor and returns it."""
     return StepGate
+
+
+# -- LoRA adapters on the toy model (made by peft, the fidelity reference) ---------------
+
+
+class ToyAdapter:
+    """A random PEFT adapter on the toy model, saved to ``path``, and the peft model
+    (fp32, eval) it came from."""
+
+    def __init__(self, path: Path, peft_model: Any) -> None:
+        self.path = path
+        self.peft_model = peft_model
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """peft's greedy continuation of ``prompt`` (token ids), ``n`` tokens."""
+        with torch.no_grad():
+            out = self.peft_model.generate(
+                input_ids=torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+            )
+        tokens: list[int] = out[0, len(prompt) :].tolist()
+        return tokens
+
+    def base_greedy(self, prompt: list[int], n: int) -> list[int]:
+        """The base model's greedy continuation (peft with the adapter disabled)."""
+        with self.peft_model.disable_adapter():
+            return self.greedy(prompt, n)
+
+
+@pytest.fixture(scope="session")
+def make_toy_adapter(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``make_toy_adapter(r, targets, seed, **lora_config)``: a ToyAdapter, built once per
+    argument set. Every LoRA weight is random (peft's zero ``B`` would be a no-op)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    cache: dict[tuple[Any, ...], ToyAdapter] = {}
+
+    def make(
+        r: int = 8,
+        targets: tuple[str, ...] = (
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ),
+        seed: int = 0,
+        **overrides: Any,
+    ) -> ToyAdapter:
+        key = (r, targets, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            base = AutoModelForCausalLM.from_pretrained(toy_model_dir, dtype=torch.float32)
+            config = LoraConfig(
+                r=r, lora_alpha=overrides.pop("lora_alpha", 2 * r), target_modules=list(targets),
+                lora_dropout=0.0, init_lora_weights=False, **overrides,
+            )  # fmt: skip
+            model = get_peft_model(base, config).eval()
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "lora_" in name:
+                        param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+            path = tmp_path_factory.mktemp(f"toy-lora-r{r}-s{seed}")
+            model.save_pretrained(path)
+            cache[key] = ToyAdapter(path, model)
+        return cache[key]
+
+    return make

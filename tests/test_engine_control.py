@@ -71,7 +71,7 @@ async def test_reset_prefix_cache(engine: AsyncEngine) -> None:
 async def test_rpc_profile_tasks_lora_and_noop_caches(
     engine: AsyncEngine, tmp_path: Path, caplog: Any
 ) -> None:
-    assert await engine.get_supported_tasks() == ("generate",)
+    assert await engine.get_supported_tasks() == ("generate", "embed")
     tokenizer = await engine.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("hello world", add_special_tokens=False)) == (
         "hello world"
@@ -80,7 +80,7 @@ async def test_rpc_profile_tasks_lora_and_noop_caches(
     assert results == [[]]
     with pytest.raises(Exception, match="unknown worker method"):
         await engine.collective_rpc("_private")
-    with pytest.raises(NotImplementedError, match="LoRA"):
+    with pytest.raises(ValueError, match="lora_request: must be a LoRARequest"):
         await engine.add_lora(object())
     await engine.reset_mm_cache()
     await engine.reset_encoder_cache()

@@ -223,7 +223,7 @@ async def test_an_empty_text_prompt_is_the_bos_token(engine: AsyncEngine) -> Non
 
 
 async def test_unsupported_features_are_refused_at_once(engine: AsyncEngine) -> None:
-    with pytest.raises(NotImplementedError, match="LoRA"):
+    with pytest.raises(ValidationError, match="lora_request: must be a LoRARequest"):
         engine.generate("hi", greedy(2), "lora", lora_request=object())
     await assert_still_serving(engine, "lora")
 

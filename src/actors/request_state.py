@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 from ..protocol.messages import EngineRequest, FinishReason
-from ..protocol.params import SamplingParams
+from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,6 +49,8 @@ class Request:
         "min_tokens",
         "max_tokens",
         "stop_token_ids",
+        "lora_request",
+        "pooling_params",
         "cache_extra_keys",
         "all_token_ids",
         "output_token_ids",
@@ -79,6 +81,8 @@ class Request:
         self.min_tokens: int = params.min_tokens
         self.max_tokens: int | None = params.max_tokens  # None: up to max_model_len
         self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids or ())
+        self.lora_request: LoRARequest | None = request.lora_request
+        self.pooling_params: PoolingParams | None = request.pooling_params
         # Anything besides the tokens that decides whether cached KV may be reused.
         self.cache_extra_keys: tuple[str | None, str | None] | None = (
             (request.lora_name, request.cache_salt)

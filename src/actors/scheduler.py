@@ -38,6 +38,13 @@ Policy, as in vLLM v1:
   again it is sent as ``NewRequestData`` with the tokens it had generated. A
   step that preempted admits no waiting request.
 
+* At most ``max_loras`` distinct LoRA adapters run in one step (when
+  ``enable_lora``): a waiting request whose adapter would be one too many
+  waits like one that does not fit (:mod:`.lora_admission`).
+* A pooling (embedding) request never starts from a prefix-cache hit (its
+  pooler needs every prompt position) and finishes in the step that
+  computes the end of its prompt, with the runner's pooled vector.
+
 Ids the runner must drop ride in ``finished_req_ids`` / ``preempted_req_ids``
 of the next step that schedules tokens (an empty step carries none, so the
 caller may skip the runner for an empty step). The runner applies them before
@@ -68,6 +75,7 @@ from ..protocol.messages import (
     SchedulerStats,
 )
 from .kv_cache import KVCacheManager
+from .lora_admission import AdapterLimit
 from .request_state import Request, RequestStatus
 
 __all__ = ["RequestQueue", "Scheduler"]
@@ -176,6 +184,7 @@ class Scheduler:
         self.kv = KVCacheManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.adapter_limit = AdapterLimit(config.max_loras if config.enable_lora else None)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -419,7 +428,10 @@ class Scheduler:
         return preempted
 
     def _done_in_flight(self, req: Request) -> bool:
-        """Whether the samples of steps in flight may already reach a length limit."""
+        """Whether the samples of steps in flight may already reach a length limit (or end
+        the request: a pooling request is done once its prompt is computed)."""
+        if req.pooling_params is not None:
+            return True
         placeholders = req.num_output_placeholders
         if len(req.all_token_ids) + placeholders >= self.max_model_len:
             return True
@@ -471,7 +483,12 @@ class Scheduler:
 
     def _admit(self, req: Request, plan: _StepPlan) -> bool:
         """Start (or resume) a waiting request from its prefix-cache hit, if it fits."""
-        hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        if not self.adapter_limit.admits(req, self.running):
+            return False
+        if req.pooling_params is None:
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        else:
+            hit_blocks, num_hit = [], 0
         num_new = req.num_tokens - num_hit
         if num_new > plan.budget:
             if not self.chunked_prefill:
@@ -535,6 +552,8 @@ class Scheduler:
                     self.kv.get_block_ids(req.request_id),
                     req.num_computed_tokens,
                     list(req.output_token_ids),
+                    req.lora_request,
+                    req.pooling_params,
                 )
             )
             req.num_tokens_sent = req.num_tokens
@@ -602,8 +621,14 @@ class Scheduler:
                 continue  # finished or aborted since this step was planned
             request_id = req.request_id
             reason: FinishReason | None = None
+            pooled: list[float] | None = None
             if not sampling:
                 new_ids: list[int] = []  # a partial prefill chunk samples nothing
+            elif req.pooling_params is not None:
+                new_ids, reason = [], FinishReason.STOP
+                pooled = runner_output.pooled.get(request_id)
+                if pooled is None:
+                    raise ValueError(f"model runner returned no pooled vector for {request_id!r}")
             elif len(tokens) == 1:
                 token_id = tokens[0]
                 req.output_token_ids.append(token_id)
@@ -632,6 +657,7 @@ class Scheduler:
                         reason,
                         req.stop_reason,
                         req.num_cached_tokens,
+                        pooled=pooled,
                     )
                 )
             if reason is not None:

@@ -18,6 +18,8 @@ prefill after a prefix-cache hit and decode (query_len 1) are all this one case.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -142,3 +144,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for ``x`` of last dimension ``2d``."""
     d = x.shape[-1] // 2
     return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slice_sizes: Sequence[int],
+) -> None:
+    """Add each token's LoRA update to ``y`` in place (multi-adapter, punica-style).
+
+    ``x`` ``[T, in]``; ``token_slots`` ``[T]`` int: the adapter slot of each
+    token, 0 for the base model (no update). A projection may be several fused
+    slices (q, k, v) of ``slice_sizes`` output columns each. ``lora_a``
+    ``[L, S * R, in]`` holds each slot's down-projections, slice ``s`` in rows
+    ``s*R .. s*R+R``; ``lora_b`` ``[L, out, R]`` its up-projections (scaling
+    folded in), slice ``s`` in the rows of its output columns. fp32 math, one
+    token at a time; the result is rounded to ``y``'s dtype once.
+    """
+    rank = lora_a.shape[1] // len(slice_sizes)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot == 0:
+            continue
+        h = lora_a[slot].float() @ x[t].float()  # [S * R]
+        start = 0
+        for s, size in enumerate(slice_sizes):
+            cols = slice(start, start + size)
+            delta = lora_b[slot, cols].float() @ h[s * rank : (s + 1) * rank]
+            y[t, cols] = (y[t, cols].float() + delta).to(y.dtype)
+            start += size

@@ -31,7 +31,13 @@ import numpy as np
 import torch
 
 from ..config import EngineConfig
-from ..protocol.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from ..protocol.messages import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from ..protocol.params import LoRARequest
 from .attention_backend import AttentionMetadata, select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
 from .cpu_linear import pack_linears, unpack_linears
@@ -39,6 +45,8 @@ from .cuda_graphs import CaptureMode, DecodeGraphRunner, capture_sizes, wants_de
 from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
 from .loader import fill_weights, load_model
+from .lora import RunnerLoRA
+from .pooling import Pooler
 from .registry import resolve_architecture
 from .sampler import SamplingMetadata, sample, token_logprobs
 
@@ -162,6 +170,19 @@ class ModelRunner:
             )
         self._param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self._packed_bytes = pack_linears(self.model)  # CPU: oneDNN-packed matmul weights
+        self.lora: RunnerLoRA | None = None
+        if config.enable_lora:
+            self.lora = RunnerLoRA(
+                self.model,
+                mcfg,
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
+                dtype=self.dtype,
+                device=self.device,
+                use_triton=self.backend.name == "triton",
+            )
+        self.pooler = Pooler(config.pooling_type)
         self.kv_block_bytes = (
             2
             * mcfg.num_layers
@@ -288,8 +309,11 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
             batch.remove(req_id)
+            self.pooler.remove(req_id)
+            if self.lora is not None:
+                self.lora.forget(req_id)
         for new in step.new_requests:
-            batch.add(new)
+            self._admit(new)
         for cached in step.cached_requests:
             batch.update(cached)
         req_ids = list(step.num_scheduled_tokens)
@@ -310,10 +334,14 @@ class ModelRunner:
         known = batch.num_tokens[rows]
         self._check_step(req_ids, order, rows, ends, known)
 
+        uses_lora = self.lora is not None and self.lora.begin_step(
+            [req_ids[int(k)] for k in order], q_lens
+        )
         graphs = self.decode_graphs
         query_start_loc: list[int]
         if (
             graphs is not None
+            and not uses_lora  # the graphs hold the base model only
             and int(q_lens.max()) == 1
             and graphs.fits(len(rows), int(ends.max()))
         ):
@@ -330,6 +358,12 @@ class ModelRunner:
             query_start_loc = meta.query_start_loc_host
 
         sampling = np.flatnonzero(ends == known)
+        if len(self.pooler):
+            pooling = np.fromiter(
+                (req_ids[int(k)] in self.pooler for k in order), dtype=bool, count=len(order)
+            )
+            sampling = sampling[~pooling[sampling]]
+            self._pool(out, req_ids, order, starts, query_start_loc, hidden, pooling)
         if len(sampling):
             last_rows = np.asarray(query_start_loc[1:], dtype=np.int64)[sampling] - 1
             logits = self.model.compute_logits(
@@ -347,6 +381,41 @@ class ModelRunner:
         self._prompt_logprobs(out, req_ids, order, rows, starts, ends, query_start_loc, hidden)
         batch.num_computed[rows] = ends
         return out
+
+    def _admit(self, new: NewRequestData) -> None:
+        """Hold a new request's state (its adapter and pooling included)."""
+        if new.pooling_params is not None:
+            self.pooler.add(
+                new.request_id,
+                new.pooling_params,
+                len(new.prompt_token_ids),
+                new.num_computed_tokens,
+            )
+        if new.lora_request is not None and self.lora is None:
+            raise ValueError(
+                f"request {new.request_id!r}: lora_request needs an engine with enable_lora"
+            )
+        if self.lora is not None:
+            self.lora.track(new.request_id, new.lora_request)
+        self.input_batch.add(new)
+
+    def _pool(
+        self,
+        out: ModelRunnerOutput,
+        req_ids: list[str],
+        order: np.ndarray,
+        starts: np.ndarray,
+        query_start_loc: list[int],
+        hidden: torch.Tensor,
+        pooling: np.ndarray,
+    ) -> None:
+        """Feed each pooling request's rows to the pooler; finished vectors go to ``out``."""
+        for i in np.flatnonzero(pooling).tolist():
+            rid = req_ids[int(order[i])]
+            rows = hidden[query_start_loc[i] : query_start_loc[i + 1]]
+            vector = self.pooler.chunk(rid, rows, int(starts[i]))
+            if vector is not None:
+                out.pooled[rid] = vector
 
     def _check_step(
         self,
@@ -557,7 +626,36 @@ class ModelRunner:
             key_cache.zero_()
             value_cache.zero_()
 
+    # ------------------------------------------------------------- LoRA
+
+    def _lora(self) -> RunnerLoRA:
+        if self.lora is None:
+            raise ValueError("enable_lora: LoRA adapters need an engine started with enable_lora")
+        return self.lora
+
+    def add_lora(self, request: LoRARequest | dict[str, Any]) -> bool:
+        """Load an adapter into host memory (blocks while reading); LoRAError if unservable.
+
+        ``request`` may be LoRARequest's fields as a dict (how a worker call carries it).
+        """
+        if isinstance(request, dict):
+            request = LoRARequest(**request)
+        return self._lora().add(request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._lora().pin(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return sorted(self._lora().ids()) if self.lora is not None else []
+
     # --------------------------------------------------------- utilities
+
+    def embedding_size(self) -> int:
+        """The length of a pooled vector: the model's hidden size."""
+        return self.model_config.hidden_size
 
     def held_requests(self) -> list[str]:
         """Ids of the requests whose state the runner holds."""

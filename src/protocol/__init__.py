@@ -3,7 +3,7 @@
 Nothing in this package imports torch or trio.
 """
 
-from .client import EngineClient, LoRARequest, PromptType, TextPrompt, TokensPrompt
+from .client import EngineClient, PromptType, TextPrompt, TokensPrompt
 from .errors import (
     EngineDeadError,
     EngineGenerateError,
@@ -13,7 +13,7 @@ from .errors import (
     ValidationError,
 )
 from .outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
-from .params import PoolingParams, RequestOutputKind, SamplingParams
+from .params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .wire import WireError, decode, encode
 
 __all__ = [

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
 from .errors import EngineDeadError
 from .outputs import PoolingRequestOutput, RequestOutput
-from .params import PoolingParams, SamplingParams
+from .params import LoRARequest, PoolingParams, SamplingParams
 
 
 class TextPrompt(TypedDict):
@@ -56,15 +55,6 @@ class TokensPrompt(TypedDict):
 PromptType = str | TextPrompt | TokensPrompt
 PauseModeName = Literal["abort", "wait", "keep"]
 SupportedTask = Literal["generate", "embed", "classify", "score", "encode", "render"]
-
-
-@dataclass(frozen=True)
-class LoRARequest:
-    """A LoRA adapter by name, with vLLM's fields: a unique integer id and a local directory."""
-
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
 
 
 class EngineClient(abc.ABC):

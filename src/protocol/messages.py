@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from msgspec import field
 
-from .params import SamplingParams
+from .params import LoRARequest, PoolingParams, SamplingParams
 
 
 class Message(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
@@ -48,6 +48,9 @@ class EngineRequest(Message):
 
     For n>1 the engine fans a parent request out into n children whose
     ``parent_id`` is the caller's id and whose ``index`` is 0..n-1.
+    ``lora_request`` runs it through an adapter (``lora_name`` is its name, a
+    prefix-cache key); ``pooling_params`` makes it a pooling (embedding)
+    request, finished once its prompt is computed.
     """
 
     request_id: str
@@ -60,6 +63,8 @@ class EngineRequest(Message):
     cache_salt: str | None = None
     parent_id: str | None = None
     index: int = 0
+    lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 # ------------------------------------------------------- scheduler -> runner
@@ -70,7 +75,10 @@ class NewRequestData(Message):
 
     ``output_token_ids`` is non-empty only for a request resumed after a
     preemption: the tokens it had already generated, recomputed as prompt.
-    ``block_ids`` is the request's whole block table so far.
+    ``block_ids`` is the request's whole block table so far. ``lora_request``
+    names the adapter its tokens run through (None: the base model).
+    ``pooling_params`` marks a pooling (embedding) request: nothing is sampled
+    for it; its pooled hidden state comes back once its prompt is computed.
     """
 
     request_id: str
@@ -79,6 +87,8 @@ class NewRequestData(Message):
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(Message):
@@ -138,7 +148,8 @@ class ModelRunnerOutput(Message):
     ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: one token, or none for a
     partial prefill chunk. ``logprobs`` (requests that asked) holds one entry
     per sampled token; ``prompt_logprobs`` holds one entry per prompt position
-    computed this step (None for the first prompt token).
+    computed this step (None for the first prompt token). ``pooled`` holds
+    the pooled hidden state of each pooling request whose prompt finished this step.
     """
 
     step_id: int
@@ -146,6 +157,7 @@ class ModelRunnerOutput(Message):
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ------------------------------------------------- scheduler -> detokenizer
@@ -178,6 +190,7 @@ class EngineCoreOutput(Message):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR
+    pooled: list[float] | None = None  # a pooling request's vector, with its finish
 
     @property
     def finished(self) -> bool:

@@ -67,6 +67,11 @@ class RequestOutput:
 class PoolingOutput:
     data: list[float] = field(default_factory=list)
 
+    @property
+    def embedding(self) -> list[float]:
+        """The vector, under the name vLLM's EmbeddingOutput gives it."""
+        return self.data
+
 
 @dataclass
 class PoolingRequestOutput:

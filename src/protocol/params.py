@@ -1,4 +1,4 @@
-"""Request parameters: SamplingParams, PoolingParams and RequestOutputKind.
+"""Request parameters: SamplingParams, PoolingParams, LoRARequest and RequestOutputKind.
 
 Fields, names and defaults follow vLLM's ``SamplingParams`` so code written
 against vLLM carries over. Every rule is checked at construction and a
@@ -201,7 +201,9 @@ class SamplingParams:
         ):
             for token_id in ids:
                 if token_id >= vocab_size:
-                    raise _fail(name, f"token id {token_id} is outside the vocabulary ({vocab_size})")
+                    raise _fail(
+                        name, f"token id {token_id} is outside the vocabulary ({vocab_size})"
+                    )
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with some fields replaced (validated again)."""
@@ -228,6 +230,27 @@ class PoolingParams:
             raise _fail("task", f"unknown pooling task {self.task!r}")
         if self.dimensions is not None:
             _int("dimensions", self.dimensions, minimum=1)
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter, with vLLM's fields: a name, a unique positive integer id and
+    the local PEFT directory it loads from (``base_model_name``: the model it was
+    trained on, shown as its parent in ``/v1/models``; the served model if None)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise _fail("lora_name", f"must be a non-empty string, got {self.lora_name!r}")
+        _int("lora_int_id", self.lora_int_id, minimum=1)
+        if not isinstance(self.lora_path, str):
+            raise _fail("lora_path", f"must be a string, got {type(self.lora_path).__name__}")
+        if self.base_model_name is not None and not isinstance(self.base_model_name, str):
+            raise _fail("base_model_name", "must be a string or None")
 
 
 # Counts and sizes fit in int32 and seeds in int64, so no value that passes

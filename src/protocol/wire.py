@@ -72,7 +72,7 @@ from .outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from .params import PoolingParams, RequestOutputKind, SamplingParams
+from .params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 
 WIRE_MAGIC: Final = "legato"
 WIRE_VERSION: Final = 1
@@ -86,6 +86,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         1: SamplingParams,
         2: PoolingParams,
         3: RequestOutputKind,
+        4: LoRARequest,
         # outputs
         10: Logprob,
         11: RequestMetrics,

@@ -38,6 +38,7 @@ from ..model_source import served_name
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
 from .http_server import serve_http
+from .lora_routes import load_lora_modules
 from .state import ServerSettings, ServingState
 from .web_ui import WebUI
 from .websocket import WebSocketEndpoint
@@ -131,6 +132,7 @@ async def open_server(
     current = engine.engine if isinstance(engine, SupervisedEngine) else engine
     name = settings.served_model_name or model_name or current.model_name
     state = ServingState(engine, settings, model_name=name)
+    await load_lora_modules(state)
     endpoint = WebSocketEndpoint(state)
     web_ui = WebUI(state) if settings.web_ui else None
     config = HypercornConfig()

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
+from . import lora_routes
 from . import openai_handlers as handlers
 from .asgi import (
     ClientDisconnected,
@@ -46,6 +47,7 @@ from .asgi import (
     bearer_token_ok,
     send_error,
 )
+from .embedding_handler import create_embeddings
 from .state import ServingState, Unavailable
 
 if TYPE_CHECKING:
@@ -59,6 +61,9 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/completions": {"POST": handlers.create_completion},
     "/v1/chat/completions": {"POST": handlers.create_chat_completion},
     "/v1/models": {"GET": handlers.list_models},
+    "/v1/embeddings": {"POST": create_embeddings},
+    "/v1/load_lora_adapter": {"POST": lora_routes.load_lora_adapter},
+    "/v1/unload_lora_adapter": {"POST": lora_routes.unload_lora_adapter},
     "/health": {"GET": handlers.health},
     "/metrics": {"GET": handlers.metrics},
     "/version": {"GET": handlers.version},

@@ -37,9 +37,10 @@ from .. import __version__
 from ..engine import RequestStream
 from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob, RequestOutput
-from ..protocol.params import SamplingParams
+from ..protocol.params import LoRARequest, SamplingParams
 from . import openai_schemas as schemas
 from .asgi import HTTPError, Receive, Request, SSEResponse, send_body, send_json, watch_disconnect
+from .lora_routes import adapter_cards, select_model
 from .state import LiveRequest, ServingState, Unavailable
 
 T = TypeVar("T")
@@ -75,14 +76,9 @@ async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -
 
 
 def check_model(state: ServingState, model: str | None) -> None:
-    """404 ``model_not_found`` unless ``model`` is None or a name this server serves."""
-    if model is not None and model not in state.aliases:
-        raise HTTPError(
-            404,
-            f"The model `{model}` does not exist.",
-            param="model",
-            code="model_not_found",
-        )
+    """404 ``model_not_found`` unless ``model`` is None or a name this server serves
+    (the model's, or a LoRA adapter's)."""
+    select_model(state, model)
 
 
 def error_event(exc: BaseException) -> dict[str, Any]:
@@ -125,6 +121,7 @@ async def open_jobs(
     live: LiveRequest,
     priority: int,
     renames: dict[str, str],
+    lora_request: LoRARequest | None = None,
 ) -> list[Job]:
     """Submit one engine request per prompt and wait for each one's first output.
 
@@ -133,7 +130,9 @@ async def open_jobs(
     """
     streams = []
     for engine_id, prompt in zip(live.engine_ids, prompts):
-        stream = state.engine.generate(prompt, params, engine_id, priority=priority)
+        stream = state.engine.generate(
+            prompt, params, engine_id, priority=priority, lora_request=lora_request
+        )
         streams.append(await stack.enter_async_context(stream))
     jobs = []
     for index, stream in enumerate(streams):
@@ -200,6 +199,7 @@ class Generation:
     on_delta: Callable[[Job, CompletionOutput], dict[str, Any] | None]
     make_chunk: Callable[[list[dict[str, Any]], dict[str, int] | None], dict[str, Any]]
     make_response: Callable[[list[Job], dict[str, int]], dict[str, Any]]
+    lora_request: LoRARequest | None = None  # the adapter the request's model names
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     outcome: str = ""  # for the log line: finish reasons, or what went wrong
@@ -223,6 +223,7 @@ class Generation:
                             live,
                             self.priority,
                             self.renames,
+                            self.lora_request,
                         )
 
                     jobs = await until_disconnect(self.request.receive, start)
@@ -309,9 +310,9 @@ async def create_completion(request: Request, state: ServingState) -> None:
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
     parsed = schemas.parse_completion_request(body, max_n=state.settings.max_n)
-    check_model(state, parsed.model)
+    lora = select_model(state, parsed.model)
     request_id = _new_id("cmpl")
-    model = state.model_name
+    model = lora.lora_name if lora is not None else state.model_name
     n = parsed.params.n
     decode = decoder(state)
     renderer = state.engine.renderer
@@ -403,6 +404,7 @@ async def create_completion(request: Request, state: ServingState) -> None:
         on_delta,
         make_chunk,
         make_response,
+        lora,
     )
     await generation.run()
 
@@ -412,7 +414,7 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
     parsed = schemas.parse_chat_request(body, max_n=state.settings.max_n)
-    check_model(state, parsed.model)
+    lora = select_model(state, parsed.model)
     renderer = state.engine.renderer
     prompt = schemas.with_cache_salt(
         renderer.render_chat_prompt(
@@ -421,7 +423,7 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
         parsed.cache_salt,
     )
     request_id = _new_id("chatcmpl")
-    model = state.model_name
+    model = lora.lora_name if lora is not None else state.model_name
     decode = decoder(state)
     renames = {"prompt_token_ids": "messages", "prompt": "messages"}
     if parsed.logprobs:
@@ -491,12 +493,13 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
         on_delta,
         make_chunk,
         make_response,
+        lora,
     )
     await generation.run()
 
 
 async def list_models(request: Request, state: ServingState) -> None:
-    """``GET /v1/models``: the one served model."""
+    """``GET /v1/models``: the served model, then its LoRA adapters."""
     card = {
         "id": state.model_name,
         "object": "model",
@@ -506,7 +509,7 @@ async def list_models(request: Request, state: ServingState) -> None:
         "parent": None,
         "max_model_len": state.engine.config.max_model_len,
     }
-    await send_json(request.send, 200, {"object": "list", "data": [card]})
+    await send_json(request.send, 200, {"object": "list", "data": [card, *adapter_cards(state)]})
 
 
 async def health(request: Request, state: ServingState) -> None:

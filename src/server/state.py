@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..engine import AsyncEngine
+from ..protocol.params import LoRARequest
 from ..supervise import SupervisedEngine
 
 logger = logging.getLogger("legato.server")
@@ -54,6 +55,10 @@ class ServerSettings:
     """Serve the chat page at ``/`` (``--no-web-ui`` turns it off)."""
     web_ui_ws_url: str | None = None
     """The WebSocket URL the chat page connects to; None: the page's host, ``ws_port``."""
+    lora_modules: tuple[LoRARequest, ...] = ()
+    """Adapters loaded at start-up, served as model names (``--lora-modules``)."""
+    allow_runtime_lora_updating: bool = False
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "ws_max_frame_bytes", "ws_max_requests"):

@@ -36,8 +36,9 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from ..protocol.outputs import CompletionOutput, RequestOutput
-from ..protocol.params import RequestOutputKind, SamplingParams
-from .asgi import LONE_SURROGATE, bearer_token_ok, dumps, has_lone_surrogate
+from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams
+from .asgi import LONE_SURROGATE, HTTPError, bearer_token_ok, dumps, has_lone_surrogate
+from .lora_routes import select_model
 from .openai_schemas import PARAM_CHECKS, check_int, parse_messages, show
 from .state import ServingState, Unavailable
 
@@ -132,6 +133,7 @@ class GenerateRequest:
     params: SamplingParams
     priority: int
     encoding: Encoding
+    lora_request: LoRARequest | None = None  # the adapter the frame's ``model`` names
 
 
 def parse_generate(
@@ -209,7 +211,16 @@ def parse_generate(
         priority = check_int("priority", frame.get("priority", 0))
     except ValidationError as exc:
         raise invalid("priority", str(exc).partition(": ")[2]) from None
-    return GenerateRequest(request_id, prompt, params, priority, encoding)
+    model = frame.get("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", "must be a string")
+    try:
+        lora = select_model(state, model)
+    except HTTPError as exc:
+        raise FrameError(
+            "model_not_found", exc.message, request_id=request_id, param="model"
+        ) from None
+    return GenerateRequest(request_id, prompt, params, priority, encoding, lora)
 
 
 def output_frames(
@@ -425,7 +436,11 @@ class Connection:
         try:
             with self.state.track(engine_id, [engine_id]) as live:
                 stream = self.state.engine.generate(
-                    request.prompt, request.params, engine_id, priority=request.priority
+                    request.prompt,
+                    request.params,
+                    engine_id,
+                    priority=request.priority,
+                    lora_request=request.lora_request,
                 )
                 async with stream:
                     async for output in stream:

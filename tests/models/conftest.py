@@ -33,7 +33,7 @@ from legato.protocol.messages import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from legato.protocol.params import SamplingParams
+from legato.protocol.params import LoRARequest, PoolingParams, SamplingParams
 
 SMALL: dict[str, Any] = dict(
     vocab_size=384,
@@ -161,6 +161,9 @@ class _Req:
     pending_tokens: list[int] = field(default_factory=list)  # sampled, not yet sent back
     pending_blocks: list[int] = field(default_factory=list)
     sent: bool = False  # the runner has seen it
+    lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None
+    pooled: list[float] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -196,9 +199,16 @@ class MiniScheduler:
         max_tokens: int = 16,
         prefix_of: str | None = None,
         prefix_blocks: int = 0,
+        lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
-        """Queue a request; ``prefix_of`` shares that request's first ``prefix_blocks`` blocks."""
+        """Queue a request; ``prefix_of`` shares that request's first ``prefix_blocks`` blocks.
+
+        ``lora`` runs it through an adapter; ``pooling`` makes it a pooling request,
+        finished when its pooled vector comes back.
+        """
         req = _Req(req_id, list(prompt), params or SamplingParams(temperature=0.0), max_tokens)
+        req.lora, req.pooling = lora, pooling
         if prefix_of is not None:
             donor = self.done.get(prefix_of) or self.running[prefix_of]
             req.block_ids = donor.block_ids[:prefix_blocks]
@@ -230,7 +240,7 @@ class MiniScheduler:
                 new.append(
                     NewRequestData(
                         req.req_id, list(req.prompt), req.params, list(req.block_ids),
-                        req.num_computed, list(req.outputs),
+                        req.num_computed, list(req.outputs), req.lora, req.pooling,
                     )
                 )  # fmt: skip
                 req.sent = True
@@ -260,6 +270,12 @@ class MiniScheduler:
             req = self.running[req_id]
             req.num_computed += scheduled[req_id]
             req.prompt_logprobs.extend(out.prompt_logprobs.get(req_id, []))
+            if req_id in out.pooled:
+                assert not sampled and req.num_computed == len(req.tokens)
+                req.pooled = out.pooled[req_id]
+                self.done[req_id] = self.running.pop(req_id)
+                self.finished_ids.append(req_id)
+                continue
             if not sampled:
                 assert req.num_computed < len(req.tokens)
                 continue
@@ -340,3 +356,67 @@ def _one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+@dataclass
+class Adapter:
+    """A random PEFT adapter saved to ``path`` and the peft model it came from."""
+
+    path: Path
+    peft_model: Any
+
+    def request(self, name: str, int_id: int) -> LoRARequest:
+        return LoRARequest(name, int_id, str(self.path))
+
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="session")
+def make_adapter(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Adapter]:
+    """``make_adapter(checkpoint, r=8, targets=ALL_TARGETS, seed=0, **lora_config)``.
+
+    peft's ``get_peft_model`` on a copy of the checkpoint's transformers model,
+    with every LoRA weight drawn at random (peft's default zero ``B`` would make
+    the adapter a no-op), saved with ``save_pretrained``. Built once per call.
+    """
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    cache: dict[tuple[Any, ...], Adapter] = {}
+
+    def make(
+        ck: Checkpoint,
+        *,
+        r: int = 8,
+        targets: tuple[str, ...] = ALL_TARGETS,
+        seed: int = 0,
+        std: float = 0.08,
+        **overrides: Any,
+    ) -> Adapter:
+        key = (str(ck.path), r, targets, seed, std, tuple(sorted(overrides.items())))
+        if key not in cache:
+            config = LoraConfig(
+                r=r,
+                lora_alpha=overrides.pop("lora_alpha", 2 * r),
+                target_modules=list(targets),
+                lora_dropout=0.0,
+                init_lora_weights=False,
+                **overrides,
+            )
+            model = get_peft_model(copy.deepcopy(ck.hf_model), config).eval()
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "lora_" in name:
+                        param.copy_(torch.randn(param.shape, generator=g) * std)
+            path = tmp_path_factory.mktemp(f"lora-{ck.kind}-r{r}-s{seed}")
+            model.save_pretrained(path)
+            cache[key] = Adapter(path, model)
+        return cache[key]
+
+    return make

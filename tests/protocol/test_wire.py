@@ -51,7 +51,7 @@ from legato.protocol.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from legato.protocol.params import PoolingParams, RequestOutputKind, SamplingParams
+from legato.protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from legato.protocol.wire import (
     HEADER_SIZE,
     WIRE_MAGIC,
@@ -152,6 +152,19 @@ metrics = st.builds(
     finished_time=optional(floats),
 )
 pooling_output = st.builds(PoolingOutput, data=st.lists(floats, max_size=8))
+pooling_params = st.builds(
+    PoolingParams,
+    task=st.sampled_from(["embed", "classify", "score", "encode"]),
+    dimensions=optional(st.integers(1, 4096)),
+    normalize=st.booleans(),
+)
+lora_request = st.builds(
+    LoRARequest,
+    lora_name=text.filter(bool),
+    lora_int_id=st.integers(1, 2**31 - 1),
+    lora_path=text,
+    base_model_name=optional(text),
+)
 new_request = st.builds(
     NewRequestData,
     request_id=text,
@@ -160,6 +173,8 @@ new_request = st.builds(
     block_ids=token_ids,
     num_computed_tokens=small,
     output_token_ids=token_ids,
+    lora_request=optional(lora_request),
+    pooling_params=optional(pooling_params),
 )
 cached_request = st.builds(
     CachedRequestData,
@@ -196,12 +211,8 @@ core_output = st.builds(
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     SamplingParams: sampling_params,
-    PoolingParams: st.builds(
-        PoolingParams,
-        task=st.sampled_from(["embed", "classify", "score", "encode"]),
-        dimensions=optional(st.integers(1, 4096)),
-        normalize=st.booleans(),
-    ),
+    PoolingParams: pooling_params,
+    LoRARequest: lora_request,
     RequestOutputKind: st.sampled_from(RequestOutputKind),
     Logprob: logprob,
     RequestMetrics: metrics,
@@ -260,6 +271,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         prompt_logprobs=st.dictionaries(
             text, st.lists(optional(token_logprobs), max_size=2), max_size=2
         ),
+        pooled=st.dictionaries(text, st.lists(floats, max_size=4), max_size=2),
     ),
     SchedulerStats: scheduler_stats,
     EngineCoreOutput: core_output,
