@@ -29,7 +29,12 @@ MAX_SPEC_CHARS = 1 << 20
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """One request's output constraint. ``field`` is how errors name it to the caller."""
+    """One request's output constraint.
+
+    ``field`` is how errors name this object to the caller (``response_format``,
+    ``structured_outputs``); ``spec_field`` how they name the constraint itself
+    (default ``<field>.<kind>``; a tool's schema is ``tools[0].function.parameters``).
+    """
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -40,6 +45,7 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     field: str = "structured_outputs"
+    spec_field: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -59,6 +65,11 @@ class StructuredOutputsParams:
     def name(self, sub: str) -> str:
         """The caller-facing name of one of this object's fields."""
         return f"{self.field}.{sub}" if sub else self.field
+
+    @property
+    def spec_name(self) -> str:
+        """How errors about the constraint (a bad schema, a bad grammar) name it."""
+        return self.spec_field or self.name(self.kind)
 
     def spec_text(self) -> str:
         """The constraint as text: a key for caches and for size limits."""
@@ -109,9 +120,7 @@ class StructuredOutputsParams:
             if value is not None and not isinstance(value, bool):
                 raise ValidationError(self.name(name), f"must be true or false, got {value!r}")
         if len(self.spec_text()) > MAX_SPEC_CHARS:
-            raise ValidationError(
-                self.name(self.kind), f"is larger than {MAX_SPEC_CHARS} characters"
-            )
+            raise ValidationError(self.spec_name, f"is larger than {MAX_SPEC_CHARS} characters")
 
     @classmethod
     def from_dict(
@@ -120,7 +129,7 @@ class StructuredOutputsParams:
         """Build from a caller's mapping (JSON body, WebSocket frame); errors name ``field``."""
         if not isinstance(value, dict):
             raise ValidationError(field, f"must be an object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)} - {"field"}
+        known = {f.name for f in fields(cls)} - {"field", "spec_field"}
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
             raise ValidationError(f"{field}.{unknown[0]}", "is not a structured outputs option")

@@ -161,7 +161,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     Raises ValidationError for what can be told without the grammar engine.
     """
     kind = params.kind
-    field = params.name(kind)
+    field = params.spec_name
     with _engine_errors(lambda m: ValidationError(field, m)):
         if kind in ("json", "json_object"):
             schema: Any = {"type": "object"} if kind == "json_object" else params.json
@@ -257,7 +257,11 @@ class GrammarCompiler:
         Raises ValidationError naming ``params``' field when the constraint does
         not compile or can produce no output at all.
         """
-        options = {k: v for k, v in params.to_dict().items() if k not in ("field", params.kind)}
+        options = {
+            k: v
+            for k, v in params.to_dict().items()
+            if k not in ("field", "spec_field", params.kind)
+        }
         key = f"{params.kind}\x00{params.spec_text()}\x00{sorted(options.items())!r}"
         with self._lock:
             pristine = self._cache.get(key)
@@ -269,13 +273,13 @@ class GrammarCompiler:
                 self._cache[key] = pristine
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
-        field = params.name(params.kind)
+        field = params.spec_name
         with _engine_errors(lambda m: ValidationError(field, m)):
             return GrammarState(pristine.deep_copy(), self)
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         text = grammar_text(params)
-        field = params.name(params.kind)
+        field = params.spec_name
         with _engine_errors(lambda m: ValidationError(field, m)):
             matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
             if matcher.is_error():

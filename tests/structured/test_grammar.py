@@ -28,6 +28,20 @@ from legato.structured import (
 from legato.structured import grammar as grammar_module
 
 
+@pytest.fixture
+def person_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+
+
 def _params(**kwargs: Any) -> StructuredOutputsParams:
     return StructuredOutputsParams(**kwargs)
 
