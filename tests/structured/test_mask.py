@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from legato.kernels import reference
 from legato.models.sampler import SamplingMetadata, sample
 from legato.structured import allocate_bitmask
-from legato.structured.mask import bitmask_tensor
+from legato.structured.mask import apply_token_bitmask_bytes, bitmask_tensor
 
 V = 70  # not a multiple of 32: the last bitmask word is partial
 
@@ -63,3 +65,18 @@ def test_logprobs_are_those_of_the_masked_distribution() -> None:
     assert entry.token_ids[1:3] == [2, 3] or entry.token_ids[1:3] == [3, 2]
     assert abs(entry.logprobs[1] - np.log(0.5)) < 1e-5
     assert entry.logprobs[3] == float("-inf")
+
+
+@pytest.mark.parametrize(
+    ("vocab", "words", "rows"),
+    [(100, 4, [2, 0]), (64, 2, [0, 1, 2]), (70, 2, [1]), (3000, 90, [0, 2])],
+)
+def test_byte_table_path_matches_the_reference(vocab: int, words: int, rows: list[int]) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), words), generator=gen).to(torch.int32)
+    index = torch.tensor(rows)
+    expected = logits.clone()
+    reference.apply_token_bitmask(expected, bitmask, index)
+    apply_token_bitmask_bytes(logits, bitmask, index)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0)
