@@ -1,7 +1,8 @@
 """Embed the engine in a trio app: concurrent streams, the ``async with`` form, a cancel scope.
 
-    python examples/embed_in_trio_app.py            # the embedded toy model
-    python examples/embed_in_trio_app.py MODEL_DIR  # a local Hugging Face checkpoint
+    python examples/embed_in_trio_app.py            # the embedded SmolLM2-135M-Instruct
+    python examples/embed_in_trio_app.py toy        # the tiny toy model (gibberish, fast)
+    python examples/embed_in_trio_app.py MODEL      # a local HF checkpoint dir or .gguf file
 
 The engine lives inside ``open_engine``'s ``async with``; every request's
 stream lives inside its own ``async with engine.generate(...)``. Leaving that

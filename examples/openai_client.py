@@ -1,6 +1,6 @@
 """The official ``openai`` client against ``legato serve``: a streamed chat, then a plain completion.
 
-    legato serve &                      # the toy model, served as "legato-toy"
+    legato serve &                      # SmolLM2-135M-Instruct, served under that name
     python examples/openai_client.py    # or: --base-url http://HOST:PORT/v1 --api-key KEY
 
 Nothing legato-specific here: point any OpenAI client at the server's /v1.

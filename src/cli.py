@@ -19,13 +19,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+MODEL_HELP = (
+    "a local HF model directory or .gguf file; 'toy' for the toy model"
+    " (default: the embedded SmolLM2-135M-Instruct)"
+)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per EngineConfig field (except ``model``, a positional)."""
+    """One ``--flag`` per EngineConfig field (except ``model``, a positional, and
+    ``served_model_name``, which ``serve`` takes with its server flags)."""
     from .config import EngineConfig
 
     group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineConfig):
-        if field.name == "model":
+        if field.name in ("model", "served_model_name"):
             continue
         flag = "--" + field.name.replace("_", "-")
         default = field.default
@@ -43,7 +50,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from .config import EngineConfig
 
     return {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name != "model" and hasattr(args, f.name)
     }
 
 
@@ -56,15 +65,17 @@ def cmd_toy_model(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Build (once) and describe the embedded toy model, round-trip text, generate."""
+    """Set up (once) and describe the model, round-trip text, generate."""
     import trio
 
     from .actors.renderer import load_tokenizer
-    from .toy_model import default_toy_model_dir, describe
+    from .model_source import resolve_model_source
+    from .toy_model import describe
 
     started = time.monotonic()
-    path = default_toy_model_dir()
-    print(describe(path))
+    path = resolve_model_source(args.model).path
+    if os.path.isdir(path):
+        print(describe(path))
     tokenizer = load_tokenizer(str(path))
     text = "héllo 世界 🙂"
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -73,7 +84,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"tokenizer round trip: {text!r} -> {ids} -> {back!r} ({'ok' if back == text else 'MISMATCH'})"
     )
     kwargs = engine_kwargs(args)
-    trio.run(_stream_generate, str(path), args.prompt, args.max_tokens, 0.0, kwargs)
+    trio.run(_stream_generate, path, args.prompt, args.max_tokens, 0.0, kwargs)
     print(f"done in {time.monotonic() - started:.1f} s")
     return 0 if back == text else 1
 
@@ -150,6 +161,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--disable-log-requests", action="store_true", help="no log line per finished request"
     )
     group.add_argument(
+        "--no-web-ui",
+        dest="web_ui",
+        action="store_false",
+        help="do not serve the chat page at / on the HTTP port",
+    )
+    group.add_argument(
+        "--web-ui-ws-url",
+        default=None,
+        help="the WebSocket URL the chat page connects to, when the browser reaches the "
+        "WebSocket port at another host or port (default: the page's host, --ws-port)",
+    )
+    group.add_argument(
         "--restart-on-failure",
         action="store_true",
         help="restart a dead engine in place (the servers keep running; /health is 503 meanwhile)",
@@ -190,6 +213,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_max_requests=args.ws_max_requests,
             shutdown_grace=args.shutdown_grace,
             log_requests=not args.disable_log_requests,
+            web_ui=args.web_ui,
+            web_ui_ws_url=args.web_ui_ws_url,
         )
         restart = None
         if args.restart_on_failure:
@@ -229,7 +254,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Benchmark a running server over HTTP and print the result table."""
     import trio
 
-    from .server.bench import run_bench
+    try:
+        from .server.bench import run_bench
+    except ImportError as exc:
+        print(f"legato: {exc}", file=sys.stderr)
+        return 2
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     report = trio.run(
@@ -259,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     toy.add_argument("--seed", type=int, default=0)
     toy.set_defaults(func=cmd_toy_model)
 
-    demo = sub.add_parser("demo", help="describe the toy model, round-trip text, generate a little")
+    demo = sub.add_parser("demo", help="describe the model, round-trip text, generate a little")
+    demo.add_argument("--model", default=None, help=MODEL_HELP)
     demo.add_argument("--prompt", default="Once upon a time")
     demo.add_argument("--max-tokens", type=int, default=16)
     add_engine_args(demo)
@@ -267,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream one completion to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="local HF model dir (default: the toy model)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     add_engine_args(gen)
@@ -276,9 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API and the WebSocket endpoint"
     )
-    serve.add_argument(
-        "model", nargs="?", default=None, help="local HF model dir (default: the toy model)"
-    )
+    serve.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -310,11 +338,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .protocol.errors import EngineStartupError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    sys.exit(args.func(args))
+    try:
+        code = args.func(args)
+    except (EngineStartupError, BaseExceptionGroup) as exc:  # a bad model: one line, no traceback
+        found = _leaf(exc, EngineStartupError)
+        if found is None:
+            raise
+        print(f"legato {args.command}: {found}", file=sys.stderr)
+        code = 1
+    sys.exit(code)
 
 
 if __name__ == "__main__":

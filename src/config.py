@@ -20,8 +20,11 @@ Device = Literal["auto", "cpu", "cuda"]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # local HF checkpoint dir; None = the embedded toy model
+    # A local HF checkpoint dir or GGUF file; None = the embedded default model
+    # (SmolLM2-135M-Instruct); "toy" = the toy model (see legato.model_source).
+    model: str | None = None
     tokenizer: str | None = None  # tokenizer dir if not the model dir
+    served_model_name: str | None = None  # the name clients use; default: from `model`
     dtype: DType = "auto"
     device: Device = "auto"
     seed: int = 0

@@ -20,6 +20,7 @@ within one engine step and nothing more is computed for it.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -27,14 +28,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import trio
 
 from .actors.detokenizer import OutputProcessor, ProcessedStep
-from .actors.engine_core import AddRequests, EngineCore, FinishRequests
-from .actors.executor import Executor, ProcessExecutor, make_executor
+from .actors.engine_core import AddRequests, CoreStopped, EngineCore, FinishRequests
+from .actors.executor import Executor, ProcessExecutor, WorkerDiedError, make_executor
 from .actors.heartbeat import run_heartbeat
 from .actors.output_slot import OutputSlot
 from .actors.renderer import (
@@ -42,6 +44,7 @@ from .actors.renderer import (
     RenderedPrompt,
     Renderer,
     RenderJob,
+    check_tokenization_kwargs,
     load_tokenizer,
     run_renderer,
 )
@@ -62,16 +65,16 @@ _PAUSE_MODES = {"abort": m.PauseMode.ABORT, "wait": m.PauseMode.WAIT, "keep": m.
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
-    """Fill in the embedded toy model when no model is given; check the directory exists."""
+    """``config`` with ``model`` resolved to a path and ``served_model_name`` filled in
+    (see legato.model_source). Blocks; raises ModelLoadError for a bad model argument."""
     import dataclasses
 
-    if config.model is None:
-        from .toy_model import default_toy_model_dir
+    from .model_source import resolve_model_source
 
-        return dataclasses.replace(config, model=str(default_toy_model_dir()))
-    if not os.path.isdir(config.model):
-        raise ValueError(f"model: {config.model!r} is not a local model directory")
-    return config
+    source = resolve_model_source(config.model)
+    return dataclasses.replace(
+        config, model=source.path, served_model_name=config.served_model_name or source.name
+    )
 
 
 class RequestStream:
@@ -97,8 +100,10 @@ class RequestStream:
         self._prompt = prompt
         self._params = params
         self.request_id = request_id
+        self.engine_id = ""  # the engine's own id for this request, set on submission
         self._priority = priority
         self._slot = OutputSlot(params.output_kind)
+        self._render_options: dict[str, Any] = {}  # tokenization_kwargs, prompt_text
         self._submitted = False
         self._done = False
         self._token = trio.lowlevel.current_trio_token()
@@ -153,22 +158,32 @@ class RequestStream:
     def _finish(self) -> None:
         if not self._done:
             self._done = True
-            self._engine._release(self.request_id)
+            self._engine._release(self.request_id, self.engine_id)
 
     def _abandon(self) -> None:
         if self._submitted and not self._done:
             self._done = True
-            self._engine._abort_quietly(self.request_id)
+            self._engine._abort_quietly(self.request_id, self.engine_id)
 
     def __del__(self) -> None:
         # Fallback for `break` out of `async for` without `async with`: CPython frees
-        # the stream at once. run_sync_soon is safe from any thread and from GC.
+        # the stream at once. run_sync_soon is safe from any thread and from GC. The
+        # abort names this request's engine id, so a later request reusing the
+        # caller's id is never hit by it.
         if self._submitted and not self._done:
             self._done = True
             try:
-                self._token.run_sync_soon(self._engine._abort_quietly, self.request_id)
+                self._token.run_sync_soon(
+                    self._engine._abort_quietly, self.request_id, self.engine_id
+                )
             except trio.RunFinishedError:
                 pass
+
+
+@dataclass(slots=True)
+class _LiveRequest:
+    engine_id: str
+    slot: OutputSlot
 
 
 class AsyncEngine(EngineClient):
@@ -185,13 +200,13 @@ class AsyncEngine(EngineClient):
         if isinstance(self.executor, ProcessExecutor):
             self.executor.on_failure = self.supervisor.die
         self.stats = StatsCollector(model_name=self.model_name)
-        self._slots: dict[str, OutputSlot] = {}  # every live request, by the caller's id
-        self._registered: set[str] = set()  # ... of which the detokenizer knows
-        self._abort_on_accept: set[str] = set()  # aborted while still being rendered
-        self._paused = False
-        self._sleeping = False
-        self._resumed = trio.Event()
-        self._resumed.set()
+        # Every live request by the caller's id. Below this facade a request is known
+        # by its engine id only (unique for the engine's life), so a caller's id is
+        # free again the moment its stream ends, whatever is still in flight for it.
+        self._live: dict[str, _LiveRequest] = {}
+        self._engine_ids = itertools.count(1)
+        self._registered: set[str] = set()  # engine ids the detokenizer knows
+        self._abort_on_accept: set[str] = set()  # engine ids aborted while being rendered
         self._stopped = False
         self.supervisor.on_death(self._on_death)
 
@@ -199,7 +214,7 @@ class AsyncEngine(EngineClient):
 
     @property
     def model_name(self) -> str:
-        return self.config.model or "legato-toy"
+        return self.config.served_model_name or self.config.model or ""
 
     async def _start(self) -> None:
         config = self.config
@@ -302,8 +317,12 @@ class AsyncEngine(EngineClient):
         Not a coroutine: returns the stream at once; the request is submitted
         when the stream is entered or first iterated. A dead engine raises
         ``EngineDeadError`` then; a duplicate live ``request_id`` raises
-        ValueError; while paused or asleep, submission waits for resume.
-        ``sampling_params`` that are not SamplingParams raise ValidationError at once.
+        ValueError; while paused or asleep, the request is held until resume.
+        ``prompt_text`` is the prompt text outputs report (for token-id
+        prompts); ``tokenization_kwargs`` may set ``add_special_tokens``,
+        ``truncation`` and ``max_length`` for text prompts; anything else, or
+        ``sampling_params`` that are not SamplingParams, raise ValidationError
+        at once.
         """
         if lora_request is not None:
             raise NotImplementedError("lora_request: LoRA adapters are not supported yet")
@@ -316,66 +335,89 @@ class AsyncEngine(EngineClient):
             raise ValidationError(
                 "sampling_params", f"must be SamplingParams, got {type(params).__name__}"
             )
+        kwargs = check_tokenization_kwargs(tokenization_kwargs) or None
+        if prompt_text is not None and not isinstance(prompt_text, str):
+            raise ValidationError(
+                "prompt_text", f"must be a string, got {type(prompt_text).__name__}"
+            )
         if request_id is None:
             request_id = uuid.uuid4().hex
-        return RequestStream(self, prompt, params, str(request_id), priority)
+        stream = RequestStream(self, prompt, params, str(request_id), priority)
+        stream._render_options = {"tokenization_kwargs": kwargs, "prompt_text": prompt_text}
+        return stream
 
     async def _submit(self, stream: RequestStream) -> None:
         """Register the stream's request and queue it for rendering; a checkpoint.
 
         Either submits or raises, never both: a cancellation is taken before the
         request is registered, never after (the stream would be marked done with
-        its request left running and its id held for ever).
+        its request left running and its id held for ever). While the engine is
+        paused or asleep the request is accepted and held until it resumes.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_alive()
-        while not self._resumed.is_set():
-            await self._resumed.wait()
-            self._check_alive()
         # The closures below must not hold the stream: dropping it unfinished aborts it.
         request_id, slot, params = stream.request_id, stream._slot, stream._params
         prompt, priority = stream._prompt, stream._priority
-        if request_id in self._slots:
+        if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        self._slots[request_id] = slot
+        engine_id = stream.engine_id = f"{request_id}-{next(self._engine_ids)}"
+        self._live[request_id] = _LiveRequest(engine_id, slot)
 
         def accept(rendered: RenderedPrompt, requests: list[m.EngineRequest]) -> None:
-            if self._slots.get(request_id) is not slot:
+            if not self._is_live(request_id, engine_id):
                 return  # abandoned while it was being rendered
             self.processor.add_request(
-                request_id,
+                engine_id,
                 rendered.text,
                 requests[0].prompt_token_ids,
                 params,
                 requests[0].arrival_time,
                 slot=slot,
                 child_ids=[r.request_id for r in requests],
+                output_id=request_id,
             )
-            self._registered.add(request_id)
+            self._registered.add(engine_id)
             self.core.submit(AddRequests(requests))
-            if request_id in self._abort_on_accept:
-                self._abort_on_accept.discard(request_id)
-                self._after_processing(self.processor.abort_requests([request_id]))
+            if engine_id in self._abort_on_accept:
+                self._abort_on_accept.discard(engine_id)
+                self._after_processing(self.processor.abort_requests([engine_id]))
 
         def reject(error: BaseException) -> None:
-            if self._slots.get(request_id) is slot:
+            if self._is_live(request_id, engine_id):
                 slot.put_error(error)
 
-        job = RenderJob(request_id, prompt, params, priority, time.monotonic(), accept, reject)
+        job = RenderJob(
+            request_id,
+            engine_id,
+            prompt,
+            params,
+            priority,
+            time.monotonic(),
+            accept,
+            reject,
+            **stream._render_options,
+        )
         self._render_send.send_nowait(job)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
-    def _release(self, request_id: str) -> None:
-        self._slots.pop(request_id, None)
-        self._registered.discard(request_id)
-        self._abort_on_accept.discard(request_id)
+    def _is_live(self, request_id: str, engine_id: str) -> bool:
+        live = self._live.get(request_id)
+        return live is not None and live.engine_id == engine_id
 
-    def _abort_quietly(self, request_id: str) -> None:
+    def _release(self, request_id: str, engine_id: str) -> None:
+        """Forget a request whose stream has ended (only this one: not a later namesake)."""
+        if self._is_live(request_id, engine_id):
+            del self._live[request_id]
+        self._registered.discard(engine_id)
+        self._abort_on_accept.discard(engine_id)
+
+    def _abort_quietly(self, request_id: str, engine_id: str) -> None:
         """The consumer left: abort in the scheduler, forget the request. Never blocks."""
-        self._release(request_id)
+        self._release(request_id, engine_id)
         if self.supervisor.dead_error is not None or self._stopped:
             return
-        self._after_processing(self.processor.abort_requests([request_id]))
+        self._after_processing(self.processor.abort_requests([engine_id]))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests: each stream ends with a last output whose finish_reason is "abort".
@@ -386,12 +428,11 @@ class AsyncEngine(EngineClient):
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self.supervisor.dead_error is None and not self._stopped:
+            engine_ids = [live.engine_id for rid in ids if (live := self._live.get(rid))]
             self._after_processing(
-                self.processor.abort_requests([rid for rid in ids if rid in self._registered])
+                self.processor.abort_requests([e for e in engine_ids if e in self._registered])
             )
-            self._abort_on_accept.update(
-                rid for rid in ids if rid in self._slots and rid not in self._registered
-            )
+            self._abort_on_accept.update(e for e in engine_ids if e not in self._registered)
         await trio.lowlevel.checkpoint()
 
     def encode(
@@ -409,9 +450,8 @@ class AsyncEngine(EngineClient):
     # -------------------------------------------------------------- health
 
     def _on_death(self, error: EngineDeadError) -> None:
-        for slot in list(self._slots.values()):
-            slot.put_error(error)
-        self._resumed.set()
+        for live in list(self._live.values()):
+            live.slot.put_error(error)
 
     @property
     def is_running(self) -> bool:
@@ -452,75 +492,77 @@ class AsyncEngine(EngineClient):
         wait_for_inflight_requests: bool = False,
         clear_cache: bool = True,
     ) -> None:
-        """Stop generating. New ``generate`` calls wait until resume. Idempotent.
+        """Stop generating. New requests are accepted and held until resume. Idempotent.
 
         "abort": in-flight requests end with reason "abort"; "wait": returns
         once they have finished; "keep": they freeze and continue on resume.
         ``wait_for_inflight_requests=True`` is vLLM's older spelling of "wait".
         ``clear_cache`` resets the prefix cache once nothing is in flight.
+        A caller cancelled while waiting stops waiting; the pause goes on.
         """
         if wait_for_inflight_requests:
             mode = "wait"
         if mode not in _PAUSE_MODES:
             raise ValueError(f"mode: must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
         self._check_alive()
-        self._paused = True
-        self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
-        await self.core.call(m.PauseGeneration(_PAUSE_MODES[mode]))
-        if clear_cache and mode != "keep":
-            await self.core.call(m.ResetPrefixCache(False))
+        await self._control(m.PauseGeneration(_PAUSE_MODES[mode], clear_cache))
 
     async def resume_generation(self) -> None:
         self._check_alive()
-        await self.core.call(m.ResumeGeneration())
-        self._paused = False
-        if not self._sleeping:
-            self._resumed.set()
+        await self._control(m.ResumeGeneration())
 
     async def is_paused(self) -> bool:
-        return self._paused
+        await trio.lowlevel.checkpoint()
+        return self.scheduler.is_paused
 
     async def sleep(self, level: int = 1, mode: PauseModeName = "abort") -> None:
-        """Free the KV cache (level 2: also the weights); new requests wait for ``wake_up``.
+        """Free the KV cache (level 2: also the weights); new requests are held until ``wake_up``.
 
         In-flight requests are aborted ("abort") or first allowed to finish
         ("wait"); "keep" is refused, since a frozen request needs its KV cache.
+        A caller cancelled while waiting stops waiting; the engine still goes
+        to sleep.
         """
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
         if mode not in ("abort", "wait"):
             raise ValueError(f"mode: sleep supports 'abort' and 'wait', got {mode!r}")
         self._check_alive()
-        if self._sleeping:
-            return
-        self._sleeping = True
-        if mode == "wait":
-            self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
-            await self.core.call(m.PauseGeneration(m.PauseMode.WAIT))
-            await self.core.call(m.ResumeGeneration())
-        self._resumed = trio.Event() if self._resumed.is_set() else self._resumed
-        await self.core.call(m.Sleep(level))
-        await self.executor.call("sleep", level)
+        await self._control(m.Sleep(level, _PAUSE_MODES[mode]))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what ``sleep`` freed (``tags``: None = everything, else a subset of
+        "weights" and "kv_cache"); held requests start once the KV cache is back."""
+        if tags is not None:
+            unknown = sorted(set(tags) - {"weights", "kv_cache"})
+            if unknown:
+                raise ValueError(f"tags: unknown tag(s) {unknown}; expected weights, kv_cache")
+            tags = list(tags)
         self._check_alive()
-        if not self._sleeping:
-            return
-        await self.executor.call("wake_up", tags)
-        if tags is None or "kv_cache" in tags:
-            await self.core.call(m.WakeUp(tags))
-            self._sleeping = False
-            if not self._paused:
-                self._resumed.set()
+        await self._control(m.WakeUp(tags))
 
     async def is_sleeping(self) -> bool:
-        return self._sleeping
+        await trio.lowlevel.checkpoint()
+        return self.core.sleeping
 
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         self._check_alive()
-        return bool(await self.core.call(m.ResetPrefixCache(reset_running_requests)))
+        return bool(await self._control(m.ResetPrefixCache(reset_running_requests)))
+
+    async def _control(self, message: object) -> object:
+        """Have the scheduler loop carry out ``message``; its answer. A checkpoint.
+
+        The loop does the whole of it even if this caller is cancelled while
+        waiting (it just stops waiting). If the engine dies or stops first,
+        raises its EngineDeadError.
+        """
+        try:
+            return await self.core.call(message)
+        except CoreStopped:
+            self._check_alive()
+            raise
 
     async def reset_mm_cache(self) -> None:
         await trio.lowlevel.checkpoint()  # no multimodal inputs yet: nothing to reset
@@ -528,14 +570,23 @@ class AsyncEngine(EngineClient):
     async def reset_encoder_cache(self) -> None:
         await trio.lowlevel.checkpoint()  # no encoder cache yet: nothing to reset
 
-    async def start_profile(self) -> None:
+    async def _worker_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the worker; a checkpoint. A cancelled caller stops waiting (the
+        call still runs on the worker); if the worker dies, raises the engine's
+        EngineDeadError."""
         self._check_alive()
+        try:
+            return await self.executor.call(method, *args, **kwargs)
+        except WorkerDiedError:
+            self._check_alive()
+            raise
+
+    async def start_profile(self) -> None:
         trace_dir = self.config.profile_dir or os.path.join(os.getcwd(), "legato-profile")
-        await self.executor.call("start_profile", trace_dir)
+        await self._worker_call("start_profile", trace_dir)
 
     async def stop_profile(self) -> None:
-        self._check_alive()
-        path = await self.executor.call("stop_profile")
+        path = await self._worker_call("stop_profile")
         logger.info("profiler trace written to %s", path)
 
     async def add_lora(self, lora_request: Any) -> bool:
@@ -552,9 +603,8 @@ class AsyncEngine(EngineClient):
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on every worker (there is one) and return their results."""
-        self._check_alive()
         with trio.fail_after(math.inf if timeout is None else timeout):
-            return [await self.executor.call(method, *args, **(kwargs or {}))]
+            return [await self._worker_call(method, *args, **(kwargs or {}))]
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine: open streams end with EngineDeadError, the worker is reaped.
@@ -567,9 +617,8 @@ class AsyncEngine(EngineClient):
         self._stopped = True
         self.supervisor.stopping = True
         error = EngineDeadError("the engine has been shut down")
-        for slot in list(self._slots.values()):
-            slot.put_error(error)
-        self._resumed.set()
+        for live in list(self._live.values()):
+            live.slot.put_error(error)
         self.executor.begin_shutdown()
         self.supervisor.cancel_all()
 
@@ -586,14 +635,16 @@ class AsyncEngine(EngineClient):
 
     @property
     def num_kv_blocks_used(self) -> int:
-        return int(self.scheduler.make_stats().num_blocks_used)
+        """KV blocks held by requests now. Reads the pool only: the per-step figures
+        that /metrics counts are left alone."""
+        return self.scheduler.kv.num_used_blocks
 
 
 @asynccontextmanager
 async def open_engine(
     model: str | None = None, *, faults: dict[str, Any] | None = None, **engine_args: Any
 ) -> AsyncIterator[AsyncEngine]:
-    """Start an engine for ``model`` (None: the embedded toy model) and yield it.
+    """Start an engine for ``model`` (None: the default model; see legato.model_source) and yield it.
 
     ``engine_args`` are EngineConfig's fields (vLLM's names). Start-up
     failures (a bad model directory, weights that fail to load) raise here.

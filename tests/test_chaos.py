@@ -117,12 +117,12 @@ async def test_harness_reports_a_real_hang_a_leaked_task_and_a_leaked_process(
     start = AsyncEngine._start
 
     def forgetful_on_death(self: AsyncEngine, error: EngineDeadError) -> None:
-        victim = self._slots.pop("chaos-r0-s0", None)
+        victim = self._live.pop("chaos-r0-s0", None)
         try:
             on_death(self, error)
         finally:
             if victim is not None:
-                self._slots["chaos-r0-s0"] = victim
+                self._live["chaos-r0-s0"] = victim
 
     async def leaky_start(self: AsyncEngine) -> None:
         await start(self)

@@ -12,7 +12,7 @@ import trio.testing
 
 from legato import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from legato.engine import AsyncEngine, open_engine
-from legato.protocol.errors import EngineStartupError, PromptTooLongError
+from legato.protocol.errors import EngineStartupError, PromptTooLongError, ValidationError
 
 DELTA = RequestOutputKind.DELTA
 FINAL = RequestOutputKind.FINAL_ONLY
@@ -93,12 +93,16 @@ async def test_greedy_matches_transformers(engine: AsyncEngine, toy_model_dir: A
     assert ours == ref[0, ids.shape[1] :].tolist()
 
 
-async def test_cancelled_scopes_abort_their_requests_and_free_blocks(engine: AsyncEngine) -> None:
+async def test_cancelled_scopes_abort_their_requests_and_free_blocks(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    gate = gate_steps(engine)
     finished: dict[int, int] = {}
     cancelled: list[int] = []
 
     async def one(i: int) -> None:
-        params = greedy(30, output_kind=DELTA)
+        # The cancelled ones could run for hundreds of steps more if abort did nothing.
+        params = greedy(30 if i % 10 else 400, output_kind=DELTA)
         with trio.CancelScope() as scope:
             got = 0
             async with engine.generate(f"prompt {i}", params, f"c{i}") as stream:
@@ -115,6 +119,8 @@ async def test_cancelled_scopes_abort_their_requests_and_free_blocks(engine: Asy
             nursery.start_soon(one, i)
     assert sorted(cancelled) == list(range(0, 100, 10))
     assert all(finished[i] == 30 for i in range(100) if i % 10)
+    await gate.assert_done_within_one_step()
+    gate.open()
     await assert_idle(engine)
     for i in cancelled:  # the ids are free again
         outs = await run_one(engine, "again", greedy(3), f"c{i}")
@@ -153,8 +159,10 @@ async def test_abort_ends_streams_with_reason_abort(engine: AsyncEngine) -> None
 
 @pytest.mark.parametrize("how", ["break", "aclose"])
 async def test_consumers_that_stop_early_leave_nothing_behind(
-    engine: AsyncEngine, how: str
+    engine: AsyncEngine, how: str, gate_steps: Any
 ) -> None:
+    gate = gate_steps(engine)
+
     async def one(i: int) -> None:
         got = 0
         stream = engine.generate(f"early stop {i}", greedy(300, output_kind=DELTA), f"e{i}")
@@ -173,7 +181,7 @@ async def test_consumers_that_stop_early_leave_nothing_behind(
     async with trio.open_nursery() as nursery:
         for i in range(8):
             nursery.start_soon(one, i)
-    await assert_idle(engine)
+    await gate.assert_done_within_one_step()  # 280 tokens each were still to come
 
 
 async def test_stop_strings_spanning_token_boundaries(engine: AsyncEngine) -> None:
@@ -309,9 +317,17 @@ async def test_duplicate_live_request_id_is_refused(engine: AsyncEngine) -> None
     assert (await run_one(engine, "dup", greedy(2), "same"))[-1].finished
 
 
-@pytest.mark.parametrize("fault", ["runner_raises", "sigkill"])
+WORKER_FAULTS: dict[str, Any] = {
+    "runner_raises": {"raise_on_step": 8},
+    "short_reply": {"short_reply_on_step": 8},  # a malformed answer is the worker's death
+    "sigkill": None,
+}
+
+
+@pytest.mark.parametrize("fault", list(WORKER_FAULTS))
 async def test_engine_death_fails_every_stream(toy_model_dir: Any, fault: str) -> None:
-    faults = {"worker": {"raise_on_step": 8}} if fault == "runner_raises" else None
+    spec = WORKER_FAULTS[fault]
+    faults = {"worker": spec} if spec is not None else None
     errors: list[BaseException] = []
     progress = trio.Event()
     async with open_engine(str(toy_model_dir), faults=faults, **ENGINE_ARGS) as engine:
@@ -345,6 +361,8 @@ async def test_engine_death_fails_every_stream(toy_model_dir: Any, fault: str) -
             isinstance(engine.dead_error, EngineDeadError)
             and engine.dead_error.__cause__ is not None
         )
+        if fault == "short_reply":
+            assert "does not match its requests" in str(engine.dead_error.__cause__)
         with pytest.raises(EngineDeadError):
             await engine.check_health()
         with pytest.raises(EngineDeadError):
@@ -383,6 +401,13 @@ async def test_offline_llm_and_llm_engine_match_async_engine(
             batch = [
                 o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)
             ]
+            # One bad prompt among good ones raises its own error, not a group around it.
+            bad = [prompts[0], {"prompt_token_ids": []}, "w " * 600, prompts[1]]
+            with pytest.raises(ValidationError) as caught:
+                llm.generate(bad, greedy(300), use_tqdm=False)
+            assert caught.value.field == "prompt"
+            again = llm.generate(prompts, greedy(16), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in again] == batch
         stepwise = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS))
         for i, p in enumerate(prompts):
             stepwise.add_request(f"s{i}", p, greedy(16, output_kind=FINAL))
@@ -396,3 +421,104 @@ async def test_offline_llm_and_llm_engine_match_async_engine(
     batch, stepwise = await trio.to_thread.run_sync(offline)
     assert batch == expected
     assert stepwise == expected
+
+
+async def test_a_reused_id_gets_only_its_own_tokens(engine: AsyncEngine, gate_steps: Any) -> None:
+    """An id is free again as soon as its stream has ended, even with a step of its
+    predecessor in flight: that step's token must not reach the new request."""
+    own = (await run_one(engine, "a fresh prompt", greedy(8), "reference"))[-1]
+    gate = gate_steps(engine)
+    first_tokens = {i: trio.Event() for i in range(4)}
+    scopes: dict[int, trio.CancelScope] = {}
+
+    async def old(i: int) -> None:
+        with trio.CancelScope() as scopes[i]:
+            async with engine.generate("the old one", greedy(300, output_kind=DELTA), f"c{i}") as s:
+                async for _ in s:
+                    first_tokens[i].set()
+
+    results: dict[int, list[int]] = {}
+
+    async def new(i: int) -> None:
+        outs = await run_one(engine, "a fresh prompt", greedy(8, output_kind=DELTA), f"c{i}")
+        results[i] = [t for o in outs for t in o.outputs[0].token_ids]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(old, i)
+        for event in first_tokens.values():
+            await event.wait()
+        gate.close()
+        await gate.wait_held()  # a step computing the old requests is on its way
+        for scope in scopes.values():
+            scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()  # the old streams have ended
+        for i in range(4):
+            nursery.start_soon(new, i)
+        await trio.testing.wait_all_tasks_blocked()  # the new ones are registered
+        gate.open()
+    assert results == {i: own.outputs[0].token_ids for i in range(4)}
+    await assert_idle(engine)
+
+
+async def test_cache_salt_keeps_prefix_caches_apart(engine: AsyncEngine) -> None:
+    ids = list(range(5, 5 + 200))
+
+    async def cached(prompt: Any, rid: str) -> int:
+        out = (await run_one(engine, prompt, greedy(2), rid))[-1]
+        assert out.num_cached_tokens is not None
+        return out.num_cached_tokens
+
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, "a1") == 0
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-b"}, "b1") == 0
+    assert await cached({"prompt_token_ids": ids}, "none1") == 0
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, "a2") >= 192
+    assert await cached({"prompt_token_ids": ids, "cache_salt": "tenant-b"}, "b2") >= 192
+    assert await cached({"prompt_token_ids": ids}, "none2") >= 192
+    text = "the same words for everyone " * 8
+    assert await cached({"prompt": text, "cache_salt": "tenant-a"}, "ta1") == 0
+    assert await cached({"prompt": text, "cache_salt": "tenant-c"}, "tc1") == 0
+    assert await cached({"prompt": text, "cache_salt": "tenant-a"}, "ta2") > 0
+    for salt in ("", 5, ["x"]):
+        with pytest.raises(ValidationError) as caught:
+            await run_one(engine, {"prompt_token_ids": ids, "cache_salt": salt}, greedy(2), "bad")
+        assert caught.value.field == "cache_salt"
+    await assert_idle(engine)
+
+
+async def test_prompt_text_and_tokenization_kwargs_are_honoured(engine: AsyncEngine) -> None:
+    tok = engine.tokenizer
+    text = "Hello there, tokenizer"
+    ids = tok.encode(text)
+    out = (await run_one(engine, ids, greedy(2), "ids"))[-1]
+    assert out.prompt is None
+    async def last(stream: Any) -> RequestOutput:
+        async with stream:
+            outs = [out async for out in stream]
+        return outs[-1]
+
+    out = await last(engine.generate(ids, greedy(2), "named", prompt_text=text))
+    assert out.prompt == text and out.prompt_token_ids == ids
+
+    async def prompt_ids(kwargs: dict[str, Any]) -> list[int]:
+        out = await last(engine.generate(text, greedy(1), "kw", tokenization_kwargs=kwargs))
+        return list(out.prompt_token_ids or [])
+
+    assert await prompt_ids({}) == ids
+    assert await prompt_ids({"add_special_tokens": False}) == tok.encode(
+        text, add_special_tokens=False
+    )
+    assert await prompt_ids({"truncation": True, "max_length": 3}) == tok.encode(
+        text, truncation=True, max_length=3
+    )
+    for kwargs, field in [
+        ({"padding": True}, "tokenization_kwargs"),
+        ({"max_length": 0}, "tokenization_kwargs.max_length"),
+        ({"truncation": True}, "tokenization_kwargs.max_length"),
+        ({"add_special_tokens": "no"}, "tokenization_kwargs.add_special_tokens"),
+    ]:
+        with pytest.raises(ValidationError) as caught:
+            engine.generate(text, greedy(1), "kw", tokenization_kwargs=kwargs)
+        assert caught.value.field == field
+    with pytest.raises(ValidationError, match="prompt_text"):
+        engine.generate(ids, greedy(1), "pt", prompt_text=5)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from legato import RequestOutput, SamplingParams
 from legato.engine import AsyncEngine, open_engine
@@ -97,3 +99,80 @@ async def test_metrics_and_log_line(engine: AsyncEngine, caplog: Any) -> None:
     with caplog.at_level(logging.INFO, logger="legato.engine"):
         await engine.do_log_stats()
     assert "generation throughput" in caplog.text
+
+
+async def test_control_calls_from_a_cancelled_scope_leave_the_engine_serving(
+    engine: AsyncEngine,
+) -> None:
+    calls = [
+        lambda: engine.collective_rpc("held_requests"),
+        lambda: engine.reset_prefix_cache(),
+        lambda: engine.collective_rpc("reset_kv_cache"),
+        lambda: engine.pause_generation(mode="keep"),
+        lambda: engine.resume_generation(),
+        lambda: engine.collective_rpc("held_requests"),
+    ]
+    for call in calls:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await call()
+        assert scope.cancelled_caught
+    with trio.fail_after(20):
+        out = await final(engine, "still serving", greedy(4), "after")
+        assert len(out.outputs[0].token_ids) == 4
+        assert len(await engine.collective_rpc("held_requests")) == 1
+    assert not engine.errored and not await engine.is_paused()
+
+
+async def test_a_sleep_whose_caller_is_cancelled_still_completes(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    gate = gate_steps(engine)
+    first_token = trio.Event()
+    got: list[RequestOutput] = []
+
+    async def long() -> None:
+        async with engine.generate("in flight", greedy(20), "long") as stream:
+            async for out in stream:
+                got.append(out)
+                first_token.set()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long)
+            await first_token.wait()
+            gate.close()  # the request cannot finish: sleep(mode="wait") waits for it
+            async with trio.open_nursery() as sleeper:
+                sleeper.start_soon(functools.partial(engine.sleep, mode="wait"))
+                await gate.wait_held()
+                await trio.testing.wait_all_tasks_blocked()
+                sleeper.cancel_scope.cancel()
+            gate.open()
+        assert got[-1].outputs[0].finish_reason == "length"
+        assert len(got[-1].outputs[0].token_ids) == 20
+        await engine.wake_up()
+        assert not await engine.is_sleeping()
+        out = await final(engine, "awake again", greedy(4), "after")
+    assert len(out.outputs[0].token_ids) == 4 and not engine.errored
+
+
+async def test_reading_blocks_in_use_leaves_the_metrics_alone(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    gate = gate_steps(engine)
+    gate.close()
+    async with trio.open_nursery() as nursery:
+        outputs: list[RequestOutput] = []
+
+        async def one() -> None:
+            outputs.append(await final(engine, "count my prompt tokens", greedy(3), "m"))
+
+        nursery.start_soon(one)
+        await gate.wait_held()  # the first step is planned: its prefix lookups are counted
+        for _ in range(3):
+            assert engine.num_kv_blocks_used > 0
+        gate.open()
+    prompt_tokens = len(outputs[0].prompt_token_ids or [])
+    text = engine.stats.exposition().decode()
+    queries = [line for line in text.splitlines() if line.startswith("legato:prefix_cache_queries")]
+    assert queries and float(queries[0].split()[-1]) == prompt_tokens

@@ -33,15 +33,16 @@ NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to
 
 
 def framed(*messages: object) -> bytes:
+    """The messages as the engine sends them: frame ids 1, 2, ..."""
     out = b""
-    for message in messages:
+    for frame_id, message in enumerate(messages, start=1):
         payload = encode(message)
-        out += frame_header(len(payload)) + payload
+        out += frame_header(len(payload), frame_id) + payload
     return out
 
 
 def raw_frame(payload: bytes) -> bytes:
-    return frame_header(len(payload)) + payload
+    return frame_header(len(payload), 1) + payload
 
 
 def run_worker(stdin: bytes) -> subprocess.CompletedProcess[bytes]:
@@ -57,11 +58,14 @@ def run_worker(stdin: bytes) -> subprocess.CompletedProcess[bytes]:
     )
 
 
-def frames_in(data: bytes) -> list[object]:
+def frames_in(data: bytes, *, check_ids: bool = True) -> list[object]:
+    """The worker's answers, in order; each carries the id of the frame it answers."""
     stream = io.BytesIO(data)
     frames = []
     while (frame := read_frame(stream)) is not None:
-        frames.append(frame)
+        frame_id, message = frame
+        assert frame_id == len(frames) + 1 or not check_ids, (frame_id, message)
+        frames.append(message)
     return frames
 
 
@@ -83,7 +87,7 @@ class _Boom:
     [
         ("truncated frame", frame_header(100) + b"\x94" * 10, "truncated frame"),
         ("truncated header", b"\x00\x00", "truncated frame header"),
-        ("oversized header", b"\xff\xff\xff\xff" + b"x" * 64, "over the limit of"),
+        ("oversized header", b"\xff\xff\xff\xff" + bytes(8) + b"x" * 64, "over the limit of"),
         ("length past the limit", frame_header(MAX_FRAME_SIZE) + b"x", "truncated frame"),
         ("garbage", raw_frame(b"\xc1 not msgpack at all"), "malformed frame"),
         ("not a legato frame", raw_frame(b"\x93\x01\x02\x03"), "not a legato frame"),
@@ -195,7 +199,7 @@ def _mutate(data: bytes, draw: st.DataObject) -> bytes:
         elif how == "delete":
             del buf[where]
         else:  # a hostile length header in the middle of the stream
-            buf[where:where] = draw.draw(st.integers(0, 2**32 - 1)).to_bytes(HEADER_SIZE, "big")
+            buf[where:where] = draw.draw(st.integers(0, 2**96 - 1)).to_bytes(HEADER_SIZE, "big")
     return bytes(buf)
 
 
@@ -227,7 +231,7 @@ def test_worker_serve_on_mutated_input_ends_with_an_exit_code_or_wire_error(
         return
     assert code in (0, 1, 2)
     out.seek(0)
-    for answer in frames_in(out.getvalue()):
+    for answer in frames_in(out.getvalue(), check_ids=False):
         if isinstance(answer, m.UtilityResult) and answer.call_id == 8:
             assert answer.error == "unknown worker method '_private'"
 
@@ -271,8 +275,8 @@ def test_executor_frame_reader_on_mutated_streams_raises_only_wire_error(
 
 async def test_executor_frame_reader_reassembles_split_frames() -> None:
     messages = [m.HealthPong(i, float(i)) for i in range(5)]
-    reader = _FrameReader(_Chunks(framed(*messages), [1, 2, 3, 1, 7, 4, 1]))
+    reader = _FrameReader(_Chunks(framed(*messages), [1, 2, 3, 1, 7, 4, 1, 11, 13]))
     got = []
     while (frame := await reader.read()) is not None:
         got.append(frame)
-    assert got == messages
+    assert got == list(enumerate(messages, start=1))

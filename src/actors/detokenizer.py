@@ -323,9 +323,14 @@ class _Completion:
 
 @dataclass(eq=False)
 class _Request:
-    """A caller's request: one id, one slot, n completions."""
+    """A caller's request: one id, one slot, n completions.
+
+    ``request_id`` is the id the engine runs it under; ``output_id`` the one
+    its outputs carry (the caller's).
+    """
 
     request_id: str
+    output_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -394,15 +399,18 @@ class OutputProcessor:
         *,
         slot: OutputSlot,
         child_ids: Sequence[str] | None = None,
+        output_id: str | None = None,
     ) -> list[str]:
         """Register a request; return the ids the scheduler runs it under.
 
         ``child_ids`` (n of them, in index order) if given; else
         ``[request_id]`` for n == 1 and ``child_request_id(request_id, i)``
         for n > 1 (the renderer's naming). ``params`` are
-        the caller's (n, stop strings, output kind). Raises ValueError for a
-        live duplicate id, a slot of another output kind, or stop strings
-        without a tokenizer.
+        the caller's (n, stop strings, output kind). ``output_id`` is the id
+        the outputs and errors carry (default ``request_id``): the caller's,
+        when the engine runs the request under an id of its own. Raises
+        ValueError for a live duplicate id, a slot of another output kind, or
+        stop strings without a tokenizer.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
@@ -423,7 +431,15 @@ class OutputProcessor:
             raise ValueError(f"child_ids: expected {params.n} ids, got {len(ids)}")
         if clash := [i for i in ids if i in self._completions]:
             raise ValueError(f"request_id: {clash[0]!r} is already running")
-        request = _Request(request_id, prompt, list(prompt_token_ids), params, arrival_time, slot)
+        request = _Request(
+            request_id,
+            request_id if output_id is None else output_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            arrival_time,
+            slot,
+        )
         for index, child_id in enumerate(ids):
             detokenizer = None
             if self.tokenizer is not None and params.detokenize:
@@ -468,7 +484,7 @@ class OutputProcessor:
                 continue
             request = completion.parent
             if core.finish_reason == FinishReason.ERROR:
-                error = EngineGenerateError(request.request_id, core.error or "the request failed")
+                error = EngineGenerateError(request.output_id, core.error or "the request failed")
                 self._fail(request, error, now, step, failed_id=core.request_id)
                 touched.pop(request.request_id, None)
                 continue
@@ -575,7 +591,7 @@ class OutputProcessor:
         if completions:
             request.slot.put(
                 RequestOutput(
-                    request_id=request.request_id,
+                    request_id=request.output_id,
                     prompt=request.prompt,
                     prompt_token_ids=request.prompt_token_ids,
                     prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),

@@ -12,16 +12,18 @@ free within one step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
 
 from ..protocol import messages as m
-from .executor import Executor
+from ..protocol.errors import LegatoError
+from .executor import Executor, WorkerCallError
 from .scheduler import Scheduler
 from .stats import StepStats
 
@@ -48,6 +50,25 @@ class Control:
     reply: Callable[[object], None]
 
 
+class CoreStopped(LegatoError):
+    """The scheduler loop stopped (the engine died or shut down) before answering a call."""
+
+
+class _Call:
+    """One ``EngineCore.call`` waiting for its answer (or for the loop to stop)."""
+
+    __slots__ = ("done", "value")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.value: object = None
+
+    def reply(self, value: object) -> None:
+        if not self.done.is_set():
+            self.value = value
+            self.done.set()
+
+
 CoreMessage = AddRequests | m.AbortRequests | FinishRequests | Control
 
 
@@ -62,7 +83,8 @@ class EngineCore:
     sleeping: bool = False
     _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
-    _waiters: list[Callable[[object], None]] = field(default_factory=list)  # pause(WAIT) replies
+    # What WAIT-mode pauses and sleeps do once nothing is in flight.
+    _waiters: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     _arrivals: dict[str, float] = field(default_factory=dict)  # requests not yet scheduled
 
     def __post_init__(self) -> None:
@@ -70,6 +92,8 @@ class EngineCore:
         self._idle = trio.Event()
         self._idle.set()
         self._stats_dirty = False
+        self._stopped = False
+        self._calls: set[_Call] = set()
 
     async def wait_idle(self) -> None:
         """Return once no request is left in the scheduler (all KV blocks free).
@@ -92,38 +116,54 @@ class EngineCore:
         self._inbox_send.send_nowait(message)
 
     async def call(self, message: object) -> object:
-        """Send a control message and wait for its answer. A checkpoint."""
-        done = trio.Event()
-        box: list[object] = []
+        """Send a control message and wait for its answer. A checkpoint.
 
-        def reply(value: object) -> None:
-            box.append(value)
-            done.set()
-
-        self.submit(Control(message, reply))
-        await done.wait()
-        result = box[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        The message is queued before the first checkpoint: a caller cancelled
+        while waiting just stops waiting, and the loop still carries it out.
+        Raises the answer if it is an exception, and CoreStopped if the loop
+        stops (the engine died or shut down) before answering.
+        """
+        if self._stopped:
+            raise CoreStopped("the scheduler loop has stopped")
+        call = _Call()
+        self._calls.add(call)
+        try:
+            self.submit(Control(message, call.reply))
+            await call.done.wait()
+        finally:
+            self._calls.discard(call)
+        if isinstance(call.value, BaseException):
+            raise call.value
+        return call.value
 
     async def run(self) -> None:
-        """The actor loop. Runs until cancelled; any exception kills the engine."""
+        """The actor loop. Runs until cancelled; any exception kills the engine.
+
+        When it ends, every call still waiting raises CoreStopped.
+        """
+        try:
+            await self._loop()
+        finally:
+            self._stopped = True
+            for call in list(self._calls):
+                call.reply(CoreStopped("the scheduler loop has stopped"))
+
+    async def _loop(self) -> None:
         while True:
             if not self._has_work():
                 self._note_idle()
-                self._handle(await self._inbox.receive())
+                await self._handle(await self._inbox.receive())
             while True:
                 try:
                     message = self._inbox.receive_nowait()
                 except trio.WouldBlock:
                     break
-                self._handle(message)
+                await self._handle(message)
             if self._stats_dirty:
                 self._record(self.scheduler.make_stats())
             if self._has_work():
                 await self._step()
-            self._answer_waiters()
+            await self._answer_waiters()
             self._note_idle()
             await trio.lowlevel.checkpoint()
 
@@ -135,7 +175,7 @@ class EngineCore:
         if plan.total_num_scheduled_tokens == 0 and not plan.finished_req_ids:
             # Nothing can run (frozen, or waiting on blocks only an abort can free):
             # wait for news instead of spinning.
-            self._handle(await self._inbox.receive())
+            await self._handle(await self._inbox.receive())
             return
         now = time.monotonic()
         queue_times = []
@@ -174,7 +214,7 @@ class EngineCore:
             self._forget_finished(outputs)
             self.outputs.send_nowait(m.EngineCoreOutputs(outputs, time.monotonic(), None))
 
-    def _handle(self, message: CoreMessage) -> None:
+    async def _handle(self, message: CoreMessage) -> None:
         self._stats_dirty = True  # queues or blocks may have changed: publish before sleeping
         if isinstance(message, AddRequests):
             for request in message.requests:
@@ -187,18 +227,26 @@ class EngineCore:
             for request_id in message.request_ids:
                 self._arrivals.pop(request_id, None)
         elif isinstance(message, Control):
-            self._control(message)
+            await self._control(message)
         else:  # pragma: no cover - a programming error
             raise TypeError(f"unexpected message {message!r}")
 
-    def _control(self, control: Control) -> None:
+    async def _control(self, control: Control) -> None:
+        """Carry out a control message and answer it.
+
+        The whole of a control's effect happens here, in the loop, whatever
+        its caller does: a caller cancelled while waiting for the answer
+        just never reads it. A WAIT-mode pause or sleep is answered once
+        nothing is in flight (``_answer_waiters``).
+        """
         message = control.message
         if isinstance(message, m.PauseGeneration):
             self._emit(self.scheduler.pause(message.mode))
+            clear = message.clear_cache and message.mode != m.PauseMode.KEEP
             if message.mode == m.PauseMode.WAIT:
-                self._waiters.append(control.reply)
-                return
-            control.reply(None)
+                self._waiters.append(functools.partial(self._paused, control.reply, clear))
+            else:
+                await self._paused(control.reply, clear)
         elif isinstance(message, m.ResumeGeneration):
             self.scheduler.resume()
             control.reply(None)
@@ -207,20 +255,57 @@ class EngineCore:
         elif isinstance(message, m.HealthPing):
             control.reply(m.HealthPong(message.seq, message.sent_time))
         elif isinstance(message, m.Sleep):
-            # Nothing may run on a worker without its KV cache: finish everything first.
-            self._emit(self.scheduler.pause(m.PauseMode.ABORT))
-            self.scheduler.resume()
-            self.scheduler.reset_prefix_cache(True)
-            self.sleeping = True
-            control.reply(None)
+            if message.mode == m.PauseMode.WAIT:
+                resume = not self.scheduler.is_paused
+                if self.scheduler.pause_mode in (None, m.PauseMode.KEEP):
+                    self.scheduler.pause(m.PauseMode.WAIT)  # a frozen request could never drain
+                after = functools.partial(self._sleep, message.level, control.reply, resume)
+                self._waiters.append(after)
+            else:
+                await self._sleep(message.level, control.reply, False)
         elif isinstance(message, m.WakeUp):
-            self.sleeping = False
-            control.reply(None)
+            await self._wake_up(message.tags, control.reply)
         else:
             control.reply(TypeError(f"unknown control message {type(message).__name__}"))
 
-    def _answer_waiters(self) -> None:
-        if self._waiters and not self.scheduler.has_in_flight_requests():
+    async def _paused(self, reply: Callable[[object], None], clear_cache: bool) -> None:
+        if clear_cache:
+            self.scheduler.reset_prefix_cache(False)
+        reply(None)
+        await trio.lowlevel.checkpoint()
+
+    async def _sleep(self, level: int, reply: Callable[[object], None], resume: bool) -> None:
+        """Abort what is in flight, forget the prefix cache, put the worker to sleep.
+
+        Requests held by a pause stay queued (they hold no blocks) and run
+        after ``wake_up``; so do requests that arrive while asleep.
+        """
+        # Nothing may run on a worker without its KV cache: finish what is in flight first.
+        self._emit(self.scheduler.abort_in_flight())
+        self.scheduler.reset_prefix_cache(True)
+        if resume:
+            self.scheduler.resume()
+        self.sleeping = True
+        try:
+            await self.executor.call("sleep", level)
+        except WorkerCallError as exc:
+            reply(exc)
+            return
+        reply(None)
+
+    async def _wake_up(self, tags: list[str] | None, reply: Callable[[object], None]) -> None:
+        try:
+            await self.executor.call("wake_up", tags)
+        except WorkerCallError as exc:
+            reply(exc)
+            return
+        if tags is None or "kv_cache" in tags:
+            self.sleeping = False
+        reply(None)
+
+    async def _answer_waiters(self) -> None:
+        """Run the WAIT-mode pauses and sleeps once nothing is in flight."""
+        while self._waiters and not self.scheduler.has_in_flight_requests():
             waiters, self._waiters = self._waiters, []
-            for reply in waiters:
-                reply(None)
+            for waiter in waiters:
+                await waiter()

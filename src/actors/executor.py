@@ -1,14 +1,22 @@
 """The executor actor: drives the model worker, one request frame per step.
 
-Two implementations with one interface:
+Two implementations with one interface (``run``, ``execute``, ``ping``,
+``call``, ``begin_shutdown``, ``kill``), both serving frames with
+``legato.worker.Worker.handle``:
 
 - ``ProcessExecutor`` (the default) runs ``python -m legato.worker`` as a child
   process and talks to it over its stdin / stdout with length-prefixed msgpack
-  frames. Answers come back strictly in order, so calls are pipelined through
-  a FIFO of pending replies. The actor task reads answers and watches the
-  process: EOF, an exit or a fatal WorkerError raise ``WorkerDiedError``, which
-  the supervisor turns into engine death. The child is always reaped.
-- ``InprocExecutor`` runs the ModelRunner in this process, in a worker thread
+  frames. Every frame carries an id and every answer the id of the frame it
+  answers, so answers are routed by id to whoever asked. Frames are encoded
+  in the caller's task and queued without a checkpoint; one task (the
+  writer) owns the pipe and writes each frame whole. So a caller cancelled
+  at any point either sent nothing or sent a whole frame whose answer is
+  dropped on arrival: no other caller's answer ever shifts. The actor task
+  reads answers and watches the process: EOF, an exit, a fatal WorkerError
+  or a malformed answer raise ``WorkerDiedError``, which the supervisor
+  turns into engine death; every caller still waiting then gets that error.
+  The child is always reaped.
+- ``InprocExecutor`` runs the Worker in this process, in a worker thread
   (for tests and small set-ups).
 
 Both are started with ``await nursery.start(executor.run)``; ``started`` is
@@ -17,7 +25,7 @@ signalled once the model is loaded, with the worker's ``WorkerReady``.
 
 from __future__ import annotations
 
-import collections
+import math
 import os
 import signal
 import subprocess
@@ -29,39 +37,67 @@ from typing import Any
 import trio
 
 from ..config import EngineConfig
+from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol import wire
 from ..protocol.errors import EngineStartupError, LegatoError
 
 
 class WorkerDiedError(LegatoError):
-    """The model worker exited, hung up or reported a fatal error."""
+    """The model worker exited, hung up, reported a fatal error or sent a malformed answer."""
 
 
 class WorkerCallError(LegatoError):
     """A utility call on the worker raised; the worker is still healthy."""
 
 
-class _Reply:
-    """A one-shot answer slot for one request frame."""
+def check_runner_output(step: m.SchedulerOutput, output: object) -> m.ModelRunnerOutput:
+    """``output`` if it answers ``step`` (one entry per scheduled request, in order);
+    WorkerDiedError otherwise: a worker that drops or invents requests would hang them."""
+    if not isinstance(output, m.ModelRunnerOutput):
+        raise WorkerDiedError(f"expected ModelRunnerOutput, got {type(output).__name__}")
+    if output.step_id != step.step_id:
+        raise WorkerDiedError(
+            f"the model worker answered step {step.step_id} with step {output.step_id}"
+        )
+    if len(output.sampled_token_ids) != len(output.req_ids) or output.req_ids != list(
+        step.num_scheduled_tokens
+    ):
+        raise WorkerDiedError(
+            f"the model worker's answer to step {step.step_id} does not match its requests "
+            f"({len(output.req_ids)} ids and {len(output.sampled_token_ids)} samples "
+            f"for {len(step.num_scheduled_tokens)} scheduled requests)"
+        )
+    return output
 
-    __slots__ = ("event", "value")
+
+class _Answer:
+    """A one-shot slot for the answer to one frame (or the error that ended the worker)."""
+
+    __slots__ = ("event", "value", "error")
 
     def __init__(self) -> None:
         self.event = trio.Event()
         self.value: object = None
+        self.error: BaseException | None = None
 
     def set(self, value: object) -> None:
         self.value = value
         self.event.set()
 
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
     async def wait(self) -> object:
         await self.event.wait()
+        if self.error is not None:
+            raise self.error
         return self.value
 
 
 class _FrameReader:
-    """Reads length-prefixed frames from a trio ReceiveStream."""
+    """Reads id-carrying, length-prefixed frames from a trio ReceiveStream."""
 
     def __init__(self, stream: trio.abc.ReceiveStream) -> None:
         self._stream = stream
@@ -75,16 +111,16 @@ class _FrameReader:
             self._buffer += chunk
         return True
 
-    async def read(self) -> object | None:
-        """The next frame, or None at end of stream."""
+    async def read(self) -> tuple[int, object] | None:
+        """The next frame's id and message, or None at end of stream. WireError if malformed."""
         if not await self._fill(wire.HEADER_SIZE):
             return None
-        size = wire.read_frame_length(bytes(self._buffer[: wire.HEADER_SIZE]))
+        size, frame_id = wire.read_frame_header(bytes(self._buffer[: wire.HEADER_SIZE]))
         if not await self._fill(wire.HEADER_SIZE + size):
             return None
         payload = bytes(self._buffer[wire.HEADER_SIZE : wire.HEADER_SIZE + size])
         del self._buffer[: wire.HEADER_SIZE + size]
-        return wire.decode(payload)
+        return frame_id, wire.decode(payload)
 
 
 class ProcessExecutor:
@@ -94,9 +130,10 @@ class ProcessExecutor:
         self._config = config
         self._inject_fault = inject_fault
         self._process: trio.Process | None = None
-        self._pending: collections.deque[_Reply] = collections.deque()
-        self._send_lock = trio.StrictFIFOLock()
-        self._call_ids = 0
+        self._outbox, self._outbox_recv = trio.open_memory_channel[bytes](math.inf)
+        self._answers: dict[int, _Answer] = {}  # by frame id: callers still waiting
+        self._last_id = 0  # frames are numbered 1, 2, ...
+        self._failure: BaseException | None = None  # set once the worker is gone
         self._closing = False
         self.ready: m.WorkerReady | None = None
         # Called with the error when the worker dies after start-up, before it is reaped.
@@ -113,7 +150,8 @@ class ProcessExecutor:
 
         Raises EngineStartupError if the model fails to load (before started),
         WorkerDiedError if the worker dies afterwards. Always reaps the child,
-        also when cancelled.
+        also when cancelled; callers still waiting for an answer then raise
+        that WorkerDiedError (or one saying the worker was stopped).
         """
         env = dict(os.environ)
         env.setdefault("LEGATO_WORKER_THREADS", str(max(1, _cpu_threads())))
@@ -128,47 +166,96 @@ class ProcessExecutor:
         assert process.stdin is not None and process.stdout is not None
         reader = _FrameReader(process.stdout)
         try:
-            init = m.WorkerInit(config=self._config.to_dict(), inject_fault=self._inject_fault)
-            await self._send(init)
-            first = await reader.read()
-            if isinstance(first, m.WorkerError):
-                raise EngineStartupError(
-                    f"model worker failed to start: {first.error_type}: {first.message}"
-                )
-            if not isinstance(first, m.WorkerReady):
-                code = await _wait_exit(process)
-                raise EngineStartupError(f"model worker exited during start-up (exit code {code})")
-            self.ready = first
-            task_status.started(first)
+            self.ready = await self._start_worker(process, reader)
+            task_status.started(self.ready)
             try:
-                await self._serve(reader, process)
+                with unwrap_single_error():
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._write_frames, process)
+                        await self._read_answers(reader, process)
+                        nursery.cancel_scope.cancel()
             except Exception as exc:
                 # Report before reaping: closing the worker's pipes makes other actors
                 # fail too, and the engine's cause must be this error, not theirs.
+                self._fail_waiting(exc)
                 if self.on_failure is not None:
                     self.on_failure(exc)
                 raise
         finally:
+            self._fail_waiting(WorkerDiedError("the model worker has been stopped"))
             with trio.CancelScope(shield=True):
                 await self._reap(process)
 
-    async def _serve(self, reader: _FrameReader, process: trio.Process) -> None:
+    async def _start_worker(self, process: trio.Process, reader: _FrameReader) -> m.WorkerReady:
+        """Send WorkerInit, read the answer; EngineStartupError unless it is WorkerReady."""
+        assert process.stdin is not None
+        init = m.WorkerInit(config=self._config.to_dict(), inject_fault=self._inject_fault)
+        try:
+            await process.stdin.send_all(self._frame(init)[1])
+            first = await reader.read()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, wire.WireError) as exc:
+            code = await _wait_exit(process)
+            raise EngineStartupError(
+                f"model worker failed during start-up (exit code {code}): {exc}"
+            ) from exc
+        answer = first[1] if first is not None else None
+        if isinstance(answer, m.WorkerError):
+            raise EngineStartupError(
+                f"model worker failed to start: {answer.error_type}: {answer.message}"
+            )
+        if not isinstance(answer, m.WorkerReady):
+            code = await _wait_exit(process)
+            raise EngineStartupError(f"model worker exited during start-up (exit code {code})")
+        return answer
+
+    async def _write_frames(self, process: trio.Process) -> None:
+        """The writer: the only task that writes the pipe, one whole frame at a time.
+
+        Never raises: if the pipe breaks, the worker is gone or going; the
+        reader sees its end (the writer kills a worker that lingers).
+        """
+        assert process.stdin is not None
+        async for data in self._outbox_recv:
+            try:
+                await process.stdin.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                if await _wait_exit(process, 5.0) is None:
+                    process.kill()
+                return
+
+    async def _read_answers(self, reader: _FrameReader, process: trio.Process) -> None:
+        """Route each answer to its caller by frame id until the worker's stdout ends."""
         while True:
-            frame = await reader.read()
+            try:
+                frame = await reader.read()
+            except wire.WireError as exc:
+                raise WorkerDiedError(f"model worker (pid {process.pid}) sent {exc}") from exc
             if frame is None:
                 if self._closing:
                     return
                 code = await _wait_exit(process)
                 raise WorkerDiedError(f"model worker (pid {process.pid}) exited with code {code}")
-            if isinstance(frame, m.WorkerError) and frame.fatal:
+            frame_id, answer = frame
+            if isinstance(answer, m.WorkerError) and answer.fatal:
                 raise WorkerDiedError(
-                    f"model worker (pid {process.pid}) failed: {frame.error_type}: {frame.message}"
+                    f"model worker (pid {process.pid}) failed: {answer.error_type}: "
+                    f"{answer.message}"
                 )
-            if not self._pending:
+            waiting = self._answers.pop(frame_id, None)
+            if waiting is not None:
+                waiting.set(answer)
+            elif not 0 < frame_id <= self._last_id:
                 raise WorkerDiedError(
-                    f"model worker sent an unexpected frame {type(frame).__name__}"
+                    f"model worker sent an answer to frame {frame_id}, which was never sent"
                 )
-            self._pending.popleft().set(frame)
+            # else: the caller stopped waiting; its answer is dropped.
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+        waiting, self._answers = self._answers, {}
+        for answer in waiting.values():
+            answer.fail(self._failure)
 
     async def _reap(self, process: trio.Process) -> None:
         """Close stdin, give the child a moment if this is a graceful stop, then kill it.
@@ -177,6 +264,7 @@ class ProcessExecutor:
         """
         graceful = self._closing
         self._closing = True
+        self._outbox.close()
         try:
             if process.stdin is not None:
                 await process.stdin.aclose()
@@ -195,27 +283,37 @@ class ProcessExecutor:
         if process.stdout is not None:
             await process.stdout.aclose()
 
-    async def _send(self, message: object) -> None:
-        assert self._process is not None and self._process.stdin is not None
+    def _frame(self, message: object) -> tuple[int, bytes]:
+        """A new frame id and the whole frame (header and payload) for ``message``."""
+        self._last_id += 1
         payload = wire.encode(message)
-        async with self._send_lock:
-            try:
-                await self._process.stdin.send_all(wire.frame_header(len(payload)) + payload)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                raise WorkerDiedError("the model worker's input pipe is closed") from exc
+        return self._last_id, wire.frame_header(len(payload), self._last_id) + payload
+
+    def submit(self, message: object) -> _Answer:
+        """Queue ``message`` for the worker; its answer arrives in the returned slot.
+
+        Synchronous and never blocks: nothing can interrupt it half-way. Raises
+        the worker's failure if it is already gone.
+        """
+        if self._failure is not None:
+            raise self._failure
+        frame_id, data = self._frame(message)
+        answer = self._answers[frame_id] = _Answer()
+        self._outbox.send_nowait(data)
+        return answer
 
     async def _request(self, message: object) -> object:
-        reply = _Reply()
-        self._pending.append(reply)
-        await self._send(message)
-        return await reply.wait()
+        """Send ``message`` and wait for its answer. A checkpoint.
+
+        If the caller is cancelled the frame still reaches the worker (whole)
+        and its answer is dropped on arrival.
+        """
+        answer = self.submit(message)
+        return await answer.wait()
 
     async def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
         """Run one step on the worker. A checkpoint; waits for the answer."""
-        answer = await self._request(step)
-        if not isinstance(answer, m.ModelRunnerOutput):
-            raise WorkerDiedError(f"expected ModelRunnerOutput, got {type(answer).__name__}")
-        return answer
+        return check_runner_output(step, await self._request(step))
 
     async def ping(self) -> float:
         """Round trip to the worker; returns the seconds it took."""
@@ -227,8 +325,7 @@ class ProcessExecutor:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``ModelRunner.<method>`` on the worker; raises WorkerCallError if it raised."""
-        self._call_ids += 1
-        answer = await self._request(m.UtilityCall(self._call_ids, method, list(args), kwargs))
+        answer = await self._request(m.UtilityCall(0, method, list(args), kwargs))
         if not isinstance(answer, m.UtilityResult):
             raise WorkerDiedError(f"expected UtilityResult, got {type(answer).__name__}")
         if answer.error is not None:
@@ -246,14 +343,12 @@ class ProcessExecutor:
 
 
 class InprocExecutor:
-    """The model runner in this process, stepping in a worker thread."""
+    """The Worker in this process, answering in a worker thread, one frame at a time."""
 
     def __init__(self, config: EngineConfig, *, inject_fault: dict[str, Any] | None = None):
-        from ..worker import _FaultPlan
-
         self._config = config
-        self._faults = _FaultPlan(inject_fault)
-        self._runner: Any = None
+        self._inject_fault = inject_fault
+        self._worker: Any = None
         self._limiter = trio.CapacityLimiter(1)
         self.ready: m.WorkerReady | None = None
         self.pid: int | None = None
@@ -261,39 +356,37 @@ class InprocExecutor:
     async def run(
         self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        from ..worker import _build_runner, _ready
+        from ..worker import Worker
 
-        init = m.WorkerInit(config=self._config.to_dict())
+        init = m.WorkerInit(config=self._config.to_dict(), inject_fault=self._inject_fault)
         try:
-            self._runner = await trio.to_thread.run_sync(_build_runner, init, self._faults)
+            self._worker = await trio.to_thread.run_sync(Worker.start, init)
         except Exception as exc:
             raise EngineStartupError(f"model failed to load: {type(exc).__name__}: {exc}") from exc
-        self.ready = _ready(self._runner)
+        self.ready = self._worker.ready()
         task_status.started(self.ready)
         await trio.sleep_forever()
 
-    async def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
-        def work() -> m.ModelRunnerOutput:
-            self._faults.before_step()
-            return self._runner.execute(step)  # type: ignore[no-any-return]
-
+    async def _request(self, message: object) -> object:
+        """``Worker.handle(message)`` in a thread; WorkerDiedError if it raised (fatal)."""
         try:
-            return await trio.to_thread.run_sync(work, limiter=self._limiter)
+            return await trio.to_thread.run_sync(
+                self._worker.handle, message, limiter=self._limiter
+            )
         except Exception as exc:
             raise WorkerDiedError(f"model runner failed: {type(exc).__name__}: {exc}") from exc
 
+    async def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
+        return check_runner_output(step, await self._request(step))
+
     async def ping(self) -> float:
         sent = time.monotonic()
-        await trio.to_thread.run_sync(lambda: None, limiter=self._limiter)
+        await self._request(m.HealthPing(seq=0, sent_time=sent))
         return time.monotonic() - sent
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        from ..worker import call_utility
-
-        request = m.UtilityCall(0, method, list(args), kwargs)
-        answer = await trio.to_thread.run_sync(
-            call_utility, self._runner, request, limiter=self._limiter
-        )
+        answer = await self._request(m.UtilityCall(0, method, list(args), kwargs))
+        assert isinstance(answer, m.UtilityResult)
         if answer.error is not None:
             raise WorkerCallError(answer.error)
         return answer.result
@@ -314,8 +407,8 @@ def make_executor(config: EngineConfig, *, inject_fault: dict[str, Any] | None =
     return ProcessExecutor(config, inject_fault=inject_fault)
 
 
-async def _wait_exit(process: trio.Process) -> int | None:
-    with trio.move_on_after(2):
+async def _wait_exit(process: trio.Process, seconds: float = 2.0) -> int | None:
+    with trio.move_on_after(seconds):
         await process.wait()
     return process.returncode
 

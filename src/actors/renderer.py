@@ -24,14 +24,58 @@ PromptType = str | Mapping[str, Any] | Sequence[int]
 
 @dataclass
 class RenderedPrompt:
-    """A prompt as text (when known) and token ids."""
+    """A prompt as text (when known) and token ids, and the prefix-cache salt it asks for."""
 
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None
+
+
+TOKENIZATION_KWARGS: dict[str, type] = {
+    "add_special_tokens": bool,
+    "truncation": bool,
+    "max_length": int,
+}
+"""The ``tokenization_kwargs`` a text prompt may carry, and their types."""
+
+
+def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``kwargs`` checked against :data:`TOKENIZATION_KWARGS`; ValidationError otherwise."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ValidationError("tokenization_kwargs", f"must be a dict, got {type(kwargs).__name__}")
+    for key, value in kwargs.items():
+        kind = TOKENIZATION_KWARGS.get(key)
+        if kind is None:
+            raise ValidationError(
+                "tokenization_kwargs",
+                f"{key!r} is not supported (supported: {', '.join(TOKENIZATION_KWARGS)})",
+            )
+        if type(value) is not kind or (isinstance(value, int) and kind is int and value < 1):
+            raise ValidationError(
+                f"tokenization_kwargs.{key}", f"must be a {'positive ' * (kind is int)}"
+                f"{kind.__name__}, got {value!r}"
+            )
+    if kwargs.get("truncation") and "max_length" not in kwargs:
+        raise ValidationError("tokenization_kwargs.max_length", "is needed with truncation=True")
+    return dict(kwargs)
+
+
+def _cache_salt(prompt: Mapping[str, Any]) -> str | None:
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValidationError("cache_salt", f"must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def load_tokenizer(path: str) -> Any:
-    """The Hugging Face tokenizer in ``path`` (local only, never the hub)."""
+    """The Hugging Face tokenizer in ``path``, a model directory or a GGUF file
+    (local only, never the hub)."""
+    if path.lower().endswith(".gguf"):
+        from ..models.gguf_checkpoint import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -64,20 +108,44 @@ class Renderer:
 
     # ------------------------------------------------------------ prompts
 
-    def render_prompt(self, prompt: PromptType) -> RenderedPrompt:
-        """Tokenize text or check token ids. Raises ValidationError."""
+    def render_prompt(
+        self,
+        prompt: PromptType,
+        *,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
+        prompt_text: str | None = None,
+    ) -> RenderedPrompt:
+        """Tokenize text or check token ids. Raises ValidationError.
+
+        A dict prompt may carry ``cache_salt`` (a non-empty string): its
+        prefix-cache blocks are then shared only with prompts of the same
+        salt. ``tokenization_kwargs`` (see :data:`TOKENIZATION_KWARGS`) apply
+        to text prompts. ``prompt_text`` is the text the outputs report as
+        the prompt (for a prompt given as token ids).
+        """
+        kwargs = check_tokenization_kwargs(tokenization_kwargs)
+        if prompt_text is not None and not isinstance(prompt_text, str):
+            raise ValidationError(
+                "prompt_text", f"must be a string, got {type(prompt_text).__name__}"
+            )
+        rendered = self._render(prompt, kwargs)
+        if prompt_text is not None:
+            rendered.text = prompt_text
+        return rendered
+
+    def _render(self, prompt: PromptType, kwargs: dict[str, Any]) -> RenderedPrompt:
         if isinstance(prompt, str):
-            return RenderedPrompt(prompt, self.encode(prompt))
+            return RenderedPrompt(prompt, self.encode(prompt, **kwargs))
         if isinstance(prompt, Mapping):
+            salt = _cache_salt(prompt)
             if "prompt_token_ids" in prompt:
-                return RenderedPrompt(
-                    prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
-                )
+                ids = self._check_ids(prompt["prompt_token_ids"])
+                return RenderedPrompt(prompt.get("prompt"), ids, salt)
             if "prompt" in prompt:
                 text = prompt["prompt"]
                 if not isinstance(text, str):
                     raise ValidationError("prompt", f"must be a string, got {type(text).__name__}")
-                return RenderedPrompt(text, self.encode(text))
+                return RenderedPrompt(text, self.encode(text, **kwargs), salt)
             raise ValidationError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
             return RenderedPrompt(None, self._check_ids(prompt))
@@ -131,8 +199,9 @@ class Renderer:
         )
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(self, text: str, *, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of ``text``; ``kwargs`` are checked ``TOKENIZATION_KWARGS``."""
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs)
         return [int(i) for i in ids]
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -214,10 +283,18 @@ class Renderer:
             stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
             params = params.clone(stop_token_ids=stop_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        salt = rendered.cache_salt
         if params.n == 1:
             return [
                 EngineRequest(
-                    request_id, token_ids, params, arrival, priority, self.eos_token_id, lora_name
+                    request_id,
+                    token_ids,
+                    params,
+                    arrival,
+                    priority,
+                    self.eos_token_id,
+                    lora_name,
+                    cache_salt=salt,
                 )
             ]
         children = []
@@ -233,6 +310,7 @@ class Renderer:
                     priority,
                     self.eos_token_id,
                     lora_name,
+                    cache_salt=salt,
                     parent_id=request_id,
                     index=index,
                 )
@@ -244,17 +322,22 @@ class Renderer:
 class RenderJob:
     """One ``generate`` call waiting to be rendered.
 
-    ``accept`` registers the request with the output side and hands it on;
-    ``reject`` fails that request alone. Both are called synchronously.
+    ``request_id`` is the caller's (errors name it); ``engine_id`` the one
+    the engine runs it under. ``accept`` registers the request with the
+    output side and hands it on; ``reject`` fails that request alone. Both are
+    called synchronously.
     """
 
     request_id: str
+    engine_id: str
     prompt: PromptType
     params: SamplingParams
     priority: int
     arrival_time: float
     accept: Callable[[RenderedPrompt, list[EngineRequest]], None]
     reject: Callable[[BaseException], None]
+    tokenization_kwargs: dict[str, Any] | None = None
+    prompt_text: str | None = None
 
 
 async def run_renderer(renderer: Renderer, inbox: trio.MemoryReceiveChannel[RenderJob]) -> None:
@@ -273,9 +356,11 @@ async def run_renderer(renderer: Renderer, inbox: trio.MemoryReceiveChannel[Rend
 
 def _render_one(renderer: Renderer, job: RenderJob) -> None:
     try:
-        rendered = renderer.render_prompt(job.prompt)
+        rendered = renderer.render_prompt(
+            job.prompt, tokenization_kwargs=job.tokenization_kwargs, prompt_text=job.prompt_text
+        )
         requests = renderer.make_requests(
-            job.request_id,
+            job.engine_id,
             rendered,
             job.params,
             priority=job.priority,

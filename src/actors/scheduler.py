@@ -301,6 +301,13 @@ class Scheduler:
         self._pause_mode = mode
         return outputs
 
+    def abort_in_flight(self) -> list[EngineCoreOutput]:
+        """Abort every unfinished request that a pause does not hold (as :meth:`abort` does).
+
+        Held requests stay queued; they hold no blocks.
+        """
+        return self.abort([rid for rid, req in self.requests.items() if not self._is_held(req)])
+
     def resume(self) -> None:
         """Leave any pause; held requests start on the next step, in policy order."""
         self._pause_mode = None
@@ -522,6 +529,11 @@ class Scheduler:
         step_id = scheduler_output.step_id
         num_scheduled = scheduler_output.num_scheduled_tokens
         req_ids = runner_output.req_ids
+        if len(req_ids) != len(runner_output.sampled_token_ids):
+            raise ValueError(
+                f"model runner returned {len(runner_output.sampled_token_ids)} samples "
+                f"for {len(req_ids)} requests"
+            )
         if len(req_ids) < len(num_scheduled):
             self._check_all_sampled(scheduler_output, runner_output)
         requests = self.requests

@@ -25,6 +25,7 @@ Imports triton at module import: import this module only through
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,11 +33,34 @@ import triton.language as tl
 
 from . import triton_interpreting
 
-__all__ = ["paged_attention", "paged_attention_decode", "paged_attention_prefill"]
+__all__ = [
+    "DECODE_TILES",
+    "DecodeTiles",
+    "paged_attention",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+]
 
 _LOG2E = 1.4426950408889634
-_DECODE_BLOCK_N = 64  # KV tokens per decode tile
 _MIN_SPLIT_TOKENS = 128  # a decode split is never shorter than this (unless forced)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiles:
+    """Launch shape of the decode split kernel: KV tokens per tile, warps, pipeline depth,
+    and how many programs per multiprocessor the split planner aims for."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 2
+
+
+# The default. On an H100 (bf16, head_dim 128, GQA 4) no other shape of
+# benchmarks/gpu/roofline.py --sections tune beat it by more than 2% at batch 1..256 and
+# context 512..2048 under CUDA graphs; it reads the KV at 72-99% of copy bandwidth
+# from batch 64 up.
+DECODE_TILES = DecodeTiles()
 
 
 @functools.lru_cache(maxsize=8)
@@ -247,13 +271,18 @@ def _decode_reduce_kernel(
 
 
 def _plan_splits(
-    num_seqs: int, num_kv_heads: int, max_ctx: int, device: torch.device
+    num_seqs: int,
+    num_kv_heads: int,
+    max_ctx: int,
+    device: torch.device,
+    tiles: DecodeTiles = DECODE_TILES,
 ) -> tuple[int, int]:
-    """``(num_splits, split_tokens)`` so that the grid fills the device about twice over."""
-    target_programs = 2 * _multiprocessor_count(device)
+    """``(num_splits, split_tokens)`` so that the grid holds about ``tiles.programs_per_sm``
+    programs per multiprocessor; ``split_tokens`` is a multiple of ``tiles.block_n``."""
+    target_programs = tiles.programs_per_sm * _multiprocessor_count(device)
     wanted = triton.cdiv(target_programs, max(1, num_seqs * num_kv_heads))
     splits = max(1, min(wanted, triton.cdiv(max_ctx, _MIN_SPLIT_TOKENS)))
-    split_tokens = triton.cdiv(triton.cdiv(max_ctx, splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+    split_tokens = triton.cdiv(triton.cdiv(max_ctx, splits), tiles.block_n) * tiles.block_n
     return triton.cdiv(max_ctx, split_tokens), split_tokens
 
 
@@ -268,6 +297,7 @@ def paged_attention_decode(
     *,
     max_seq_len: int | None = None,
     split_tokens: int | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """Paged attention for a batch where every sequence has query length 1 (or 0).
 
@@ -275,9 +305,10 @@ def paged_attention_decode(
     ``seq_lens``; default ``block_tables.shape[1] * block_size``) sizes the
     context splits: an underestimate stays correct but loads the last split;
     under CUDA graphs leave it None or fixed, since the plan is captured.
-    ``split_tokens`` forces the split length (rounded up to the 64-token tile),
-    mainly for tests. Sequences with query length other than 1 are left
-    unwritten. Never syncs with the device.
+    ``split_tokens`` forces the split length (rounded up to the KV tile),
+    mainly for tests; ``tiles`` overrides :data:`DECODE_TILES` (tuning).
+    Sequences with query length other than 1 are left unwritten. Never syncs
+    with the device.
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
@@ -287,11 +318,14 @@ def paged_attention_decode(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0 or num_tokens == 0:
         return out
+    tiles = tiles or DECODE_TILES
     max_ctx = max(1, max_seq_len if max_seq_len is not None else block_tables.shape[1] * page)
     if split_tokens is None:
-        num_splits, split_tokens = _plan_splits(num_seqs, num_kv_heads, max_ctx, query.device)
+        num_splits, split_tokens = _plan_splits(
+            num_seqs, num_kv_heads, max_ctx, query.device, tiles
+        )
     else:
-        split_tokens = triton.cdiv(split_tokens, _DECODE_BLOCK_N) * _DECODE_BLOCK_N
+        split_tokens = triton.cdiv(split_tokens, tiles.block_n) * tiles.block_n
         num_splits = triton.cdiv(max_ctx, split_tokens)
     single = num_splits == 1
     part_shape = (num_seqs, num_heads, num_splits) if not single else (1,)
@@ -329,12 +363,12 @@ def paged_attention_decode(
         BLOCK_D=block_d,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=_DECODE_BLOCK_N,
+        BLOCK_N=tiles.block_n,
         PAGE=page,
         DOT_FP32=_dot_in_fp32(key_cache.dtype),
         SINGLE_SPLIT=single,
-        num_warps=4,
-        num_stages=2,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -1,4 +1,4 @@
-"""ModelConfig: what the model code needs from a checkpoint's config.json.
+"""ModelConfig: what the model code needs from a checkpoint's config.json (or GGUF metadata).
 
 Read straight from the JSON (no transformers import: it is slow to import and
 not needed for a handful of fields). Both spellings of the rotary settings are
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .gguf_checkpoint import gguf_hf_config, is_gguf_path, open_gguf
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -122,12 +124,20 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse ``model_dir/config.json`` (and generation_config.json for EOS ids)."""
-    root = Path(model_dir)
+def load_model_config(model: str | Path) -> ModelConfig:
+    """Parse ``model/config.json`` (and generation_config.json for EOS ids), or the
+    metadata of ``model`` when it is a GGUF file."""
+    if is_gguf_path(model):
+        return model_config_from_dict(gguf_hf_config(open_gguf(model)), {})
+    root = Path(model)
     raw = read_json(root / "config.json")
     gen_path = root / "generation_config.json"
     gen = read_json(gen_path) if gen_path.exists() else {}
+    return model_config_from_dict(raw, gen)
+
+
+def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from config.json's and generation_config.json's contents."""
     architectures = raw.get("architectures") or []
     model_type = str(raw.get("model_type", ""))
     num_heads = int(raw["num_attention_heads"])

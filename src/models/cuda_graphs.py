@@ -136,17 +136,19 @@ class DecodeGraphRunner:
         def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
-        self.input_ids = dev(m, dtype=torch.int64)
-        self.positions = dev(m, dtype=torch.int64)
-        self.slot_mapping = dev(m, dtype=torch.int64).fill_(-1)
-        self.seq_lens = dev(m, dtype=torch.int32).fill_(1)
+        # Two staging areas, each one host-to-device copy per step (API calls cost more
+        # host time than these few kilobytes): int64 [ids | positions | slots] and int32
+        # [seq_lens | the step's block-table rows, packed]; the packed rows then go to
+        # their places in ``block_tables`` with one device-side copy.
+        self._i64 = dev(3, m, dtype=torch.int64)
+        self.input_ids, self.positions, self.slot_mapping = self._i64.unbind(0)
+        self.slot_mapping.fill_(-1)
+        self._i32 = dev(m + m * cols, dtype=torch.int32)
+        self.seq_lens = self._i32[:m].fill_(1)
         self.query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=device)
         self.block_tables = dev(m, cols, dtype=torch.int32)
-        self._table_staging = dev(m * cols, dtype=torch.int32)
-        # Host staging: int64 rows (ids, positions, slots), seq_lens, block-table rows.
         self._host_i64 = host(3, m, dtype=torch.int64)
-        self._host_lens = host(m, dtype=torch.int32)
-        self._host_table = host(m * cols, dtype=torch.int32)
+        self._host_i32 = host(m + m * cols, dtype=torch.int32)
 
     @property
     def max_batch_size(self) -> int:
@@ -161,6 +163,16 @@ class DecodeGraphRunner:
         """The captured size a batch of ``num_seqs`` is padded to; None above the largest."""
         i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else None
+
+    def graph(self, num_seqs: int) -> torch.cuda.CUDAGraph | None:
+        """The CUDA graph a batch of ``num_seqs`` replays; None when emulated or none fits.
+
+        Only right after :meth:`run` of such a batch does replaying it by hand
+        recompute that step (rewriting the same K/V); benchmarks time it so.
+        """
+        size = self.padded_size(num_seqs)
+        entry = self._captured.get(size) if size is not None else None
+        return entry.graph if entry is not None else None
 
     def fits(self, num_seqs: int, max_seq_len: int) -> bool:
         """Whether a decode batch of ``num_seqs`` sequences of at most ``max_seq_len`` tokens
@@ -255,6 +267,7 @@ class DecodeGraphRunner:
             raise ValueError(f"a sequence of {int(positions.max()) + 1} tokens exceeds the graphs")
         if self._copied is not None:
             self._copied.synchronize()
+        m = self.max_batch_size
         i64 = self._host_i64.numpy()
         i64[:2, n:size] = 0
         i64[0, :n] = token_ids
@@ -262,20 +275,17 @@ class DecodeGraphRunner:
         rows = np.arange(n)
         i64[2, :n] = block_table[rows, positions // bs].astype(np.int64) * bs + positions % bs
         i64[2, n:size] = -1
-        lens = self._host_lens.numpy()
-        lens[:n] = positions + 1
-        lens[n:size] = 1
-        table = self._host_table.numpy()[: size * cols].reshape(size, cols)
+        i32 = self._host_i32.numpy()
+        i32[:n] = positions + 1  # seq_lens
+        i32[n:size] = 1
+        table = i32[m : m + size * cols].reshape(size, cols)
         table[:n] = block_table[:, :cols]
         table[n:] = 0
         nb = self.device.type == "cuda"
-        self.input_ids[:size].copy_(self._host_i64[0, :size], non_blocking=nb)
-        self.positions[:size].copy_(self._host_i64[1, :size], non_blocking=nb)
-        self.slot_mapping[:size].copy_(self._host_i64[2, :size], non_blocking=nb)
-        self.seq_lens[:size].copy_(self._host_lens[:size], non_blocking=nb)
-        staged = self._table_staging[: size * cols]
-        staged.copy_(self._host_table[: size * cols], non_blocking=nb)
-        self.block_tables[:size, :cols].copy_(staged.view(size, cols))
+        # Rows past ``size`` are copied too (stale): this graph never reads them.
+        self._i64.copy_(self._host_i64, non_blocking=nb)
+        self._i32[: m + size * cols].copy_(self._host_i32[: m + size * cols], non_blocking=nb)
+        self.block_tables[:size, :cols].copy_(self._i32[m : m + size * cols].view(size, cols))
         if nb:
             self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._copied.record()

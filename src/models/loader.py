@@ -1,7 +1,8 @@
-"""Load a Llama-family checkpoint from a local Hugging Face directory.
+"""Load a Llama-family checkpoint from a local Hugging Face directory or GGUF file.
 
 Weights stream from ``*.safetensors`` (a single file, or shards listed by
-``model.safetensors.index.json``) straight into our modules, one tensor at a
+``model.safetensors.index.json``), or from a GGUF file dequantized tensor by
+tensor (:mod:`.gguf_checkpoint`), straight into our modules, one tensor at a
 time, cast to the chosen dtype on the way. No transformers model is built.
 
 A directory may instead declare random weights (vLLM's "dummy" load format):
@@ -25,6 +26,7 @@ from safetensors import safe_open
 
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
+from .gguf_checkpoint import is_gguf_path, iter_gguf_weights, open_gguf
 from .layers import RMSNorm
 from .llama import LlamaForCausalLM
 from .registry import resolve_architecture
@@ -50,7 +52,11 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of the checkpoint, on CPU, in file dtype."""
+    """``(name, tensor)`` for every tensor of the checkpoint, on CPU, in file dtype
+    (fp32 for a GGUF file, dequantized: see :mod:`.gguf_checkpoint`)."""
+    if is_gguf_path(model_dir):
+        yield from iter_gguf_weights(open_gguf(model_dir))
+        return
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping

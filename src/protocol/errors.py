@@ -43,3 +43,11 @@ class PromptTooLongError(ValidationError):
 
 class EngineStartupError(LegatoError):
     """The engine could not start (bad model directory, weights failed to load...)."""
+
+
+class ModelLoadError(EngineStartupError, ValueError):
+    """The model argument names nothing loadable: a missing path, a corrupt or
+    truncated GGUF file, an unsupported tensor type, the default model not installed.
+
+    The message is one line that names the file and says what to do.
+    """

@@ -210,6 +210,7 @@ class AbortRequests:
 @dataclass
 class PauseGeneration:
     mode: PauseMode
+    clear_cache: bool = False  # reset the prefix cache once nothing is in flight (not KEEP)
 
 
 @dataclass
@@ -220,6 +221,7 @@ class ResumeGeneration:
 @dataclass
 class Sleep:
     level: int = 1  # 1: drop the KV cache; 2: also drop the weights
+    mode: PauseMode = PauseMode.ABORT  # in-flight requests: abort them, or WAIT for them
 
 
 @dataclass

@@ -15,8 +15,9 @@ naming the tag, the class and the field path.
 
 Frames are bounded (``MAX_FRAME_SIZE`` unless a call says otherwise) and so
 are msgpack's own length limits, so a hostile frame cannot make us allocate
-much. Byte streams carry frames behind a 4-byte big-endian length:
-:func:`frame_header` and :func:`read_frame_length`.
+much. Byte streams carry each frame behind a 12-byte big-endian header, its
+length and its id (:func:`frame_header`, :func:`read_frame_header`): the id
+lets a reader route an answer to whoever asked, whatever the order.
 
 Never unpickles; never imports torch or trio.
 """
@@ -75,7 +76,7 @@ from .params import PoolingParams, RequestOutputKind, SamplingParams
 WIRE_MAGIC: Final = "legato"
 WIRE_VERSION: Final = 1
 MAX_FRAME_SIZE: Final = 64 * 1024 * 1024
-HEADER_SIZE: Final = 4
+HEADER_SIZE: Final = 12
 MAX_ANY_DEPTH: Final = 32  # how deeply an ``Any`` value (RPC arguments) may nest
 
 # Tag -> type: the only types that can cross. Never reuse a retired number.
@@ -125,7 +126,8 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
     }
 )
 _TAGS: Final[dict[type, int]] = {cls: tag for tag, cls in WIRE_TYPES.items()}
-_HEADER: Final = struct.Struct(">I")  # the length before each frame on a byte stream
+_HEADER: Final = struct.Struct(">IQ")  # before each frame on a byte stream: length, id
+MAX_FRAME_ID: Final = 2**64 - 1
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -215,29 +217,35 @@ def decode(
         raise WireError(f"bad frame: {cls.__name__} (tag {tag}) nests too deeply") from e
 
 
-def frame_header(size: int, *, max_size: int = MAX_FRAME_SIZE) -> bytes:
-    """The 4-byte big-endian length that goes before a frame of ``size`` bytes on a stream."""
+def frame_header(size: int, frame_id: int = 0, *, max_size: int = MAX_FRAME_SIZE) -> bytes:
+    """The 12-byte header that goes before a frame of ``size`` bytes on a stream.
+
+    ``frame_id`` (0 .. 2**64-1) is the frame's number: an answer carries the
+    id of the frame it answers, so a reader can route it by id.
+    """
     if size < 0:
         raise WireError(f"frame size must not be negative, got {size}")
     if size > min(max_size, 0xFFFF_FFFF):
         raise WireError(f"frame of {size} bytes is over the limit of {min(max_size, 0xFFFF_FFFF)}")
-    return _HEADER.pack(size)
+    if not 0 <= frame_id <= MAX_FRAME_ID:
+        raise WireError(f"frame id must be in 0 .. 2**64-1, got {frame_id}")
+    return _HEADER.pack(size, frame_id)
 
 
-def read_frame_length(
+def read_frame_header(
     header: bytes | bytearray | memoryview, *, max_size: int = MAX_FRAME_SIZE
-) -> int:
-    """The length of the frame that follows ``header``; WireError if over ``max_size``.
+) -> tuple[int, int]:
+    """The length and id of the frame that follows ``header``; WireError if over ``max_size``.
 
     Check the length before reading the frame, so a hostile peer cannot make
     the reader buffer more than ``max_size`` bytes.
     """
     if len(header) != HEADER_SIZE:
         raise WireError(f"frame header must be {HEADER_SIZE} bytes, got {len(header)}")
-    (size,) = _HEADER.unpack(header)
+    size, frame_id = _HEADER.unpack(header)
     if size > max_size:
         raise WireError(f"incoming frame of {size} bytes is over the limit of {max_size}")
-    return int(size)
+    return int(size), int(frame_id)
 
 
 # ------------------------------------------------------------------ codecs

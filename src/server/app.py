@@ -27,22 +27,22 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, cast
 
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from hypercorn.typing import ASGIFramework
+from hypercorn.typing import AppWrapper
 from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
 from ..exception_groups import unwrap_single_error
+from ..model_source import served_name
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
+from .http_server import serve_http
 from .state import ServerSettings, ServingState
+from .web_ui import WebUI
 from .websocket import WebSocketEndpoint
 
 logger = logging.getLogger("legato.server")
-
-TOY_MODEL_NAME = "legato-toy"
-"""The served model name when ``legato serve`` runs the embedded toy model."""
 
 
 def _hostport(host: str, port: int) -> str:
@@ -132,21 +132,21 @@ async def open_server(
     name = settings.served_model_name or model_name or current.model_name
     state = ServingState(engine, settings, model_name=name)
     endpoint = WebSocketEndpoint(state)
+    web_ui = WebUI(state) if settings.web_ui else None
     config = HypercornConfig()
     config.bind = [_hostport(settings.host, settings.port)]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 2.0
     config.h11_max_incomplete_size = 64 * 1024
+    config.keep_alive_timeout = settings.header_timeout  # also the time to send headers
     stop_http = trio.Event()
     with unwrap_single_error():
         async with trio.open_nursery() as nursery:
             # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
-            app = cast("ASGIFramework", OpenAIApp(state))
-            serve_http = functools.partial(
-                hypercorn_serve, app, config, shutdown_trigger=stop_http.wait, mode="asgi"
-            )
-            binds: list[str] = await nursery.start(serve_http)
+            app = cast("AppWrapper", ASGIWrapper(OpenAIApp(state, web_ui)))  # type: ignore[arg-type]
+            http = functools.partial(serve_http, app, config, shutdown_trigger=stop_http.wait)
+            binds: list[str] = await nursery.start(http)
             http_port = int(binds[0].rsplit(":", 1)[1])
             ws_scope = trio.CancelScope()
 
@@ -158,11 +158,14 @@ async def open_server(
                         settings.ws_port,
                         ssl_context=None,
                         max_message_size=endpoint.hard_limit,
+                        connect_timeout=settings.header_timeout,
                         task_status=task_status,
                     )
 
             ws_server: WebSocketServer = await nursery.start(run_ws)
             ws_port = next(e.port for e in ws_server.listeners if isinstance(e, Endpoint))
+            if web_ui is not None:
+                web_ui.ws_port = ws_port
             server = Server(state, endpoint, http_port, ws_port, stop_http, ws_scope)
             try:
                 yield server
@@ -218,9 +221,7 @@ async def serve(
                             nursery.start_soon(server.shutdown)
 
                 nursery.start_soon(on_signals)
-                name = settings.served_model_name or (
-                    model if model is not None else TOY_MODEL_NAME
-                )
+                name = settings.served_model_name or served_name(model)
                 engines: AbstractAsyncContextManager[AsyncEngine | SupervisedEngine]
                 if restart is None:
                     engines = open_engine(model, **engine_args)
@@ -238,6 +239,8 @@ async def serve(
                             f"legato: serving {name!r}: listening on {server.http_url} and {server.ws_url}",
                             flush=True,
                         )
+                        if settings.web_ui:
+                            print(f"legato: chat page at {server.http_url}/", flush=True)
                         task_status.started(server)
                         await server.wait_stopped()
                 nursery.cancel_scope.cancel()

@@ -8,7 +8,8 @@ Poisson process at ``request_rate`` requests/s (``inf``: all at once).
 
 Measured per request: TTFT (request sent -> first token), ITL (between
 streamed chunks), TPOT ((latency - TTFT) / (output tokens - 1)) and the
-end-to-end latency. Works against legato or vLLM; imports trio and httpx.
+end-to-end latency. Works against legato or vLLM; imports trio and httpx
+(an optional dependency: ``pip install 'legato[bench]'``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import trio
+
+try:
+    import httpx
+except ImportError as exc:  # an optional dependency of the engine
+    raise ImportError(
+        "legato bench serve needs httpx: install it with pip install 'legato[bench]'"
+    ) from exc
 
 SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog. Once upon a time, in a quiet village by the sea, "

@@ -2,7 +2,8 @@
 
 ``OpenAIApp`` answers the ``lifespan`` scope (hypercorn's trio worker needs
 that), checks the API key, routes by method and path to the handlers in
-``openai_handlers``, and turns what they raise into OpenAI's error body:
+``openai_handlers`` (and to the chat page of ``web_ui``: public, like
+``/health``), and turns what they raise into OpenAI's error body:
 
 ====================================  ======  ===========================
 raised                                status  ``code``
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from . import openai_handlers as handlers
@@ -45,6 +47,9 @@ from .asgi import (
     send_error,
 )
 from .state import ServingState, Unavailable
+
+if TYPE_CHECKING:
+    from .web_ui import WebUI
 
 logger = logging.getLogger("legato.server")
 
@@ -70,17 +75,21 @@ response ends; a longer one is cut off (the client may then see a reset)."""
 
 
 class OpenAIApp:
-    """The ASGI application over one ``ServingState``."""
+    """The ASGI application over one ``ServingState``, with the chat page unless ``web_ui`` is None."""
 
-    def __init__(self, state: ServingState) -> None:
+    def __init__(self, state: ServingState, web_ui: WebUI | None = None) -> None:
         self.state = state
+        self.web_ui = web_ui
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
         if scope["type"] == "websocket":  # the WebSocket endpoint has a port of its own
-            await send({"type": "websocket.close", "code": 1008})
+            try:
+                await send({"type": "websocket.close", "code": 1008})
+            except Exception:  # noqa: BLE001 - hypercorn's h11 state after junk bytes
+                logger.debug("refusing a WebSocket upgrade on the HTTP port failed", exc_info=True)
             return
         if scope["type"] != "http":
             raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
@@ -144,7 +153,11 @@ class OpenAIApp:
     def _route(self, request: Request) -> Handler:
         settings = self.state.settings
         methods = ROUTES.get(request.path)
-        if settings.api_key is not None and request.path not in OPEN_PATHS:
+        public = request.path in OPEN_PATHS
+        if methods is None and self.web_ui is not None:
+            methods = self.web_ui.routes.get(request.path)
+            public = methods is not None  # the page asks for the key itself
+        if settings.api_key is not None and not public:
             if not bearer_token_ok(request.header("authorization"), settings.api_key):
                 raise HTTPError(401, "invalid or missing API key", code="invalid_api_key")
         if methods is None:

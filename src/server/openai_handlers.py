@@ -393,7 +393,7 @@ async def create_completion(request: Request, state: ServingState) -> None:
         request,
         request_id,
         model,
-        parsed.prompts,
+        [schemas.with_cache_salt(p, parsed.cache_salt) for p in parsed.prompts],
         parsed.params,
         parsed.priority,
         parsed.stream,
@@ -414,8 +414,11 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
     parsed = schemas.parse_chat_request(body, max_n=state.settings.max_n)
     check_model(state, parsed.model)
     renderer = state.engine.renderer
-    prompt = renderer.render_chat_prompt(
-        parsed.messages, add_generation_prompt=parsed.add_generation_prompt
+    prompt = schemas.with_cache_salt(
+        renderer.render_chat_prompt(
+            parsed.messages, add_generation_prompt=parsed.add_generation_prompt
+        ),
+        parsed.cache_salt,
     )
     request_id = _new_id("chatcmpl")
     model = state.model_name

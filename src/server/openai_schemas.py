@@ -213,6 +213,25 @@ def _common(body: Mapping[str, Any]) -> tuple[str | None, bool, bool, int]:
     return model, stream, include_usage, priority
 
 
+def _cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's ``cache_salt``: prompts with different salts never share prefix-cache blocks."""
+    if not _given(body, "cache_salt"):
+        return None
+    salt = check_str("cache_salt", body["cache_salt"])
+    if not salt:
+        raise ValidationError("cache_salt", "must be a non-empty string")
+    return salt
+
+
+def with_cache_salt(prompt: PromptInput, salt: str | None) -> PromptInput:
+    """``prompt`` as a dict prompt carrying ``salt`` (unchanged when there is none)."""
+    if salt is None:
+        return prompt
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    return {**prompt, "cache_salt": salt}
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if body.get("tools"):
         raise ValidationError("tools", "tool calling is not supported by this server")
@@ -242,6 +261,7 @@ class CompletionRequest:
     echo: bool = False
     logprobs: int | None = None
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -257,6 +277,7 @@ class ChatRequest:
     top_logprobs: int = 0
     add_generation_prompt: bool = True
     priority: int = 0
+    cache_salt: str | None = None
 
 
 def parse_prompts(value: object) -> list[PromptInput]:
@@ -310,7 +331,7 @@ def parse_completion_request(body: Mapping[str, Any], *, max_n: int) -> Completi
     echo = check_bool("echo", body["echo"]) if _given(body, "echo") else False
     params = _sampling_params(body, extra, {}, max_n=max_n)
     return CompletionRequest(
-        model, prompts, params, stream, include_usage, echo, logprobs, priority
+        model, prompts, params, stream, include_usage, echo, logprobs, priority, _cache_salt(body)
     )
 
 
@@ -392,6 +413,7 @@ def parse_chat_request(body: Mapping[str, Any], *, max_n: int) -> ChatRequest:
         top_logprobs,
         add_generation_prompt,
         priority,
+        _cache_salt(body),
     )
 
 

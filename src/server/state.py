@@ -48,7 +48,12 @@ class ServerSettings:
     ws_max_frame_bytes: int = 1 << 20
     ws_max_requests: int = 64
     shutdown_grace: float = 10.0
+    header_timeout: float = 10.0  # seconds to send a request's headers / WebSocket handshake
     log_requests: bool = True
+    web_ui: bool = True
+    """Serve the chat page at ``/`` (``--no-web-ui`` turns it off)."""
+    web_ui_ws_url: str | None = None
+    """The WebSocket URL the chat page connects to; None: the page's host, ``ws_port``."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "ws_max_frame_bytes", "ws_max_requests"):
@@ -63,6 +68,14 @@ class ServerSettings:
                 )
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace: must be >= 0, got {self.shutdown_grace!r}")
+        if self.web_ui_ws_url is not None and not self.web_ui_ws_url.startswith(
+            ("ws://", "wss://")
+        ):
+            raise ValueError(
+                f"web_ui_ws_url: must start with ws:// or wss://, got {self.web_ui_ws_url!r}"
+            )
+        if not self.header_timeout > 0:
+            raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout!r}")
         if self.api_key == "":
             raise ValueError("api_key: must not be empty")
 

@@ -168,6 +168,12 @@ def parse_generate(
             prompt = state.engine.renderer.render_chat_prompt(parse_messages(frame["messages"]))
     except ValidationError as exc:
         raise invalid(exc.field, str(exc).partition(": ")[2]) from None
+    salt = frame.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise invalid("cache_salt", "must be a non-empty string")
+        prompt = {"prompt": prompt, "cache_salt": salt} if isinstance(prompt, str) else prompt
+        prompt["cache_salt"] = salt
     raw = frame.get("params")
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):

@@ -24,7 +24,8 @@ Two layers, both usable against your own model directory:
 
 Command line (a soak): ``python -m legato.testing.chaos --rounds 50``.
 
-Imports trio, psutil and the engine; never torch (the worker process does).
+Imports trio, psutil (an optional dependency: ``pip install 'legato[chaos]'``) and
+the engine; never torch (the worker process does).
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-import psutil
 import trio
+
+try:
+    import psutil
+except ImportError as exc:  # an optional dependency of the engine
+    raise ImportError(
+        "the chaos harness needs psutil: install it with pip install 'legato[chaos]'"
+    ) from exc
 
 from ..actors.executor import WorkerDiedError
 from ..actors.heartbeat import HeartbeatTimeout
@@ -406,7 +413,7 @@ class ChaosConfig:
     timeout (a step the worker is busy with delays its answer to a ping).
     """
 
-    model: str | None = None
+    model: str | None = "toy"
     executor: Literal["process", "inproc"] = "process"
     num_streams: int = 16
     max_tokens: tuple[int, int] = (1, 24)
@@ -938,7 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma-separated, cycled through (default: all of {', '.join(ALL_FAULTS)}; "
         "with --executor inproc, all but the signals)",
     )
-    parser.add_argument("--model", default=None, help="model directory (default: the toy model)")
+    parser.add_argument("--model", default="toy", help="model directory (default: the toy model)")
     parser.add_argument("--executor", choices=["process", "inproc"], default="process")
     parser.add_argument("--streams", type=int, default=ChaosConfig.num_streams)
     parser.add_argument("--max-tokens", type=int, default=ChaosConfig.max_tokens[1])

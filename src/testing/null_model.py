@@ -60,3 +60,7 @@ class NullModelRunner:
 
     def reset_kv_cache(self) -> None:
         return None
+
+    def held_requests(self) -> list[str]:
+        """Ids of the requests whose state the runner holds."""
+        return list(self._known)

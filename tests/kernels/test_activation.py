@@ -11,7 +11,12 @@ from legato.kernels import activation, reference
 
 
 @pytest.mark.parametrize(
-    ("shape", "dtype"), [((2, 3, 2 * 100), torch.float32), ((5, 2 * 3000), torch.float16)]
+    ("shape", "dtype"),
+    [
+        ((2, 3, 2 * 100), torch.float32),
+        ((5, 2 * 3000), torch.float16),
+        ((4, 2 * 1000), torch.bfloat16),
+    ],
 )
 def test_silu_and_mul(
     tol: Callable[[torch.dtype], dict[str, float]],

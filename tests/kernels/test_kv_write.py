@@ -10,7 +10,12 @@ from legato.kernels import kv_write, reference
 
 @pytest.mark.parametrize(
     ("num_kv_heads", "head_dim", "block_size", "src_dtype", "cache_dtype"),
-    [(2, 64, 16, torch.float32, torch.float32), (3, 80, 32, torch.float32, torch.float16)],
+    [
+        (2, 64, 16, torch.float32, torch.float32),
+        (3, 80, 32, torch.float32, torch.float16),
+        (2, 128, 16, torch.bfloat16, torch.bfloat16),
+        (8, 64, 16, torch.float16, torch.float16),
+    ],
 )
 def test_write_kv_matches_reference(
     device: str,

@@ -51,6 +51,10 @@ SMALL: dict[str, Any] = dict(
 
 KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
+# Where the Triton kernels run: the GPU when there is one; else the CPU, under the
+# interpreter that the root conftest switches on (Triton cannot take CPU tensors otherwise).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @dataclass
 class Checkpoint:
@@ -308,6 +312,12 @@ def hf_greedy() -> Callable[..., tuple[list[int], list[float]]]:
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def triton_device() -> str:
+    """The device runners on the Triton kernels use: cuda where present, else cpu."""
+    return TRITON_DEVICE
 
 
 @pytest.fixture(scope="session")

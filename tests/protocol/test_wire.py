@@ -61,7 +61,7 @@ from legato.protocol.wire import (
     decode,
     encode,
     frame_header,
-    read_frame_length,
+    read_frame_header,
 )
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -691,22 +691,26 @@ def test_encode_widens_subclasses_and_tuples() -> None:
 
 def test_frame_header_round_trip() -> None:
     frame = encode(HealthPing(1, 2.0))
-    header = frame_header(len(frame))
-    assert len(header) == HEADER_SIZE
-    assert header == len(frame).to_bytes(4, "big")
-    assert read_frame_length(header) == len(frame)
+    header = frame_header(len(frame), 2**64 - 1)
+    assert len(header) == HEADER_SIZE == 12
+    assert header == len(frame).to_bytes(4, "big") + (2**64 - 1).to_bytes(8, "big")
+    assert read_frame_header(header) == (len(frame), 2**64 - 1)
+    assert read_frame_header(frame_header(0)) == (0, 0)
 
 
 def test_frame_header_limits() -> None:
     with pytest.raises(WireError, match="over the limit"):
-        read_frame_length(b"\xff\xff\xff\xff")
+        read_frame_header(b"\xff\xff\xff\xff" + bytes(8))
     with pytest.raises(WireError, match="over the limit of 10"):
-        read_frame_length(frame_header(11), max_size=10)
-    with pytest.raises(WireError, match="must be 4 bytes, got 3"):
-        read_frame_length(b"\x00\x00\x01")
+        read_frame_header(frame_header(11), max_size=10)
+    with pytest.raises(WireError, match="must be 12 bytes, got 3"):
+        read_frame_header(b"\x00\x00\x01")
     with pytest.raises(WireError, match="over the limit"):
         frame_header(100, max_size=10)
     with pytest.raises(WireError, match="must not be negative"):
         frame_header(-1)
     with pytest.raises(WireError, match="over the limit of 4294967295"):
         frame_header(2**32, max_size=2**40)
+    for bad_id in (-1, 2**64):
+        with pytest.raises(WireError, match="frame id must be in 0 .. 2\\*\\*64-1"):
+            frame_header(1, bad_id)

@@ -77,33 +77,6 @@ async def kv_blocks_used(client: httpx.AsyncClient) -> float:
     return metric(response.text, "legato:kv_cache_blocks_used", default=0.0)
 
 
-async def wait_kv_free(client: httpx.AsyncClient, seconds: float = 10.0) -> None:
-    """Wait until /metrics reports no KV blocks in use and no request running.
-
-    Workaround (engine bug, see the server report): the gauges are refreshed
-    only by an engine step, and an abort handled while the engine is idle
-    runs none, so /metrics keeps the last step's figures. A one-token request
-    makes the engine step once more; its figures after it finishes count
-    every block still held, leaked ones included.
-    """
-
-    async def idle() -> bool:
-        response = await client.get("/metrics")
-        return (
-            metric(response.text, "legato:kv_cache_blocks_used", default=0.0) == 0
-            and metric(response.text, "legato:num_requests_running", default=0.0) == 0
-        )
-
-    async def idle_after_a_step() -> bool:
-        if await idle():
-            return True
-        response = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
-        assert response.status_code in (200, 503), response.text
-        return await idle()
-
-    await wait_until(idle_after_a_step, seconds)
-
-
 async def wait_kv_used(client: httpx.AsyncClient, seconds: float = 10.0) -> None:
     """Wait until /metrics reports KV blocks in use (a request is running)."""
 

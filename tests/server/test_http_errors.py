@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import trio
+import trio.testing
+from trio_websocket import open_websocket_url
 
 from legato.engine import AsyncEngine
 
@@ -159,3 +163,50 @@ async def test_openai_client_raises_on_400(engine: AsyncEngine) -> None:
             assert "n" in str(info.value)
             with pytest.raises(openai.NotFoundError):
                 await oai.completions.create(model="other", prompt="x")
+
+
+async def test_slow_clients_that_never_finish_their_headers_block_no_one(
+    engine: AsyncEngine,
+) -> None:
+    """Clients that open connections and dribble header bytes (slowloris) on either port:
+    everyone else is served meanwhile, and each slow connection is closed once its
+    ``header_timeout`` is up, however often it sends a byte."""
+    timeout = 3.0
+    async with serving(engine, header_timeout=timeout) as server:
+        closed_after: list[float] = []
+
+        async def slow_client(port: int, start: bytes) -> None:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            opened = trio.current_time()
+            try:
+                await stream.send_all(start)
+                while True:
+                    with trio.move_on_after(0.1):
+                        if await stream.receive_some() == b"":
+                            break
+                    await stream.send_all(b"a")  # one more byte of a header that never ends
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the server reset it: closed too
+            finally:
+                closed_after.append(trio.current_time() - opened)
+                await stream.aclose()
+
+        http_start = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        ws_start = b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nX-Slow: "
+        with trio.fail_after(timeout + 20):
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(slow_client, server.http_port, http_start)
+                    nursery.start_soon(slow_client, server.ws_port, ws_start)
+                await trio.testing.wait_all_tasks_blocked()
+                async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as client:
+                    await assert_still_serving(client)
+                async with open_websocket_url(server.ws_url + "/") as ws:
+                    await ws.send_message(
+                        json.dumps({"type": "generate", "request_id": "r", "prompt": "hi"})
+                    )
+                    while not json.loads(await ws.get_message()).get("finished"):
+                        pass
+                assert len(closed_after) < 40  # served while slow ones still hold connections
+    assert len(closed_after) == 40
+    assert max(closed_after) < timeout + 3, sorted(closed_after)

@@ -18,7 +18,7 @@ from legato import __version__
 from legato.engine import AsyncEngine
 from legato.server import Server
 
-from .conftest import MODEL, serving, wait_kv_free, wait_kv_used, wait_until
+from .conftest import MODEL, metric, serving, wait_kv_used, wait_until
 
 
 @pytest.fixture
@@ -278,9 +278,23 @@ async def test_models_version_tokenize_detokenize_metrics(client: httpx.AsyncCli
     assert "legato:kv_cache_blocks_total" in response.text
 
 
-async def test_client_disconnect_mid_stream_aborts_the_request(
-    server: Server, client: httpx.AsyncClient
+async def assert_freed_and_reported(
+    server: Server, client: httpx.AsyncClient, gate: Any
 ) -> None:
+    """Once the server has let go of the request, one engine step at most frees its blocks
+    (the request had hundreds of tokens to go), and /metrics says so at once."""
+    with trio.fail_after(10):
+        await server.state.wait_idle()
+    await gate.assert_done_within_one_step()
+    text = (await client.get("/metrics")).text
+    assert metric(text, "legato:kv_cache_blocks_used") == 0
+    assert metric(text, "legato:num_requests_running") == 0
+
+
+async def test_client_disconnect_mid_stream_aborts_the_request(
+    server: Server, client: httpx.AsyncClient, engine: AsyncEngine, gate_steps: Any
+) -> None:
+    gate = gate_steps(engine)
     body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as other:
         async with other.stream("POST", "/v1/completions", json=body) as response:
@@ -289,20 +303,20 @@ async def test_client_disconnect_mid_stream_aborts_the_request(
                 await lines.__anext__()
                 await wait_kv_used(client)
         # leaving the block closes the connection mid-stream
-    await wait_kv_free(client)
-    assert server.state.num_live == 0
+    await assert_freed_and_reported(server, client, gate)
 
 
 async def test_non_streaming_disconnect_aborts_too(
-    server: Server, client: httpx.AsyncClient
+    server: Server, client: httpx.AsyncClient, engine: AsyncEngine, gate_steps: Any
 ) -> None:
+    gate = gate_steps(engine)
     body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as other:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(functools.partial(other.post, "/v1/completions", json=body))
             await wait_kv_used(client)
             nursery.cancel_scope.cancel()
-    await wait_kv_free(client)
+    await assert_freed_and_reported(server, client, gate)
 
 
 # ------------------------------------------------------------------ shutdown
@@ -344,3 +358,32 @@ async def test_drain_aborts_streams_after_the_grace_period(engine: AsyncEngine) 
         return engine.num_kv_blocks_used == 0
 
     await wait_until(freed, 5)
+
+
+async def prefix_cache_hits(client: httpx.AsyncClient) -> float:
+    response = await client.get("/metrics")
+    return metric(response.text, "legato:prefix_cache_hits_total", default=0.0)
+
+
+async def test_cache_salt_keeps_tenants_apart(client: httpx.AsyncClient) -> None:
+    ids = list(range(5, 205))
+
+    async def hits_gained(path: str, body: dict[str, Any]) -> float:
+        before = await prefix_cache_hits(client)
+        response = await client.post(path, json={**body, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        return await prefix_cache_hits(client) - before
+
+    completion = {"prompt": ids}
+    assert await hits_gained("/v1/completions", {**completion, "cache_salt": "tenant-a"}) == 0
+    assert await hits_gained("/v1/completions", {**completion, "cache_salt": "tenant-b"}) == 0
+    assert await hits_gained("/v1/completions", completion) == 0
+    assert await hits_gained("/v1/completions", {**completion, "cache_salt": "tenant-a"}) >= 192
+    chat = {"messages": [{"role": "user", "content": "a long shared question " * 12}]}
+    assert await hits_gained("/v1/chat/completions", {**chat, "cache_salt": "tenant-a"}) == 0
+    assert await hits_gained("/v1/chat/completions", {**chat, "cache_salt": "tenant-b"}) == 0
+    assert await hits_gained("/v1/chat/completions", {**chat, "cache_salt": "tenant-b"}) > 0
+    for salt in ("", 7):
+        response = await client.post("/v1/completions", json={**completion, "cache_salt": salt})
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "cache_salt"

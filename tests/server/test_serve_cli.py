@@ -33,6 +33,14 @@ def test_serve_flags_parse() -> None:
     assert ServerSettings().host == "127.0.0.1"
 
 
+def test_served_model_name_reaches_the_engine() -> None:
+    from legato.cli import engine_kwargs
+
+    serve = build_parser().parse_args(["serve", "--served-model-name", "mine"])
+    assert engine_kwargs(serve)["served_model_name"] == "mine"
+    assert "served_model_name" not in engine_kwargs(build_parser().parse_args(["generate", "x"]))
+
+
 async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path) -> None:
     command = [
         sys.executable, "-m", "legato.cli", "serve", str(toy_model_dir), "--port", "0", "--ws-port", "0",
@@ -95,3 +103,76 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_legato_serve_without_a_model_answers_a_chat(smollm2_dir: Path) -> None:
+    """The README's first command: no model argument serves SmolLM2-135M-Instruct (converted
+    into `$LEGATO_HOME` by the fixture, so this start reuses it)."""
+    command = [
+        sys.executable, "-m", "legato.cli", "serve", "--port", "0", "--ws-port", "0",
+        "--max-model-len", "2048", "--num-kv-blocks", "256",
+    ]  # fmt: skip
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    assert process.stdout is not None
+    output = b""
+    try:
+        with trio.fail_after(120):
+            while b"listening on" not in output:
+                chunk = await process.stdout.receive_some()
+                assert chunk, f"exited early: {output.decode(errors='replace')}"
+                output += chunk
+        match = re.search(rb"listening on (http://\S+) and", output)
+        assert match is not None, output
+        assert b"converting" not in output  # the fixture's conversion is reused
+        async with httpx.AsyncClient(base_url=match.group(1).decode(), timeout=120) as client:
+            models = (await client.get("/v1/models")).json()["data"]
+            assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 32,
+                "temperature": 0,
+            }
+            answer = (await client.post("/v1/chat/completions", json=body)).json()
+        assert answer["model"] == "SmolLM2-135M-Instruct"
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        assert answer["choices"][0]["finish_reason"] == "stop"
+        process.send_signal(signal.SIGINT)
+        with trio.fail_after(30):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_legato_serve_refuses_a_truncated_gguf_in_one_line(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    from legato.testing.gguf_files import write_gguf
+
+    good = write_gguf(toy_model_dir, tmp_path / "toy.gguf", tensor_type="F16")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    command = [
+        sys.executable,
+        "-m",
+        "legato.cli",
+        "serve",
+        str(bad),
+        "--port",
+        "0",
+        "--ws-port",
+        "0",
+    ]
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            command, capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert result.returncode == 1
+    assert result.stdout == b""
+    lines = result.stderr.decode().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"legato serve: model: {bad}: truncated")

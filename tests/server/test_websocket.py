@@ -22,7 +22,7 @@ from trio_websocket import (
 from legato.engine import AsyncEngine
 from legato.server import Server
 
-from .conftest import serving, wait_kv_free, wait_kv_used
+from .conftest import metric, serving, wait_kv_used
 
 
 @asynccontextmanager
@@ -126,7 +126,21 @@ async def test_concurrent_requests_on_one_connection(server: Server) -> None:
         assert sum(len(f["token_ids"]) for f in frames[rid]) == 5
 
 
-async def test_abort_by_frame_and_by_closing(server: Server, client: httpx.AsyncClient) -> None:
+async def test_abort_by_frame_and_by_closing(
+    server: Server, client: httpx.AsyncClient, engine: AsyncEngine, gate_steps: Any
+) -> None:
+    gate = gate_steps(engine)
+
+    async def freed_and_reported() -> None:
+        # The requests had hundreds of tokens to go: one step at most, then nothing is held.
+        with trio.fail_after(10):
+            await server.state.wait_idle()
+        await gate.assert_done_within_one_step()
+        text = (await client.get("/metrics")).text
+        assert metric(text, "legato:kv_cache_blocks_used") == 0
+        assert metric(text, "legato:num_requests_running") == 0
+        gate.open()
+
     async with connect(server) as ws:
         await send(ws, generate("long", max_tokens=450, ignore_eos=True))
         await receive(ws)
@@ -135,14 +149,13 @@ async def test_abort_by_frame_and_by_closing(server: Server, client: httpx.Async
         await send(ws, {"type": "abort", "request_id": "unknown"})  # ignored
         frames = await collect(ws, {"long"})
         assert frames["long"][-1]["finish_reason"] == "abort"
-        await wait_kv_free(client)
+        await freed_and_reported()
 
         for i in range(3):  # the connection keeps working, then closes with requests in flight
             await send(ws, generate(f"bg{i}", max_tokens=450, ignore_eos=True), binary=True)
         await receive(ws)
         await wait_kv_used(client)
-    await wait_kv_free(client)
-    assert server.state.num_live == 0
+    await freed_and_reported()
 
 
 async def test_bad_frames_get_error_frames_and_the_connection_stays(engine: AsyncEngine) -> None:
@@ -262,3 +275,37 @@ async def test_shutdown_closes_connections_after_the_drain(engine: AsyncEngine) 
                 with pytest.raises(ConnectionClosed) as closed:
                     await receive(ws)
                 assert closed.value.reason.code == 1001
+
+
+async def test_cache_salt_keeps_tenants_apart(server: Server, client: httpx.AsyncClient) -> None:
+    ids = list(range(5, 205))
+
+    async def hits() -> float:
+        response = await client.get("/metrics")
+        return metric(response.text, "legato:prefix_cache_hits_total", default=0.0)
+
+    async with connect(server) as ws:
+
+        async def hits_gained(rid: str, salt: str | None) -> float:
+            before = await hits()
+            frame: dict[str, Any] = {
+                "type": "generate",
+                "request_id": rid,
+                "prompt_token_ids": ids,
+                "params": {"max_tokens": 2},
+            }
+            if salt is not None:
+                frame["cache_salt"] = salt
+            await send(ws, frame, binary=salt == "tenant-b")
+            frames = await collect(ws, {rid})
+            assert frames[rid][-1]["finished"], frames
+            return await hits() - before
+
+        assert await hits_gained("a1", "tenant-a") == 0
+        assert await hits_gained("b1", "tenant-b") == 0
+        assert await hits_gained("n1", None) == 0
+        assert await hits_gained("a2", "tenant-a") >= 192
+        assert await hits_gained("b2", "tenant-b") >= 192
+        await send(ws, {"type": "generate", "request_id": "x", "prompt": "hi", "cache_salt": ""})
+        frames = await collect(ws, {"x"})
+        assert frames["x"][-1]["type"] == "error" and frames["x"][-1]["param"] == "cache_salt"

@@ -1,0 +1,309 @@
+"""Llama-family checkpoints in one GGUF file (llama.cpp's format), read with the ``gguf`` package.
+
+A GGUF file holds what a Hugging Face directory spreads over several files;
+this module maps it onto what the rest of legato reads from a directory:
+
+- :func:`gguf_hf_config`: config.json's fields, from the metadata
+  (architecture, sizes, rotary base and scaling, BOS/EOS ids, tied embeddings);
+- :func:`iter_gguf_weights`: ``(HF tensor name, fp32 tensor)`` pairs, each
+  tensor dequantized with ``gguf.quants.dequantize`` (the same numpy code
+  transformers uses for its own GGUF loading) and, for the ``llama``
+  architecture, with llama.cpp's interleaving of the Q/K rows undone;
+- :func:`load_gguf_tokenizer`: the tokenizer and chat template, which
+  transformers builds from the same file.
+
+Architectures (``general.architecture``): ``llama`` (llama.cpp writes Llama,
+Mistral and SmolLM2 under it), ``qwen2``, ``qwen3``. Tensor types: those in
+:data:`SUPPORTED_TYPES`. Anything else, and any unreadable, truncated or corrupt
+file, is a :class:`~legato.protocol.errors.ModelLoadError` whose one-line
+message names the file (and the tensor, where one is at fault).
+
+Parsing a file's metadata takes seconds for a large vocabulary (the ``gguf``
+reader builds one numpy view per token string), so :func:`open_gguf` keeps the
+last file it opened.
+
+Never imports trio; transformers only inside :func:`load_gguf_tokenizer`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..protocol.errors import ModelLoadError
+
+logger = logging.getLogger("legato.models.gguf")
+
+GGUF_MAGIC = b"GGUF"
+
+SUPPORTED_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16",
+    "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+"""The GGML tensor types legato dequantizes (names as in ``gguf.GGMLQuantizationType``)."""
+
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""GGUF ``general.architecture`` -> the Hugging Face architecture legato serves it as."""
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+"""GGUF's standard tensor names (ggml's docs/gguf.md) -> Hugging Face Llama names."""
+
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+_IGNORED_TENSORS = {"rope_freqs.weight"}
+"""Present in Llama 3.1+ files: llama.cpp's per-frequency rotary factors. legato, like
+transformers' GGUF loading, does not apply them (plain rotary embeddings); a warning says so."""
+
+
+def is_gguf_path(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a GGUF file by its suffix (it need not exist)."""
+    return str(path).lower().endswith(".gguf")
+
+
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+    """A ``gguf.GGUFReader`` over ``path``, checked: magic, metadata, tensor extents,
+    architecture, tensor names and types.
+
+    Raises ModelLoadError (one line naming the file) for a missing, empty,
+    truncated or corrupt file, an unsupported architecture or tensor type. The
+    last file opened is kept (keyed on its path, size and mtime). Blocks while
+    the metadata is parsed (seconds for a 49k-token vocabulary).
+    """
+    resolved = Path(path).resolve()
+    try:
+        stat = resolved.stat()
+    except FileNotFoundError:
+        raise ModelLoadError(f"model: {path}: no such GGUF file") from None
+    except OSError as exc:
+        raise ModelLoadError(f"model: {path}: cannot read it ({exc.strerror})") from None
+    return _open_checked(str(resolved), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _open_checked(path: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    if size == 0:
+        raise ModelLoadError(f"model: {path}: the file is empty, not a GGUF file")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelLoadError(f"model: {path}: not a GGUF file (no GGUF magic bytes)")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(
+            f"model: {path}: truncated or corrupt GGUF file ({type(exc).__name__}: {exc})"
+        ) from None
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)  # data_offset: from the file start
+        if tensor.data.nbytes != tensor.n_bytes or end > size:
+            raise ModelLoadError(
+                f"model: {path}: truncated GGUF file (tensor {tensor.name!r} ends at byte"
+                f" {end}, the file has {size})"
+            )
+    _check_contents(path, reader)
+    return reader
+
+
+def _check_contents(path: str, reader: Any) -> None:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"model: {path}: unsupported GGUF architecture {arch!r}"
+            f" (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"model: {path}: tensor {tensor.name!r} has type {kind}, which legato cannot"
+                f" dequantize (supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        if tensor.name not in _IGNORED_TENSORS and hf_tensor_name(tensor.name) is None:
+            raise ModelLoadError(
+                f"model: {path}: tensor {tensor.name!r} has no place in a {arch} model"
+            )
+
+
+def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The tokenizer (vocabulary, merges, special tokens, chat template) stored in a GGUF file.
+
+    Built by transformers' GGUF tokenizer conversion. ``PreTrainedTokenizerFast``
+    is asked directly: ``AutoTokenizer`` would first parse the whole file once
+    more to pick a class (seconds, for the same result). Blocks about 2 s for a
+    49k-token vocabulary.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    file = Path(path).resolve()
+    return PreTrainedTokenizerFast.from_pretrained(
+        str(file.parent), gguf_file=file.name, local_files_only=True
+    )
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``); None for a name we do not map."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _tensor_shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+
+
+def gguf_hf_config(reader: Any) -> dict[str, Any]:
+    """The config.json (transformers 5 spelling) that describes the model in ``reader``.
+
+    ``dtype`` is the type the weights are stored in once dequantized: float16 or
+    bfloat16 when every matrix is stored so, else float32. Raises ModelLoadError
+    for rotary settings legato cannot honour (partial rotary, YaRN).
+    """
+    arch = str(_field(reader, "general.architecture"))
+    path = str(reader.data.filename)
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    shapes = _tensor_shapes(reader)
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    kv_heads = meta("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # a per-layer list in some files: one value is all we serve
+        if len(set(kv_heads)) != 1:
+            raise ModelLoadError(f"model: {path}: layers with different KV head counts")
+        kv_heads = kv_heads[0]
+    head_dim = int(meta("attention.key_length", 0)) or hidden // heads
+    rotary_dims = meta("rope.dimension_count")
+    if rotary_dims is not None and int(rotary_dims) != head_dim:
+        raise ModelLoadError(
+            f"model: {path}: partial rotary ({rotary_dims} of {head_dim} dims) is not supported"
+        )
+    rope: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": float(meta("rope.freq_base", 1e4)),
+    }
+    scaling = meta("rope.scaling.type", "none")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor", 1.0)))
+    elif scaling != "none":
+        raise ModelLoadError(f"model: {path}: rotary scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" in shapes:
+        logger.warning(
+            "%s: ignoring rope_freqs (Llama 3 rotary scaling factors), as transformers does", path
+        )
+    vocab = meta("vocab_size") or shapes["token_embd.weight"][0]
+    eos_ids = [
+        int(v)
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (v := _field(reader, f"tokenizer.ggml.{key}")) is not None
+    ]
+    matrix_types = {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    dtype = "float32"
+    if len(matrix_types) == 1:
+        dtype = {"F16": "float16", "BF16": "bfloat16"}.get(matrix_types.pop(), "float32")
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "rope_parameters": rope,
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(eos_ids)) or None,
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "dtype": dtype,
+    }
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+    return config
+
+
+def iter_gguf_weights(reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, fp32 tensor)`` for every weight in ``reader``, dequantized one at a time.
+
+    For the ``llama`` architecture, the Q and K rows (weights and biases) get
+    llama.cpp's per-head interleaving undone, so they are as in the HF checkpoint.
+    """
+    from gguf.quants import dequantize
+
+    config = gguf_hf_config(reader)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    unpermute = config["model_type"] == "llama"
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue  # checked by open_gguf: only _IGNORED_TENSORS get here
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if unpermute and ".attn_q." in tensor.name:
+            array = _unpermute_rows(array, heads)
+        elif unpermute and ".attn_k." in tensor.name:
+            array = _unpermute_rows(array, kv_heads)
+        yield name, torch.from_numpy(np.array(array, copy=True))  # owned, writable
+
+
+def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute``: per head, its two rotary halves were interleaved
+    row by row (``convert_hf_to_gguf.py``: reshape(heads, 2, dim/2, ...), swap axes 1, 2)."""
+    half = rows.shape[0] // n_heads // 2
+    return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def stored_dtypes(reader: Any) -> dict[str, torch.dtype]:
+    """HF name -> the torch dtype that holds that tensor without loss once dequantized:
+    fp16 / bf16 for tensors stored so, fp32 for the rest (quantized ones included)."""
+    exact = {"F16": torch.float16, "BF16": torch.bfloat16}
+    return {
+        name: exact.get(t.tensor_type.name, torch.float32)
+        for t in reader.tensors
+        if (name := hf_tensor_name(t.name)) is not None
+    }

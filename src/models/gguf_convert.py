@@ -1,0 +1,66 @@
+"""Write a GGUF checkpoint out as a Hugging Face model directory.
+
+:func:`convert_gguf` writes config.json, generation_config.json, one
+model.safetensors and the tokenizer files (chat template included) that
+transformers builds from the GGUF. Every tensor is stored in the dtype that
+holds it exactly once dequantized (fp32 for quantized ones, fp16 / bf16 as
+stored), so loading the directory gives the same weights as loading the file,
+and the directory is an ordinary checkpoint that transformers loads as well.
+
+All tensors are held in memory until the single file is written: meant for
+small models (the embedded default is 135M parameters, 0.5 GiB in fp32).
+
+Never imports trio.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .gguf_checkpoint import (
+    gguf_hf_config,
+    iter_gguf_weights,
+    load_gguf_tokenizer,
+    open_gguf,
+    stored_dtypes,
+)
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: Path, *, label: str) -> None:
+    """Convert ``gguf_path`` into the existing, empty directory ``out_dir``.
+
+    Shows a progress bar (``label``, tensors done) on stderr. Raises
+    ModelLoadError for a file :func:`~.gguf_checkpoint.open_gguf` refuses.
+    Blocks: seconds for a small model, most of it dequantizing.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    reader = open_gguf(gguf_path)
+    config = gguf_hf_config(reader)
+    dtypes = stored_dtypes(reader)
+    tensors: dict[str, torch.Tensor] = {}
+    bar = tqdm(
+        total=len(dtypes),
+        desc=f"converting {label}",
+        unit="tensor",
+        file=sys.stderr,
+        mininterval=0.5,
+    )
+    with bar:
+        for name, tensor in iter_gguf_weights(reader):
+            tensors[name] = tensor.to(dtypes[name]).contiguous()
+            bar.update(1)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {
+        key: config[key]
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if config[key] is not None
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    load_gguf_tokenizer(gguf_path).save_pretrained(str(out_dir))

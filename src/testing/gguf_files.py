@@ -1,0 +1,191 @@
+"""Write small GGUF files with the ``gguf`` package's writer, for tests and benchmarks.
+
+:func:`write_gguf` turns a Hugging Face Llama / Qwen2 / Qwen3 checkpoint
+directory into a GGUF file the way llama.cpp's converter lays it out:
+standard tensor names, the ``llama`` architecture's Q/K rows permuted per
+head, norms in F32 and every matrix in the one requested type. Types the
+writer can quantize (F32 ... Q5_1) are quantized from the checkpoint; the
+K-quants (Q2_K ... Q6_K), which gguf-py cannot quantize, are filled with
+random blocks whose scales are small finite numbers, which is a valid
+tensor of that type all the same. A tokenizer (``tokenizer.json`` in the
+directory, byte-level BPE) is written as llama.cpp's ``gpt2`` vocabulary,
+with the chat template.
+
+Test support only: never imported by the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..models.loader import iter_weights
+
+_GGUF_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # as llama.cpp writes Mistral
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_K_QUANT_SCALES: dict[str, tuple[int, int | None, float]] = {
+    "Q2_K": (80, 82, 1.5),
+    "Q3_K": (108, None, 0.0),
+    "Q4_K": (0, 2, 7.5),
+    "Q5_K": (0, 2, 15.5),
+    "Q6_K": (208, None, 0.0),
+}
+"""Per K-quant: byte offsets of the fp16 ``d`` and ``dmin`` in one block (gguf-py's
+quants.py), and ``dmin / d`` that centres random blocks on zero: these types store
+unsigned values and subtract ``dmin * min``, so random ``d`` alone biases every weight
+upwards (the mean value times the mean sub-scale over the mean sub-minimum)."""
+
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(
+    checkpoint_dir: str | Path,
+    out: str | Path,
+    *,
+    tensor_type: str = "F32",
+    name: str = "tiny",
+    seed: int = 0,
+) -> Path:
+    """Write the checkpoint in ``checkpoint_dir`` to the GGUF file ``out``; return ``out``.
+
+    Every 2-D weight is stored as ``tensor_type`` (a ``gguf.GGMLQuantizationType``
+    name); 1-D tensors (norms, biases) as F32. ``seed`` draws the K-quant blocks.
+    """
+    import gguf
+
+    root = Path(checkpoint_dir)
+    config = json.loads((root / "config.json").read_text())
+    arch = _GGUF_ARCH[config["architectures"][0]]
+    kind = gguf.GGMLQuantizationType[tensor_type]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(name)
+    _write_config(writer, arch, config)
+    tokenizer = root / "tokenizer.json"
+    if tokenizer.exists():
+        _write_tokenizer(writer, json.loads(tokenizer.read_text()), root, config)
+    rng = np.random.default_rng(seed)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    for hf_name, tensor in iter_weights(root):
+        gguf_name = _gguf_name(hf_name)
+        array = tensor.float().numpy()
+        if arch == "llama" and ".attn_q." in gguf_name:
+            array = _permute_rows(array, heads)
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            array = _permute_rows(array, kv_heads)
+        if array.ndim == 1 or kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
+        elif tensor_type in _K_QUANT_SCALES:
+            blocks = _random_k_blocks(tensor_type, array.shape, rng)
+            writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+        else:
+            quantized = gguf.quants.quantize(np.ascontiguousarray(array), kind)
+            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)
+
+
+def _gguf_name(hf_name: str) -> str:
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in globals_:
+        return globals_[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+
+
+def _permute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's ``permute`` (convert_hf_to_gguf.py): per head, interleave the two rotary halves."""
+    half = rows.shape[0] // n_heads // 2
+    return rows.reshape(n_heads, 2, half, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _random_k_blocks(tensor_type: str, shape: tuple[int, ...], rng: np.random.Generator) -> Any:
+    import gguf
+
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[tensor_type]]
+    rows, cols = shape
+    if cols % block_elems:
+        raise ValueError(f"{tensor_type}: rows of {cols} are not whole {block_elems}-blocks")
+    blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    d_at, dmin_at, dmin_ratio = _K_QUANT_SCALES[tensor_type]
+    d = rng.uniform(0.001, 0.004, size=blocks.shape[:2]).astype(np.float16)
+    blocks[:, :, d_at : d_at + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if dmin_at is not None:
+        dmin = (d.astype(np.float32) * dmin_ratio).astype(np.float16)
+        blocks[:, :, dmin_at : dmin_at + 2] = dmin.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
+def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    writer.add_vocab_size(config["vocab_size"])
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    else:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def _write_tokenizer(writer: Any, spec: dict[str, Any], root: Path, config: dict[str, Any]) -> None:
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [""] * config["vocab_size"]
+    for token, token_id in vocab.items():
+        tokens[token_id] = token
+    special = {a["id"] for a in spec.get("added_tokens", []) if a.get("special")}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_token_merges(merges)
+    bos, eos, pad = (config.get(f"{key}_token_id") for key in ("bos", "eos", "pad"))
+    if isinstance(bos, int):
+        writer.add_bos_token_id(bos)
+    if isinstance(eos, int):
+        writer.add_eos_token_id(eos)
+    if isinstance(pad, int):
+        writer.add_pad_token_id(pad)
+    template = root / "chat_template.jinja"
+    if template.exists():
+        writer.add_chat_template(template.read_text())
+    writer.add_add_bos_token(config.get("bos_token_id") is not None)
