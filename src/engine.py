@@ -58,6 +58,7 @@ from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError, ValidationError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import PoolingParams, SamplingParams
+from .structured.engine import EngineGrammars
 
 logger = logging.getLogger("legato.engine")
 
@@ -240,11 +241,15 @@ class AsyncEngine(EngineClient):
             max_logprobs=config.max_logprobs,
         )
         self.tokenizer = tokenizer
+        grammars = EngineGrammars(tokenizer, ready.vocab_size, ready.eos_token_ids)
+        self.renderer.grammars = grammars
         self.scheduler = Scheduler(config)
         self.processor = OutputProcessor(tokenizer)
         outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
         self._render_send, render_recv = trio.open_memory_channel[RenderJob](math.inf)
-        self.core = EngineCore(self.scheduler, self.executor, outputs_send, self.stats.record)
+        self.core = EngineCore(
+            self.scheduler, self.executor, outputs_send, self.stats.record, grammars=grammars
+        )
         start = self._nursery.start_soon
         run = self.supervisor.run_actor
         start(run, "scheduler", self.core.run)

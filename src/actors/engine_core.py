@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -26,6 +27,9 @@ from ..protocol.errors import LegatoError
 from .executor import Executor, WorkerCallError
 from .scheduler import Scheduler
 from .stats import StepStats
+
+if TYPE_CHECKING:
+    from ..structured.engine import EngineGrammars
 
 logger = logging.getLogger("legato.engine")
 
@@ -80,6 +84,7 @@ class EngineCore:
     executor: Executor
     outputs: trio.MemorySendChannel[m.EngineCoreOutputs]
     record_stats: Callable[[StepStats], None] | None = None
+    grammars: EngineGrammars | None = None  # structured outputs (None: no request uses them)
     sleeping: bool = False
     _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
@@ -183,8 +188,14 @@ class EngineCore:
             arrival = self._arrivals.pop(new.request_id, None)
             if arrival is not None:
                 queue_times.append(now - arrival)
+        grammars, failed = self.grammars, {}
+        if grammars is not None:
+            plan.grammar_bitmask, failed = grammars.bitmasks(plan, self.scheduler.requests)
         runner_out = await self.executor.execute(plan)
         core_out = self.scheduler.update_from_output(plan, runner_out)
+        if grammars is not None:
+            failed.update(grammars.accept(core_out.outputs, self.scheduler.requests))
+            core_out.outputs += self.scheduler.fail(failed)  # those requests alone
         self._forget_finished(core_out.outputs)
         self.outputs.send_nowait(core_out)
         self._record(core_out.scheduler_stats, queue_times)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..protocol.errors import EngineGenerateError, PromptTooLongError, ValidationError
 from ..protocol.messages import EngineRequest
 from ..protocol.params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured.engine import EngineGrammars
 
 PromptType = str | Mapping[str, Any] | Sequence[int]
 
@@ -105,6 +108,8 @@ class Renderer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = [int(t) for t in eos_token_ids[1:]]
         self.max_logprobs = max_logprobs
+        # Structured outputs (compiled at admission); None: requests asking for them are refused.
+        self.grammars: EngineGrammars | None = None
 
     # ------------------------------------------------------------ prompts
 
@@ -349,12 +354,12 @@ async def run_renderer(renderer: Renderer, inbox: trio.MemoryReceiveChannel[Rend
     engine keeps serving in both cases.
     """
     async for job in inbox:
-        _render_one(renderer, job)
+        await _render_one(renderer, job)
         del job  # hold nothing of a request between jobs
         await trio.lowlevel.checkpoint()
 
 
-def _render_one(renderer: Renderer, job: RenderJob) -> None:
+async def _render_one(renderer: Renderer, job: RenderJob) -> None:
     try:
         rendered = renderer.render_prompt(
             job.prompt, tokenization_kwargs=job.tokenization_kwargs, prompt_text=job.prompt_text
@@ -366,6 +371,10 @@ def _render_one(renderer: Renderer, job: RenderJob) -> None:
             priority=job.priority,
             arrival_time=job.arrival_time,
         )
+        grammars = renderer.grammars
+        if grammars is not None and job.params.structured_outputs is not None:
+            # Compiling may take from microseconds to a second: off the event loop.
+            await trio.to_thread.run_sync(grammars.compile, requests)
     except ValueError as exc:
         job.reject(exc)
         return

@@ -9,6 +9,7 @@ torch or trio.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from ..protocol.messages import EngineRequest, FinishReason
 from ..protocol.params import SamplingParams
@@ -57,6 +58,7 @@ class Request:
         "stop_reason",
         "sort_key",
         "scheduled_step",
+        "grammar",
     )
 
     def __init__(self, request: EngineRequest, seq: int) -> None:
@@ -92,6 +94,7 @@ class Request:
         # Priority order: lower value first, then earlier arrival, then admission order.
         self.sort_key: tuple[int, float, int] = (request.priority, request.arrival_time, seq)
         self.scheduled_step: int = -1  # step_id of the last schedule() that included it
+        self.grammar: Any = request.grammar  # structured outputs (legato.structured.GrammarState)
 
     @property
     def num_tokens(self) -> int:

@@ -242,6 +242,20 @@ class Scheduler:
             for r in self._finish_many(request_ids, FinishReason.ABORT)
         ]
 
+    def fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """Finish live requests with ``FinishReason.ERROR`` and their message (one request's
+        grammar failed, say); one output each. Unknown or finished ids are ignored."""
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                finish_reason=FinishReason.ERROR,
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+                error=errors[r.request_id],
+            )
+            for r in self._finish_many(list(errors), FinishReason.ERROR)
+        ]
+
     def _finish_many(
         self, request_ids: str | Iterable[str], finish_reason: FinishReason
     ) -> list[Request]:

@@ -39,6 +39,7 @@ from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
 from .loader import fill_weights, load_model
 from .registry import resolve_architecture
+from ..structured.mask import step_bitmask
 from .sampler import SamplingMetadata, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -302,6 +303,11 @@ class ModelRunner:
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
             )
             md: SamplingMetadata = batch.sampling_metadata(rows[sampling])
+            if step.grammar_bitmask:  # structured outputs: this step's token bitmask rows
+                sampled_ids = [req_ids[int(order[i])] for i in sampling.tolist()]
+                masks = step_bitmask(step.grammar_bitmask, sampled_ids, self.device)
+                if masks is not None:
+                    md.token_bitmask, md.bitmask_rows = masks
             result = sample(logits, md)
             tokens = result.sampled.tolist()
             for j, i in enumerate(sampling.tolist()):

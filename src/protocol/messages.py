@@ -53,6 +53,9 @@ class EngineRequest:
     cache_salt: str | None = None
     parent_id: str | None = None
     index: int = 0
+    # The request's grammar state (legato.structured.GrammarState) when its params ask for
+    # structured outputs; set at admission, owned by the scheduler's Request. Never on the wire.
+    grammar: Any = field(default=None, init=False, repr=False, compare=False)
 
 
 # ------------------------------------------------------- scheduler -> runner
@@ -108,6 +111,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Structured outputs: request id -> its token bitmask row for this step (int32 words,
+    # little-endian bytes; bit t allows token t), for the constrained requests only.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

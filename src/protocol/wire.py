@@ -72,6 +72,7 @@ from .outputs import (
     RequestOutput,
 )
 from .params import PoolingParams, RequestOutputKind, SamplingParams
+from .structured import StructuredOutputsParams
 
 WIRE_MAGIC: Final = "legato"
 WIRE_VERSION: Final = 1
@@ -86,6 +87,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         1: SamplingParams,
         2: PoolingParams,
         3: RequestOutputKind,
+        4: StructuredOutputsParams,
         # outputs
         10: Logprob,
         11: RequestMetrics,

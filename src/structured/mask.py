@@ -12,6 +12,7 @@ Imports torch; never trio.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -87,3 +88,21 @@ def apply_token_bitmask_bytes(
         logits.add_(penalty)
     else:
         logits.index_copy_(0, rows, logits.index_select(0, rows).add_(penalty))
+
+
+def step_bitmask(
+    rows_by_id: Mapping[str, bytes], sampled_ids: Sequence[str], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sampler's ``(token_bitmask, bitmask_rows)`` for one step, or None if no row is
+    constrained. ``rows_by_id`` is ``SchedulerOutput.grammar_bitmask``; ``sampled_ids`` are the
+    request ids of the logits rows, in order."""
+    picked = [(i, rows_by_id[r]) for i, r in enumerate(sampled_ids) if r in rows_by_id]
+    if not picked:
+        return None
+    data = b"".join(row for _, row in picked)
+    words = len(picked[0][1]) // 4
+    if any(len(row) != words * 4 for _, row in picked) or words == 0:
+        raise ValueError("grammar_bitmask: rows must all have the same non-zero length")
+    bitmask = bitmask_tensor(data, words, device)
+    rows = torch.tensor([i for i, _ in picked], dtype=torch.long, device=device)
+    return bitmask, rows
