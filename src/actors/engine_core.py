@@ -188,7 +188,8 @@ class EngineCore:
             arrival = self._arrivals.pop(new.request_id, None)
             if arrival is not None:
                 queue_times.append(now - arrival)
-        grammars, failed = self.grammars, {}
+        grammars = self.grammars
+        failed: dict[str, str] = {}
         if grammars is not None:
             plan.grammar_bitmask, failed = grammars.bitmasks(plan, self.scheduler.requests)
         runner_out = await self.executor.execute(plan)

@@ -57,8 +57,8 @@ def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
             )
         if type(value) is not kind or (isinstance(value, int) and kind is int and value < 1):
             raise ValidationError(
-                f"tokenization_kwargs.{key}", f"must be a {'positive ' * (kind is int)}"
-                f"{kind.__name__}, got {value!r}"
+                f"tokenization_kwargs.{key}",
+                f"must be a {'positive ' * (kind is int)}{kind.__name__}, got {value!r}",
             )
     if kwargs.get("truncation") and "max_length" not in kwargs:
         raise ValidationError("tokenization_kwargs.max_length", "is needed with truncation=True")
@@ -70,6 +70,23 @@ def _cache_salt(prompt: Mapping[str, Any]) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValidationError("cache_salt", f"must be a non-empty string, got {salt!r}")
     return salt
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template"}
+)
+
+
+def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as template variables; names the renderer sets are refused."""
+    if not kwargs:
+        return {}
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS or not str(key).isidentifier():
+            raise ValidationError(
+                f"chat_template_kwargs.{key}", "cannot be set through chat_template_kwargs"
+            )
+    return dict(kwargs)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -162,8 +179,11 @@ class Renderer:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """Chat messages rendered with the tokenizer's chat template."""
+        """Chat messages rendered with the tokenizer's chat template (or ``chat_template``);
+        ``tools`` and ``template_kwargs`` (``chat_template_kwargs``) reach the template."""
         if not messages:
             raise ValidationError("messages", "must not be empty")
         for i, message in enumerate(messages):
@@ -180,6 +200,8 @@ class Renderer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                tools=tools,
+                **_template_kwargs(template_kwargs),
             )
         except ValidationError:
             raise
@@ -193,6 +215,8 @@ class Renderer:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Chat messages as a ready prompt ``{"prompt", "prompt_token_ids"}``.
 
@@ -200,7 +224,11 @@ class Renderer:
         is tokenized without adding more.
         """
         text = self.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 

@@ -32,6 +32,7 @@ import torch
 
 from ..config import EngineConfig
 from ..protocol.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from ..structured.mask import step_bitmask
 from .attention_backend import AttentionMetadata, select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
 from .cuda_graphs import CaptureMode, DecodeGraphRunner, capture_sizes, wants_decode_graphs
@@ -39,7 +40,6 @@ from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
 from .loader import fill_weights, load_model
 from .registry import resolve_architecture
-from ..structured.mask import step_bitmask
 from .sampler import SamplingMetadata, sample, token_logprobs
 
 logger = logging.getLogger(__name__)

@@ -216,7 +216,9 @@ class SamplingParams:
         ):
             for token_id in ids:
                 if token_id >= vocab_size:
-                    raise _fail(name, f"token id {token_id} is outside the vocabulary ({vocab_size})")
+                    raise _fail(
+                        name, f"token id {token_id} is outside the vocabulary ({vocab_size})"
+                    )
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A copy with some fields replaced (validated again)."""

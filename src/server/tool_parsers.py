@@ -148,7 +148,7 @@ class _CallStream:
         return out
 
 
-def _merge(deltas: list[DeltaToolCall]) -> list[DeltaToolCall]:
+def merge_deltas(deltas: list[DeltaToolCall]) -> list[DeltaToolCall]:
     """Consecutive pieces of the same call (with no new header between them) joined into one."""
     merged: list[DeltaToolCall] = []
     for d in deltas:
@@ -275,7 +275,7 @@ class HermesToolParser(ToolParser):
             if end is None and not final:
                 text = text[: len(text) - _held_back(text, self.END)]
             out += self.calls[i].update(text, final=final or end is not None)
-        return DeltaMessage(content, _merge(out))
+        return DeltaMessage(content, merge_deltas(out))
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -315,7 +315,7 @@ class Llama3JsonToolParser(ToolParser):
             end = start + e if e is not None else None
             text = self.text[start + s : end] if end is not None else self.text[start + s :]
             out += self.calls[i].update(text, final=final or e is not None)
-        return DeltaMessage("", _merge(out))
+        return DeltaMessage("", merge_deltas(out))
 
 
 class RequiredArrayParser(ToolParser):
@@ -335,7 +335,7 @@ class RequiredArrayParser(ToolParser):
             start = body + 1 + s
             text = self.text[start : body + 1 + e] if e is not None else self.text[start:]
             out += self.calls[i].update(text, final=final or e is not None)
-        return DeltaMessage("", _merge(out))
+        return DeltaMessage("", merge_deltas(out))
 
 
 class NamedFunctionParser(ToolParser):
@@ -362,7 +362,7 @@ class NamedFunctionParser(ToolParser):
         raw = self.text.strip()  # trailing space is sent once something follows it
         piece = raw[call.sent_args :]
         call.sent_args = max(call.sent_args, len(raw))
-        return DeltaMessage("", _merge(header + ([DeltaToolCall(0, piece)] if piece else [])))
+        return DeltaMessage("", merge_deltas(header + ([DeltaToolCall(0, piece)] if piece else [])))
 
 
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
