@@ -16,7 +16,10 @@ default model's when it is installed, else the toy model's):
 Prints a table (medians over ``--steps``); never asserted in tests. Run it
 alone (``flock -x /tmp/legato-cpu.lock``)::
 
-    python benchmarks/structured_outputs.py --batch-sizes 1 32
+    python benchmarks/structured_outputs.py --batch-sizes 1 32 --e2e-tokens 64
+
+``--e2e-tokens N`` adds the end-to-end figure: the engine's output tok/s on the default model
+for the same workload with and without a json_schema, alternated in the same run.
 """
 
 from __future__ import annotations
@@ -83,6 +86,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--compiles", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--e2e-tokens",
+        type=int,
+        default=0,
+        help="also run the engine end to end (default model) with this many tokens per request",
+    )
+    parser.add_argument("--e2e-repeats", type=int, default=2)
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -91,7 +101,9 @@ def main() -> None:
     hf = AutoTokenizer.from_pretrained(tok_dir)
     vocab = len(hf)
     print(f"tokenizer: {tok_dir} ({vocab} tokens)")
-    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, torch threads {torch.get_num_threads()}")
+    print(
+        f"cpu: {torch.backends.cpu.get_cpu_capability()}, torch threads {torch.get_num_threads()}"
+    )
 
     started = time.perf_counter()
     compiler = GrammarCompiler(TokenizerInfo.from_hf(hf, vocab_size=vocab))
@@ -107,7 +119,9 @@ def main() -> None:
         t2 = time.perf_counter()
         cold.append(t1 - t0)
         warm.append(t2 - t1)
-    print(f"compile typical schema: cold {median_ms(cold):.2f} ms, warm (cached) {median_ms(warm):.3f} ms")
+    print(
+        f"compile typical schema: cold {median_ms(cold):.2f} ms, warm (cached) {median_ms(warm):.3f} ms"
+    )
 
     params = StructuredOutputsParams(json=TYPICAL_SCHEMA)
     gen = torch.Generator().manual_seed(args.seed)
@@ -140,6 +154,49 @@ def main() -> None:
                     states[i] = compiler.compile(params)
         plain, masking, accepting = median_ms(plain_t), median_ms(mask_t), median_ms(accept_t)
         print(f"{batch:>5} {plain:>12.3f} {masking:>10.3f} {accepting:>12.3f}")
+    if args.e2e_tokens:
+        end_to_end(args.batch_sizes, args.e2e_tokens, args.e2e_repeats)
+
+
+def end_to_end(batch_sizes: list[int], tokens: int, repeats: int) -> None:
+    """The engine's output tok/s on the default model with and without a json_schema on the
+    same workload (B chat requests of ``tokens`` tokens each, ignore_eos so both make the same
+    number of tokens), alternated in one run; the best of ``repeats`` each."""
+    from legato import LLM, SamplingParams
+
+    print()
+    print(f"end to end: default model, {tokens} tokens per request, best of {repeats}")
+    print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6} {'ms/step +':>10}")
+    with LLM() as llm:
+        prompt = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": "Describe a person as JSON."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        common: dict[str, Any] = dict(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)
+        kinds = {
+            "free": SamplingParams(**common),
+            "json": SamplingParams(
+                **common, structured_outputs=StructuredOutputsParams(json=TYPICAL_SCHEMA)
+            ),
+        }
+        for params in kinds.values():  # warm up (the grammar tokenizer is built here)
+            llm.generate([prompt], params.clone(max_tokens=4), use_tqdm=False)
+        for batch in batch_sizes:
+            best = {name: float("inf") for name in kinds}
+            for _ in range(repeats):
+                for name, params in kinds.items():
+                    started = time.perf_counter()
+                    outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+                    elapsed = time.perf_counter() - started
+                    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+                    best[name] = min(best[name], elapsed)
+            free, constrained = (batch * tokens / best[k] for k in ("free", "json"))
+            extra_ms = (best["json"] - best["free"]) / tokens * 1e3
+            print(
+                f"{batch:>5} {free:>11.1f} {constrained:>11.1f} {constrained / free:>6.2f}"
+                f" {extra_ms:>10.2f}"
+            )
 
 
 if __name__ == "__main__":

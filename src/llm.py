@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -25,6 +25,7 @@ from .config import EngineConfig
 from .protocol import messages as m
 from .protocol.outputs import RequestOutput
 from .protocol.params import RequestOutputKind, SamplingParams
+from .structured.engine import EngineGrammars
 
 
 class LLM:
@@ -95,6 +96,39 @@ class LLM:
         return trio.from_thread.run(
             self._generate_all, prompt_list, params_list, show, trio_token=self._token
         )
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to several (a list of
+        them), as vLLM's ``LLM.chat``. ``tools`` (OpenAI's shape) and ``chat_template_kwargs``
+        reach the chat template; constrain the reply with ``SamplingParams.structured_outputs``.
+        """
+        conversations: list[Sequence[Mapping[str, Any]]]
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        renderer = self.engine.renderer
+        prompts: list[PromptType] = [
+            renderer.render_chat_prompt(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     async def _generate_all(
         self, prompts: list[PromptType], params: list[SamplingParams], show_progress: bool
@@ -182,6 +216,8 @@ class LLMEngine:
             eos_token_ids=eos,
             max_logprobs=config.max_logprobs,
         )
+        self.grammars = EngineGrammars(self.tokenizer, self.runner.vocab_size, eos)
+        self.renderer.grammars = self.grammars
         self.scheduler = Scheduler(self.config)
         self.processor = OutputProcessor(self.tokenizer)
         # Live requests by the caller's id: the engine id each runs under, and its slot.
@@ -221,6 +257,7 @@ class LLMEngine:
         requests = self.renderer.make_requests(
             engine_id, rendered, params, priority=priority, arrival_time=arrival_time
         )
+        self.grammars.compile(requests)  # ValidationError naming the field if it cannot
         slot = OutputSlot(params.output_kind)
         self.processor.add_request(
             engine_id,
@@ -246,8 +283,12 @@ class LLMEngine:
         """Run one engine step; return the outputs it produced (finished ones included)."""
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens > 0 or plan.finished_req_ids:
+            requests = self.scheduler.requests
+            plan.grammar_bitmask, failed = self.grammars.bitmasks(plan, requests)
             runner_out = self.runner.execute(plan)
             core_out = self.scheduler.update_from_output(plan, runner_out)
+            failed.update(self.grammars.accept(core_out.outputs, requests))
+            core_out.outputs += self.scheduler.fail(failed)
             if core_out.scheduler_stats is not None:
                 self._stats = core_out.scheduler_stats
             step = self.processor.process_outputs(core_out)
