@@ -30,16 +30,17 @@ SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 REGEX = r"[0-9]{2}-[a-c]{2}"
+LONG = r"[a-c]{120}"
 
 
 @pytest.fixture
 async def engine(toy_model_dir: Path) -> AsyncIterator[AsyncEngine]:
-    # Few KV blocks: eight concurrent requests of ~150 tokens preempt one another.
+    # Few KV blocks (384 tokens): four constrained requests of ~130 tokens preempt one another.
     async with open_engine(
         str(toy_model_dir),
         executor="inproc",
         max_model_len=256,
-        num_kv_blocks=40,
+        num_kv_blocks=24,
         disable_log_stats=True,
     ) as eng:
         yield eng
@@ -55,12 +56,23 @@ async def texts(engine: AsyncEngine, prompt: str, params: SamplingParams, rid: s
     return [c.text for c in sorted(final.outputs, key=lambda c: c.index)]
 
 
-def preemptions(engine: AsyncEngine) -> float:
-    found = re.findall(rb"^legato:num_preemptions_total\S* (\S+)$", engine.stats.exposition(), re.M)
-    return sum(float(x) for x in found)
+def count_preemptions(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids the scheduler preempts from now on (it still preempts them)."""
+    preempted: list[str] = []
+    preempt = engine.scheduler._preempt
+
+    def counting(req: Any) -> None:
+        preempted.append(req.request_id)
+        preempt(req)
+
+    monkeypatch.setattr(engine.scheduler, "_preempt", counting)
+    return preempted
 
 
-async def test_constraints_hold_for_n_seeds_and_under_preemption(engine: AsyncEngine) -> None:
+async def test_constraints_hold_for_n_seeds_and_under_preemption(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preempted = count_preemptions(engine, monkeypatch)
     json_params = SamplingParams(
         temperature=1.0, max_tokens=120, n=2, seed=7, structured_outputs=Structured(json=SCHEMA)
     )
@@ -70,19 +82,24 @@ async def test_constraints_hold_for_n_seeds_and_under_preemption(engine: AsyncEn
     choice_params = SamplingParams(
         temperature=1.0, max_tokens=20, logprobs=3, structured_outputs={"choice": ["yes", "no"]}
     )
-    free = SamplingParams(temperature=1.0, max_tokens=150, ignore_eos=True)
+    long_params = SamplingParams(
+        temperature=1.0, max_tokens=130, structured_outputs=Structured(regex=LONG)
+    )
+    free = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
     results: dict[str, list[str]] = {}
 
     async def run(rid: str, params: SamplingParams) -> None:
         results[rid] = await texts(engine, "a b c d e f g h", params, rid)
 
     async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(run, f"long{i}", long_params)
         for i in range(3):
             nursery.start_soon(run, f"json{i}", json_params)
-            nursery.start_soon(run, f"free{i}", free)
+        nursery.start_soon(run, "free", free)
         nursery.start_soon(run, "regex", regex_params)
         nursery.start_soon(run, "choice", choice_params)
-    assert preemptions(engine) > 0  # the KV cache was too small for all of them at once
+    assert preempted  # the KV cache was too small for all of them at once
     for i in range(3):
         for text in results[f"json{i}"]:
             jsonschema.validate(json.loads(text), SCHEMA)
@@ -91,7 +108,11 @@ async def test_constraints_hold_for_n_seeds_and_under_preemption(engine: AsyncEn
     assert results["json0"][0] != results["json0"][1]  # children seed + 0, seed + 1
     assert re.fullmatch(REGEX, results["regex"][0])
     assert results["choice"][0] in ("yes", "no")
-    assert any(len(results[f"free{i}"][0]) > 20 for i in range(3))  # the others ran free
+    for i in range(4):
+        assert re.fullmatch(LONG, results[f"long{i}"][0]), results[f"long{i}"]
+    # Constrained requests were among the preempted: their grammars resumed in step.
+    assert any(not rid.startswith("free") for rid in preempted), preempted
+    assert not re.fullmatch(r"[a-c]*", results["free"][0])  # the masks went to their own rows
 
 
 async def test_logprobs_are_those_of_the_masked_distribution(engine: AsyncEngine) -> None:
