@@ -125,6 +125,7 @@ def constrained_generate(toy_tokenizer: PreTrainedTokenizerBase) -> Generate:
 
     return generate
 
+
 # -- the embedded default model (legato.default_model) --------------------------
 
 
