@@ -57,8 +57,8 @@ def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
             )
         if type(value) is not kind or (isinstance(value, int) and kind is int and value < 1):
             raise ValidationError(
-                f"tokenization_kwargs.{key}",
-                f"must be a {'positive ' * (kind is int)}{kind.__name__}, got {value!r}",
+                f"tokenization_kwargs.{key}", f"must be a {'positive ' * (kind is int)}"
+                f"{kind.__name__}, got {value!r}"
             )
     if kwargs.get("truncation") and "max_length" not in kwargs:
         raise ValidationError("tokenization_kwargs.max_length", "is needed with truncation=True")
@@ -125,7 +125,7 @@ class Renderer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = [int(t) for t in eos_token_ids[1:]]
         self.max_logprobs = max_logprobs
-        # Structured outputs (compiled at admission); None: requests asking for them are refused.
+        # Structured outputs, compiled at admission (the engine sets it; None: render-only).
         self.grammars: EngineGrammars | None = None
 
     # ------------------------------------------------------------ prompts
