@@ -51,6 +51,7 @@ from legato.protocol.outputs import (
     RequestOutput,
 )
 from legato.protocol.params import PoolingParams, RequestOutputKind, SamplingParams
+from legato.protocol.structured import StructuredOutputsParams
 from legato.protocol.wire import (
     HEADER_SIZE,
     MAX_ANY_DEPTH,
@@ -91,6 +92,21 @@ def _valid_sampling(kw: dict[str, Any]) -> bool:
     return not (kw["stop"] and not kw["detokenize"])
 
 
+structured_outputs = st.one_of(
+    st.builds(
+        StructuredOutputsParams,
+        json=st.one_of(
+            st.dictionaries(text, st.integers(-9, 9) | text | st.booleans(), max_size=3),
+            st.just('{"type": "object"}'),
+        ),
+        disable_any_whitespace=st.booleans(),
+    ),
+    st.builds(StructuredOutputsParams, regex=text),
+    st.builds(StructuredOutputsParams, choice=st.lists(text, min_size=1, max_size=3)),
+    st.builds(StructuredOutputsParams, grammar=text, field=st.just("guided_grammar")),
+    st.builds(StructuredOutputsParams, json_object=st.just(True), spec_field=optional(text)),
+)
+
 sampling_params = (
     st.fixed_dictionaries(
         {
@@ -122,6 +138,7 @@ sampling_params = (
                 st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4)
             ),
             "extra_args": optional(st.dictionaries(text, natives, max_size=3)),
+            "structured_outputs": optional(structured_outputs),
         }
     )
     .filter(_valid_sampling)
@@ -196,6 +213,7 @@ core_output = st.builds(
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     SamplingParams: sampling_params,
+    StructuredOutputsParams: structured_outputs,
     PoolingParams: st.builds(
         PoolingParams,
         task=st.sampled_from(["embed", "classify", "score", "encode"]),
