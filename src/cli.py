@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -205,6 +206,60 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="seconds over which --max-restarts counts (default: %(default)s)",
     )
+    add_openai_features_args(parser)
+
+
+def add_openai_features_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags for chat templates, tool calling, reasoning and CORS."""
+    group = parser.add_argument_group("chat, tools and CORS (as vLLM's flags)")
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file used instead of the model's",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice="auto" (needs --tool-call-parser)',
+    )
+    group.add_argument(
+        "--tool-call-parser", default=None, help="how auto tool calls are read: hermes, llama3_json"
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1",
+    )
+    group.add_argument("--allowed-origins", default='["*"]', help="CORS: a JSON list of origins")
+    group.add_argument("--allowed-methods", default='["*"]', help="CORS: a JSON list of methods")
+    group.add_argument("--allowed-headers", default='["*"]', help="CORS: a JSON list of headers")
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def openai_features_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerSettings fields from :func:`add_openai_features_args`' flags; ValueError naming
+    the flag when one is wrong."""
+    from .server.cors import CORSPolicy, parse_list_flag
+
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--chat-template: cannot read {args.chat_template}: {exc}") from None
+    cors = CORSPolicy(
+        parse_list_flag("--allowed-origins", args.allowed_origins),
+        parse_list_flag("--allowed-methods", args.allowed_methods),
+        parse_list_flag("--allowed-headers", args.allowed_headers),
+        args.allow_credentials,
+    )
+    return dict(
+        chat_template=template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        cors=cors,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -233,6 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             web_ui_ws_url=args.web_ui_ws_url,
             lora_modules=parse_lora_modules(args.lora_modules),
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            **openai_features_settings(args),
         )
         if settings.lora_modules and not args.enable_lora:
             raise ValueError("lora_modules: serving LoRA adapters needs --enable-lora")

@@ -65,6 +65,7 @@ from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError, ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .structured.engine import EngineGrammars
 
 logger = logging.getLogger("legato.engine")
 
@@ -252,6 +253,8 @@ class AsyncEngine(EngineClient):
             max_logprobs=config.max_logprobs,
         )
         self.tokenizer = tokenizer
+        grammars = EngineGrammars(tokenizer, ready.vocab_size, ready.eos_token_ids)
+        self.renderer.grammars = grammars
         self.scheduler = Scheduler(config)
         self.processor = OutputProcessor(tokenizer)
         outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
@@ -262,6 +265,7 @@ class AsyncEngine(EngineClient):
             outputs_send,
             self.stats.record,
             async_scheduling=config.async_scheduling,
+            grammars=grammars,
         )
         start = self._nursery.start_soon
         run = self.supervisor.run_actor

@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -29,6 +29,7 @@ from .protocol import messages as m
 from .protocol.errors import ValidationError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .structured.engine import EngineGrammars
 
 T = TypeVar("T")
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
@@ -158,6 +159,39 @@ class LLM:
             lora_request=lora_request,
         )
 
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to several (a list of
+        them), as vLLM's ``LLM.chat``. ``tools`` (OpenAI's shape) and ``chat_template_kwargs``
+        reach the chat template; constrain the reply with ``SamplingParams.structured_outputs``.
+        """
+        conversations: list[Sequence[Mapping[str, Any]]]
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        renderer = self.engine.renderer
+        prompts: list[PromptType] = [
+            renderer.render_chat_prompt(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+                template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter (see ``AsyncEngine.add_lora``)."""
         return self._call(self.engine.add_lora, lora_request)
@@ -286,9 +320,11 @@ class LLMEngine:
             eos_token_ids=eos,
             max_logprobs=config.max_logprobs,
         )
+        self.grammars = EngineGrammars(self.tokenizer, self.runner.vocab_size, eos)
+        self.renderer.grammars = self.grammars
         self.scheduler = Scheduler(self.config)
         self.stats = StatsCollector(model_name=self.config.model or "legato-toy")
-        self.core = CoreSteps(self.scheduler, self.stats.record)
+        self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
         self.processor = OutputProcessor(self.tokenizer)
         # Live requests by the caller's id: the engine id each runs under, and its slot.
         self._live: dict[str, tuple[str, OutputSlot]] = {}
@@ -339,6 +375,7 @@ class LLMEngine:
             request.lora_request = lora_request
             if lora_request is not None:
                 request.lora_name = lora_request.lora_name
+        self.grammars.compile(requests)  # ValidationError naming the field if it cannot
         slot = OutputSlot(params.output_kind)
         self.processor.add_request(
             engine_id,

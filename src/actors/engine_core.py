@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -41,6 +42,9 @@ from ..protocol.errors import LegatoError
 from .executor import Executor, StepAnswer, WorkerCallError
 from .scheduler import Scheduler
 from .stats import StepStats
+
+if TYPE_CHECKING:
+    from ..structured.engine import EngineGrammars
 
 logger = logging.getLogger("legato.engine")
 
@@ -93,11 +97,19 @@ class PlannedStep:
     """A step planned and not applied yet: the runner's message, and the queue times of
     the requests it starts."""
 
-    __slots__ = ("plan", "queue_times")
+    __slots__ = ("grammar_failures", "plan", "queue_times")
 
-    def __init__(self, plan: m.SchedulerOutput, queue_times: list[float]) -> None:
+    def __init__(
+        self,
+        plan: m.SchedulerOutput,
+        queue_times: list[float],
+        grammar_failures: dict[str, str] | None = None,
+    ) -> None:
         self.plan = plan
         self.queue_times = queue_times
+        # Constrained requests whose grammar failed while their bitmask row was built:
+        # failed (alone) when the step is applied.
+        self.grammar_failures = grammar_failures or {}
 
 
 class CoreSteps:
@@ -110,10 +122,14 @@ class CoreSteps:
     """
 
     def __init__(
-        self, scheduler: Scheduler, record_stats: Callable[[StepStats], None] | None = None
+        self,
+        scheduler: Scheduler,
+        record_stats: Callable[[StepStats], None] | None = None,
+        grammars: EngineGrammars | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.record_stats = record_stats
+        self.grammars = grammars  # structured outputs: bitmask rows at plan, accept at apply
         self._arrivals: dict[str, float] = {}  # requests not yet scheduled
 
     def add_requests(self, requests: list[m.EngineRequest]) -> None:
@@ -146,11 +162,21 @@ class CoreSteps:
             arrival = self._arrivals.pop(new.request_id, None)
             if arrival is not None:
                 queue_times.append(now - arrival)
-        return PlannedStep(plan, queue_times)
+        failed: dict[str, str] = {}
+        if self.grammars is not None:
+            # Constrained requests are never planned ahead (Scheduler), so each one's
+            # grammar has accepted every token before its next row is built.
+            plan.grammar_bitmask, failed = self.grammars.bitmasks(plan, self.scheduler.requests)
+        return PlannedStep(plan, queue_times, failed)
 
     def apply(self, step: PlannedStep, runner_output: m.ModelRunnerOutput) -> m.EngineCoreOutputs:
         """Take a step's answer into the scheduler (steps in planning order); its outputs."""
         core_out = self.scheduler.update_from_output(step.plan, runner_output)
+        failed = step.grammar_failures
+        if self.grammars is not None:
+            failed.update(self.grammars.accept(core_out.outputs, self.scheduler.requests))
+        if failed:
+            core_out.outputs += self.scheduler.fail(failed)  # those requests alone
         self.forget_finished(core_out.outputs)
         self.record(core_out.scheduler_stats, step.queue_times)
         return core_out
@@ -188,6 +214,7 @@ class EngineCore:
     outputs: trio.MemorySendChannel[m.EngineCoreOutputs]
     record_stats: Callable[[StepStats], None] | None = None
     async_scheduling: bool = False
+    grammars: EngineGrammars | None = None  # structured outputs (None: no request uses them)
     sleeping: bool = False
     _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
@@ -196,7 +223,7 @@ class EngineCore:
 
     def __post_init__(self) -> None:
         self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
-        self.steps = CoreSteps(self.scheduler, self.record_stats)
+        self.steps = CoreSteps(self.scheduler, self.record_stats, self.grammars)
         # Steps sent to the executor and not applied yet, oldest first.
         self._sent: collections.deque[tuple[PlannedStep, StepAnswer]] = collections.deque()
         self._depth = 2 if self.async_scheduling else 1

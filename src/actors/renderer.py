@@ -11,13 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..protocol.errors import EngineGenerateError, PromptTooLongError, ValidationError
 from ..protocol.messages import EngineRequest
 from ..protocol.params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured.engine import EngineGrammars
 
 PromptType = str | Mapping[str, Any] | Sequence[int]
 
@@ -69,6 +72,23 @@ def _cache_salt(prompt: Mapping[str, Any]) -> str | None:
     return salt
 
 
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template"}
+)
+
+
+def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as template variables; names the renderer sets are refused."""
+    if not kwargs:
+        return {}
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_KWARGS or not str(key).isidentifier():
+            raise ValidationError(
+                f"chat_template_kwargs.{key}", "cannot be set through chat_template_kwargs"
+            )
+    return dict(kwargs)
+
+
 def load_tokenizer(path: str) -> Any:
     """The Hugging Face tokenizer in ``path``, a model directory or a GGUF file
     (local only, never the hub)."""
@@ -105,6 +125,8 @@ class Renderer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = [int(t) for t in eos_token_ids[1:]]
         self.max_logprobs = max_logprobs
+        # Structured outputs, compiled at admission (the engine sets it; None: render-only).
+        self.grammars: EngineGrammars | None = None
 
     # ------------------------------------------------------------ prompts
 
@@ -157,8 +179,11 @@ class Renderer:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """Chat messages rendered with the tokenizer's chat template."""
+        """Chat messages rendered with the tokenizer's chat template (or ``chat_template``);
+        ``tools`` and ``template_kwargs`` (``chat_template_kwargs``) reach the template."""
         if not messages:
             raise ValidationError("messages", "must not be empty")
         for i, message in enumerate(messages):
@@ -175,6 +200,8 @@ class Renderer:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
+                tools=tools,
+                **_template_kwargs(template_kwargs),
             )
         except ValidationError:
             raise
@@ -188,6 +215,8 @@ class Renderer:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Chat messages as a ready prompt ``{"prompt", "prompt_token_ids"}``.
 
@@ -195,7 +224,11 @@ class Renderer:
         is tokenized without adding more.
         """
         text = self.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
@@ -349,12 +382,12 @@ async def run_renderer(renderer: Renderer, inbox: trio.MemoryReceiveChannel[Rend
     engine keeps serving in both cases.
     """
     async for job in inbox:
-        _render_one(renderer, job)
+        await _render_one(renderer, job)
         del job  # hold nothing of a request between jobs
         await trio.lowlevel.checkpoint()
 
 
-def _render_one(renderer: Renderer, job: RenderJob) -> None:
+async def _render_one(renderer: Renderer, job: RenderJob) -> None:
     try:
         rendered = renderer.render_prompt(
             job.prompt, tokenization_kwargs=job.tokenization_kwargs, prompt_text=job.prompt_text
@@ -366,6 +399,10 @@ def _render_one(renderer: Renderer, job: RenderJob) -> None:
             priority=job.priority,
             arrival_time=job.arrival_time,
         )
+        grammars = renderer.grammars
+        if grammars is not None and job.params.structured_outputs is not None:
+            # Compiling may take from microseconds to a second: off the event loop.
+            await trio.to_thread.run_sync(grammars.compile, requests)
     except ValueError as exc:
         job.reject(exc)
         return

@@ -9,6 +9,7 @@ torch or trio.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from ..protocol.messages import EngineRequest, FinishReason
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
@@ -66,6 +67,7 @@ class Request:
         "sort_key",
         "num_output_placeholders",
         "reset_step",
+        "grammar",
     )
 
     def __init__(self, request: EngineRequest, seq: int) -> None:
@@ -104,6 +106,7 @@ class Request:
         self.sort_key: tuple[int, float, int] = (request.priority, request.arrival_time, seq)
         self.num_output_placeholders: int = 0
         self.reset_step: int = 0
+        self.grammar: Any = request.grammar  # structured outputs (legato.structured.GrammarState)
 
     @property
     def num_tokens(self) -> int:

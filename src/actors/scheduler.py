@@ -268,6 +268,20 @@ class Scheduler:
             for r in self._finish_many(request_ids, FinishReason.ABORT)
         ]
 
+    def fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """Finish live requests with ``FinishReason.ERROR`` and their message (one request's
+        grammar failed, say); one output each. Unknown or finished ids are ignored."""
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                finish_reason=FinishReason.ERROR,
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+                error=errors[r.request_id],
+            )
+            for r in self._finish_many(list(errors), FinishReason.ERROR)
+        ]
+
     def _finish_many(
         self, request_ids: str | Iterable[str], finish_reason: FinishReason
     ) -> list[Request]:
@@ -429,8 +443,9 @@ class Scheduler:
 
     def _done_in_flight(self, req: Request) -> bool:
         """Whether the samples of steps in flight may already reach a length limit (or end
-        the request: a pooling request is done once its prompt is computed)."""
-        if req.pooling_params is not None:
+        the request: a pooling request is done once its prompt is computed). A request
+        with a grammar also waits: its next bitmask row needs the token in flight."""
+        if req.pooling_params is not None or req.grammar is not None:
             return True
         placeholders = req.num_output_placeholders
         if len(req.all_token_ids) + placeholders >= self.max_model_len:

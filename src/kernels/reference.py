@@ -175,3 +175,21 @@ def add_lora(
             delta = lora_b[slot, cols].float() @ h[s * rank : (s + 1) * rank]
             y[t, cols] = (y[t, cols].float() + delta).to(y.dtype)
             start += size
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs: ``logits[rows[i], t] = -inf`` wherever token ``t`` is not allowed.
+
+    ``bitmask`` is ``int32[R, W]``, on the logits' device: bit ``t % 32`` of word
+    ``t // 32`` of row ``i`` set means token ``t`` is allowed for logits row
+    ``rows[i]`` (``int64[R]``). Tokens at or past ``32 * W`` are not allowed.
+    Other rows are untouched. Writes ``logits`` in place.
+    """
+    vocab = logits.shape[-1]
+    words = bitmask.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], words * 32)
+    if words * 32 < vocab:
+        allowed = F.pad(allowed, (0, vocab - words * 32), value=False)
+    sub = logits.index_select(0, rows).masked_fill_(~allowed[:, :vocab], float("-inf"))
+    logits.index_copy_(0, rows, sub)

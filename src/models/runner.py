@@ -38,6 +38,7 @@ from ..protocol.messages import (
     TokenLogprobs,
 )
 from ..protocol.params import LoRARequest
+from ..structured.mask import step_bitmask
 from .attention_backend import AttentionMetadata, select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
 from .cpu_linear import pack_linears, unpack_linears
@@ -370,6 +371,11 @@ class ModelRunner:
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
             )
             md: SamplingMetadata = batch.sampling_metadata(rows[sampling])
+            if step.grammar_bitmask:  # structured outputs: this step's token bitmask rows
+                sampled_ids = [req_ids[int(order[i])] for i in sampling.tolist()]
+                masks = step_bitmask(step.grammar_bitmask, sampled_ids, self.device)
+                if masks is not None:
+                    md.token_bitmask, md.bitmask_rows = masks
             result = sample(logits, md)
             tokens = result.sampled.tolist()
             for j, i in enumerate(sampling.tolist()):

@@ -1,6 +1,7 @@
 """Sampling one token per row of a logits batch, with vLLM's semantics.
 
-Order of operations (as vLLM v1): raw logprobs (log-softmax of the model's
+Order of operations (as vLLM v1): the structured-outputs token bitmask
+(disallowed tokens to -inf, before anything else) → raw logprobs (log-softmax of the model's
 logits, before any processing) → allowed_token_ids → min_tokens (EOS and stop
 ids masked) → logit_bias → penalties (repetition over prompt + output tokens,
 presence / frequency over output tokens) → greedy argmax for temperature 0,
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..protocol.messages import TokenLogprobs
+from ..structured.mask import apply_token_bitmask
 from . import cpu_kernels
 
 _NEG_INF = float("-inf")
@@ -61,6 +63,8 @@ class SamplingMetadata:
     banned_cols: torch.Tensor | None = None  # [M] int64
     logprob_rows: list[int] | None = None  # rows whose raw logprobs are wanted
     num_logprobs: list[int] | None = None  # top-k count per logprob row
+    token_bitmask: torch.Tensor | None = None  # [G, W] int32 structured outputs, on device
+    bitmask_rows: torch.Tensor | None = None  # [G] int64 rows the bitmask rows apply to
 
 
 @dataclass(slots=True)
@@ -145,6 +149,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     """One token per row of ``logits`` ``[N, V]`` (any float dtype; fp32 is modified in place)."""
     logits = logits.float()
+    if md.token_bitmask is not None and md.bitmask_rows is not None:
+        apply_token_bitmask(logits, md.token_bitmask, md.bitmask_rows)
     logprobs = None
     if md.logprob_rows:
         raw = torch.log_softmax(logits[md.logprob_rows], dim=-1)

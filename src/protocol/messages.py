@@ -65,6 +65,10 @@ class EngineRequest(Message):
     index: int = 0
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    # The request's grammar state (legato.structured.GrammarState) when its params ask for
+    # structured outputs; set at admission, owned by the scheduler's Request. Never sent:
+    # an EngineRequest stays in the engine's process.
+    grammar: Any = None
 
 
 # ------------------------------------------------------- scheduler -> runner
@@ -122,6 +126,9 @@ class SchedulerOutput(Message):
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Structured outputs: request id -> its token bitmask row for this step (int32 words,
+    # little-endian bytes; bit t allows token t), for the constrained requests only.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

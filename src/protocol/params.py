@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .structured import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -54,6 +56,9 @@ class SamplingParams:
     a string or a list of strings and is stored as a list. ``best_of`` and
     ``logits_processors`` are accepted only at their defaults: this engine does
     not implement them and says so instead of silently ignoring them.
+    ``structured_outputs`` (or its dict form) constrains the output to a JSON
+    schema, regex, choice or grammar; whether it compiles is checked when the
+    request is admitted (a ValidationError naming the field, for that request).
     """
 
     n: int = 1
@@ -84,6 +89,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
     extra_args: dict[str, Any] | None = field(default=None)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +107,8 @@ class SamplingParams:
                 self.logit_bias = dict(self.logit_bias)
             except (TypeError, ValueError):
                 raise _fail("logit_bias", "must be a mapping of token id to bias") from None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
@@ -182,6 +190,13 @@ class SamplingParams:
             for word in self.bad_words:
                 if not isinstance(word, str) or not word:
                     raise _fail("bad_words", f"must be non-empty strings, got {word!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise _fail(
+                "structured_outputs",
+                f"must be StructuredOutputsParams or a dict, got {type(self.structured_outputs).__name__}",
+            )
         if self.logits_processors is not None:
             for proc in self.logits_processors:
                 if not callable(proc):

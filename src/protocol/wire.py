@@ -73,6 +73,7 @@ from .outputs import (
     RequestOutput,
 )
 from .params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .structured import StructuredOutputsParams
 
 WIRE_MAGIC: Final = "legato"
 WIRE_VERSION: Final = 1
@@ -87,6 +88,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         2: PoolingParams,
         3: RequestOutputKind,
         4: LoRARequest,
+        5: StructuredOutputsParams,
         # outputs
         10: Logprob,
         11: RequestMetrics,

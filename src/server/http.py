@@ -30,12 +30,14 @@ Imports trio; never torch.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from . import lora_routes
 from . import openai_handlers as handlers
+from .api_docs import DOCS_ROUTES
 from .asgi import (
     ClientDisconnected,
     HTTPError,
@@ -45,8 +47,10 @@ from .asgi import (
     Scope,
     Send,
     bearer_token_ok,
+    send_body,
     send_error,
 )
+from .cors import is_preflight
 from .embedding_handler import create_embeddings
 from .state import ServingState, Unavailable
 
@@ -69,14 +73,31 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/version": {"GET": handlers.version},
     "/tokenize": {"POST": handlers.tokenize},
     "/detokenize": {"POST": handlers.detokenize},
+    **{path: {"GET": handler} for path, handler in DOCS_ROUTES.items()},
 }
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", *DOCS_ROUTES})
 """Paths served without the API key."""
 
 LINGER_FACTOR = 4
 """An unread body up to this many times ``max_body_bytes`` is read and dropped before the
 response ends; a longer one is cut off (the client may then see a reset)."""
+
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+def request_id_header(request: Request) -> list[tuple[bytes, bytes]]:
+    """``X-Request-Id`` echoed back (a printable ASCII value of at most 256 characters);
+    a fresh one when the client sent none or an unusable one."""
+    given = request.header("x-request-id")
+    if (
+        given is None
+        or not 0 < len(given) <= MAX_REQUEST_ID_CHARS
+        or not all(33 <= ord(c) < 127 for c in given)
+    ):
+        given = uuid.uuid4().hex
+    return [(b"x-request-id", given.encode("ascii"))]
 
 
 class OpenAIApp:
@@ -113,14 +134,19 @@ class OpenAIApp:
         started = False
         send = request.send
         linger_bytes = LINGER_FACTOR * self.state.settings.max_body_bytes
+        cors = self.state.settings.cors
+        origin = request.header("origin")
+        # Every response carries the CORS headers its Origin earns, and the X-Request-Id.
+        extra_headers = [*cors.response_headers(origin), *request_id_header(request)]
 
         async def tracked_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                headers = [*message.get("headers", ()), *extra_headers]
                 if not request.body_done:  # answered unread: the connection will not be reused
-                    headers = [*message.get("headers", ()), (b"connection", b"close")]
-                    message = {**message, "headers": headers}
+                    headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
             last = message["type"] == "http.response.body" and not message.get("more_body")
             if last and not request.body_done:
                 await send({**message, "more_body": True})
@@ -130,6 +156,15 @@ class OpenAIApp:
 
         request.send = tracked_send
         try:
+            preflight = request.header("access-control-request-method")
+            if origin is not None and is_preflight(request.method, origin, preflight):
+                assert preflight is not None
+                status, headers, text = cors.preflight(
+                    origin, preflight, request.header("access-control-request-headers")
+                )
+                extra_headers[:] = [h for h in extra_headers if h[0] == b"x-request-id"]
+                await send_body(request.send, status, text.encode(), "text/plain", headers)
+                return
             handler = self._route(request)
             await handler(request, self.state)
             return

@@ -38,10 +38,14 @@ from ..engine import RequestStream
 from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob, RequestOutput
 from ..protocol.params import LoRARequest, SamplingParams
+from . import openai_protocol as protocol
 from . import openai_schemas as schemas
 from .asgi import HTTPError, Receive, Request, SSEResponse, send_body, send_json, watch_disconnect
+from .chat_outputs import ChoiceReader, output_constraint
 from .lora_routes import adapter_cards, select_model
+from .openai_protocol import parse_request
 from .state import LiveRequest, ServingState, Unavailable
+from .tool_choice import plan_tools
 
 T = TypeVar("T")
 
@@ -309,8 +313,12 @@ async def create_completion(request: Request, state: ServingState) -> None:
     """``POST /v1/completions``."""
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
+    typed = parse_request(protocol.CompletionRequest, body)
     parsed = schemas.parse_completion_request(body, max_n=state.settings.max_n)
     lora = select_model(state, parsed.model)
+    constraint = output_constraint(typed)
+    if constraint is not None:
+        parsed.params = parsed.params.clone(structured_outputs=constraint)
     request_id = _new_id("cmpl")
     model = lora.lora_name if lora is not None else state.model_name
     n = parsed.params.n
@@ -413,15 +421,41 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
     """``POST /v1/chat/completions``."""
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
+    typed = parse_request(protocol.ChatCompletionRequest, body)
     parsed = schemas.parse_chat_request(body, max_n=state.settings.max_n)
     lora = select_model(state, parsed.model)
+    settings = state.settings
+    tools = plan_tools(
+        typed.tools,
+        typed.tool_choice,
+        parallel_tool_calls=typed.parallel_tool_calls,
+        auto_parser=settings.auto_tool_parser,
+    )
+    constraint = output_constraint(typed)
+    if tools.constraint is not None:
+        if constraint is not None:
+            raise ValidationError("tool_choice", f"cannot be combined with {constraint.field}")
+        constraint = tools.constraint
+    if constraint is not None:
+        parsed.params = parsed.params.clone(structured_outputs=constraint)
     renderer = state.engine.renderer
     prompt = schemas.with_cache_salt(
         renderer.render_chat_prompt(
-            parsed.messages, add_generation_prompt=parsed.add_generation_prompt
+            [message.for_template() for message in typed.messages],
+            add_generation_prompt=parsed.add_generation_prompt,
+            chat_template=typed.chat_template or settings.chat_template,
+            tools=tools.template_tools,
+            template_kwargs=typed.chat_template_kwargs,
         ),
         parsed.cache_salt,
     )
+    readers: dict[int, ChoiceReader] = {}
+
+    def reader(index: int) -> ChoiceReader:
+        if index not in readers:
+            readers[index] = ChoiceReader(settings.reasoning, tools.parser)
+        return readers[index]
+
     request_id = _new_id("chatcmpl")
     model = lora.lora_name if lora is not None else state.model_name
     decode = decoder(state)
@@ -451,29 +485,42 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
             await sse.event(make_chunk([schemas.chat_delta_choice(index, delta, None, None)], None))
 
     def on_delta(job: Job, delta: CompletionOutput) -> dict[str, Any] | None:
-        if not (delta.text or delta.finish_reason or (delta.token_ids and parsed.logprobs)):
+        finish_reason = delta.finish_reason
+        choice = reader(delta.index)
+        if choice.active:
+            fields = choice.update(delta.text, final=finish_reason is not None)
+            if choice.called_tools and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            if not (fields or finish_reason or (delta.token_ids and parsed.logprobs)):
+                return None  # held back (perhaps the start of a tag)
+        elif not (delta.text or finish_reason or (delta.token_ids and parsed.logprobs)):
             return None  # a token that is not text yet (part of a UTF-8 character)
-        content = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+        else:
+            fields = {"content": delta.text} if delta.text or finish_reason is None else {}
         return schemas.chat_delta_choice(
             delta.index,
-            content,
+            fields,
             logprobs_of(delta.token_ids, delta.logprobs),
-            delta.finish_reason,
+            finish_reason,
             delta.stop_reason,
         )
 
     def make_response(jobs: list[Job], usage: dict[str, int]) -> dict[str, Any]:
         (job,) = jobs
-        choices = [
-            schemas.chat_choice(
+        choices = []
+        for index, choice in sorted(job.choices.items()):
+            out = schemas.chat_choice(
                 index,
                 choice.text,
                 logprobs_of(choice.token_ids, choice.logprobs),
                 choice.finish_reason,
                 choice.stop_reason,
             )
-            for index, choice in sorted(job.choices.items())
-        ]
+            fields, called = ChoiceReader(settings.reasoning, tools.parser).message(choice.text)
+            out["message"].update(fields)
+            if called and choice.finish_reason == "stop":
+                out["finish_reason"] = "tool_calls"
+            choices.append(out)
         return schemas.openai_object(
             "chat.completion", request_id, generation.created, model, choices, usage
         )

@@ -4,8 +4,11 @@ Parsing is strict about types and lenient about names: a known field of the
 wrong type is a ``ValidationError`` naming that field (the handlers answer
 400 with ``param`` set to it), while fields this server does not know are
 ignored, as OpenAI and vLLM do, for forward compatibility. Known OpenAI
-features the engine lacks (``suffix``, ``tools``, a JSON ``response_format``)
-are refused rather than silently ignored. ``null`` means "not given".
+features the engine lacks (``suffix``, ``functions``) are refused rather than
+silently ignored. ``null`` means "not given". The request's types are checked
+first by the pydantic models (``openai_protocol``); ``tools``,
+``response_format`` and the structured-output fields are read by
+``chat_outputs`` and ``tool_choice``.
 
 The response builders produce exactly OpenAI's shapes (``id``, ``object``,
 ``created``, ``model``, ``choices``, ``usage``), plus vLLM's ``stop_reason``
@@ -24,6 +27,7 @@ from typing import Any
 from ..protocol.errors import ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob
 from ..protocol.params import RequestOutputKind, SamplingParams
+from ..protocol.structured import StructuredOutputsParams
 
 MAX_PROMPTS = 256
 """At most this many prompts in one ``/v1/completions`` request."""
@@ -122,6 +126,11 @@ def check_logit_bias(name: str, value: object) -> dict[int, float]:
     return out
 
 
+def check_structured_outputs(name: str, value: object) -> StructuredOutputsParams:
+    """vLLM's ``structured_outputs`` object (``{"json": {...}}``, ``{"regex": "..."}`` ...)."""
+    return StructuredOutputsParams.from_dict(value, field=name)
+
+
 Checker = Callable[[str, object], Any]
 
 # request field -> (SamplingParams field, type check); shared by both endpoints.
@@ -157,6 +166,7 @@ PARAM_CHECKS: dict[str, Checker] = {
     "prompt_logprobs": check_int,
     "detokenize": check_bool,
     "extra_args": check_object,
+    "structured_outputs": check_structured_outputs,
 }
 """SamplingParams field -> its type check, for every field a client may set by name
 (the WebSocket protocol's ``params``). SamplingParams itself checks ranges, not every type."""
@@ -233,17 +243,9 @@ def with_cache_salt(prompt: PromptInput, salt: str | None) -> PromptInput:
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    if body.get("tools"):
-        raise ValidationError("tools", "tool calling is not supported by this server")
+    # tools, tool_choice, response_format and structured outputs: see server.chat_outputs.
     if body.get("functions"):
-        raise ValidationError("functions", "function calling is not supported by this server")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none"):
-        raise ValidationError("tool_choice", "tool calling is not supported by this server")
-    response_format = body.get("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict) or response_format.get("type") != "text":
-            raise ValidationError("response_format", 'only {"type": "text"} is supported')
+        raise ValidationError("functions", "is deprecated by OpenAI and not supported; use tools")
 
 
 # ------------------------------------------------------------------ requests

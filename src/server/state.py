@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -28,6 +28,9 @@ import trio
 from ..engine import AsyncEngine
 from ..protocol.params import LoRARequest
 from ..supervise import SupervisedEngine
+from .cors import CORSPolicy
+from .reasoning import ReasoningParser, reasoning_parser
+from .tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger("legato.server")
 
@@ -59,6 +62,17 @@ class ServerSettings:
     """Adapters loaded at start-up, served as model names (``--lora-modules``)."""
     allow_runtime_lora_updating: bool = False
     """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    chat_template: str | None = None
+    """A chat template (its text; ``--chat-template`` reads it from a file) used instead of
+    the tokenizer's own."""
+    enable_auto_tool_choice: bool = False
+    """Allow ``tool_choice="auto"`` (needs ``tool_call_parser``), as vLLM's flag."""
+    tool_call_parser: str | None = None
+    """How ``tool_choice="auto"`` reads calls from the output: ``hermes`` or ``llama3_json``."""
+    reasoning_parser: str | None = None
+    """Split ``<think>`` reasoning into ``reasoning_content``: ``qwen3`` or ``deepseek_r1``."""
+    cors: CORSPolicy = CORSPolicy()
+    """CORS for the HTTP API (``--allowed-origins`` ...; vLLM's defaults: any origin)."""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "ws_max_frame_bytes", "ws_max_requests"):
@@ -83,6 +97,23 @@ class ServerSettings:
             raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout!r}")
         if self.api_key == "":
             raise ValueError("api_key: must not be empty")
+        if self.tool_call_parser is not None:
+            tool_parser(self.tool_call_parser)  # ValueError listing the known ones
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice: needs tool_call_parser")
+        if self.reasoning_parser is not None:
+            reasoning_parser(self.reasoning_parser)
+
+    @property
+    def auto_tool_parser(self) -> Callable[[], ToolParser] | None:
+        """The parser for ``tool_choice="auto"``; None unless auto tool choice is enabled."""
+        if not self.enable_auto_tool_choice or self.tool_call_parser is None:
+            return None
+        return tool_parser(self.tool_call_parser)
+
+    @property
+    def reasoning(self) -> Callable[[], ReasoningParser] | None:
+        return None if self.reasoning_parser is None else reasoning_parser(self.reasoning_parser)
 
 
 class Unavailable(Exception):

@@ -52,6 +52,7 @@ from legato.protocol.outputs import (
     RequestOutput,
 )
 from legato.protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from legato.protocol.structured import StructuredOutputsParams
 from legato.protocol.wire import (
     HEADER_SIZE,
     WIRE_MAGIC,
@@ -91,6 +92,21 @@ def _valid_sampling(kw: dict[str, Any]) -> bool:
     return not (kw["stop"] and not kw["detokenize"])
 
 
+structured_outputs = st.one_of(
+    st.builds(
+        StructuredOutputsParams,
+        json=st.one_of(
+            st.dictionaries(text, st.integers(-9, 9) | text | st.booleans(), max_size=3),
+            st.just('{"type": "object"}'),
+        ),
+        disable_any_whitespace=st.booleans(),
+    ),
+    st.builds(StructuredOutputsParams, regex=text),
+    st.builds(StructuredOutputsParams, choice=st.lists(text, min_size=1, max_size=3)),
+    st.builds(StructuredOutputsParams, grammar=text, field=st.just("guided_grammar")),
+    st.builds(StructuredOutputsParams, json_object=st.just(True), spec_field=optional(text)),
+)
+
 sampling_params = (
     st.fixed_dictionaries(
         {
@@ -122,6 +138,7 @@ sampling_params = (
                 st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4)
             ),
             "extra_args": optional(st.dictionaries(text, natives, max_size=3)),
+            "structured_outputs": optional(structured_outputs),
         }
     )
     .filter(_valid_sampling)
@@ -213,6 +230,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     SamplingParams: sampling_params,
     PoolingParams: pooling_params,
     LoRARequest: lora_request,
+    StructuredOutputsParams: structured_outputs,
     RequestOutputKind: st.sampled_from(RequestOutputKind),
     Logprob: logprob,
     RequestMetrics: metrics,

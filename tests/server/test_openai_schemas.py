@@ -89,11 +89,8 @@ def test_errors_name_the_request_field() -> None:
     assert field_of({**chat, "max_completion_tokens": -1}, chat=True) == "max_completion_tokens"
     assert field_of({**chat, "max_tokens": 1.5}, chat=True) == "max_tokens"
     assert field_of({**chat, "logprobs": True, "top_logprobs": -1}, chat=True) == "top_logprobs"
-    assert (
-        field_of({**chat, "response_format": {"type": "json_object"}}, chat=True)
-        == "response_format"
-    )
-    assert field_of({**chat, "tool_choice": "auto"}, chat=True) == "tool_choice"
+    # tools, tool_choice and response_format are read by chat_outputs / tool_choice (tested there).
+    assert field_of({**chat, "functions": [{"name": "f"}]}, chat=True) == "functions"
     assert field_of(
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True
     ) == ("messages[0].content[0]")
