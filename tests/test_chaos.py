@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from legato.actors.supervisor import InjectedFault, Supervisor
-from legato.engine import AsyncEngine
+from legato.engine import AsyncEngine, open_engine
 from legato.protocol.errors import EngineDeadError
 from legato.protocol.outputs import CompletionOutput, RequestOutput
 from legato.protocol.params import SamplingParams
@@ -194,6 +194,31 @@ async def test_an_injected_fault_stays_the_cause_while_its_actor_unwinds() -> No
         supervisor.inject("executor", injected)
     assert supervisor.dead_error is not None
     assert supervisor.dead_error.__cause__ is injected
+
+
+async def test_an_actor_whose_task_first_runs_after_the_stop_is_cancelled() -> None:
+    """``start_soon`` runs an actor's task later; a stop (or a death) in between must
+    still reach it (an engine opened and closed at once hung on such an actor)."""
+    for end in ("stop", "death"):
+        supervisor = Supervisor()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(supervisor.run_actor, "stats", trio.sleep_forever)
+                if end == "stop":  # as AsyncEngine.shutdown, before the task has run
+                    supervisor.stopping = True
+                    supervisor.cancel_all()
+                else:
+                    supervisor.die(RuntimeError("the worker died"))
+        assert (supervisor.dead_error is not None) == (end == "death")
+
+
+async def test_an_engine_opened_and_closed_at_once_closes(toy_model_dir: Path) -> None:
+    for _ in range(4):
+        with trio.fail_after(60):
+            async with open_engine(
+                str(toy_model_dir), executor="inproc", max_model_len=256, disable_log_stats=True
+            ):
+                pass
 
 
 # ------------------------------------------------------------------ fault descriptions

@@ -104,6 +104,10 @@ class Supervisor:
         raised to the starter (a start-up failure), not turned into death.
         """
         scope = trio.CancelScope()
+        if self.stopping or self.dead.is_set():
+            # The engine stopped (or died) before this actor's task first ran: cancel_all
+            # could not reach it, so it must not start waiting (open-then-close hung here).
+            scope.cancel()
         self._scopes[name] = scope
         started = not uses_task_status
 
