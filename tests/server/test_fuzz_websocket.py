@@ -321,12 +321,18 @@ def test_huge_frames_get_an_error_or_a_1009_close(fuzz_server: ServerThread) -> 
                 for message in ("x" * size, b"\x00" * size):
                     (error,) = await exchange(ws, message)
                     assert error["code"] == "frame_too_large", error
-        for message in ("x" * (4 * FRAME_LIMIT + 1), b"\x00" * (64 * FRAME_LIMIT)):
+        # A message far beyond what the socket buffers hold is still being sent when the
+        # server closes: its unread bytes make the server's TCP answer with a reset, which
+        # may reach the client before the 1009 close frame does (1006 on this side).
+        for message, codes in (
+            ("x" * (4 * FRAME_LIMIT + 1), {1009}),
+            (b"\x00" * (64 * FRAME_LIMIT), {1009, 1006}),
+        ):
             async with connect(fuzz_server.server) as ws:
                 with pytest.raises(ConnectionClosed) as closed, trio.fail_after(30):
                     await ws.send_message(message)  # (the close may come while it sends)
                     await ws.get_message()
-                assert closed.value.reason.code == 1009
+                assert closed.value.reason.code in codes
 
     trio.run(main)
     assert_still_serving(fuzz_server)
