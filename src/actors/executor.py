@@ -295,16 +295,7 @@ class ProcessExecutor:
                 await process.stdin.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
-        with trio.move_on_after(5 if graceful else 0.2):
-            await process.wait()
-        if process.returncode is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.kill()
-            with trio.move_on_after(5):
-                await process.wait()
+        await reap_process(process, graceful=graceful)
         if process.stdout is not None:
             await process.stdout.aclose()
 
@@ -446,6 +437,21 @@ def make_executor(config: EngineConfig, *, inject_fault: dict[str, Any] | None =
     if config.executor == "inproc":
         return InprocExecutor(config, inject_fault=inject_fault)
     return ProcessExecutor(config, inject_fault=inject_fault)
+
+
+async def reap_process(process: trio.Process, *, graceful: bool) -> None:
+    """Give a worker process a moment to exit by itself (5 s after a graceful stop, else
+    0.2 s), then SIGKILL its process group. Bounded; a checkpoint."""
+    with trio.move_on_after(5 if graceful else 0.2):
+        await process.wait()
+    if process.returncode is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.kill()
+        with trio.move_on_after(5):
+            await process.wait()
 
 
 async def _wait_exit(process: trio.Process, seconds: float = 2.0) -> int | None:

@@ -37,7 +37,7 @@ from ..distributed.rank_worker import RankAddress
 from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
-from .executor import ProcessExecutor, WorkerDiedError, _cpu_threads
+from .executor import ProcessExecutor, WorkerDiedError, _cpu_threads, reap_process
 
 _STARTUP_GRACE = 5.0  # seconds rank 0 has to report why a rank failed to start
 
@@ -118,7 +118,7 @@ class TensorParallelExecutor(ProcessExecutor):
         finally:
             with trio.CancelScope(shield=True):
                 for process in self._others.values():
-                    await _reap_rank(process, graceful=self._graceful)
+                    await reap_process(process, graceful=self._graceful)
 
     async def _run_rank_zero(
         self,
@@ -165,17 +165,3 @@ class TensorParallelExecutor(ProcessExecutor):
         process = self._others[rank]
         if process.returncode is None:
             os.kill(process.pid, sig)
-
-
-async def _reap_rank(process: trio.Process, *, graceful: bool) -> None:
-    """Give a rank a moment to exit after a graceful stop, then kill it. Bounded."""
-    with trio.move_on_after(5 if graceful else 0.2):
-        await process.wait()
-    if process.returncode is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.kill()
-        with trio.move_on_after(5):
-            await process.wait()
