@@ -84,3 +84,16 @@ async def wait_kv_used(client: httpx.AsyncClient, seconds: float = 10.0) -> None
         return await kv_blocks_used(client) > 0
 
     await wait_until(busy, seconds)
+
+
+async def read_until_listening(process: trio.Process, seconds: float) -> bytes:
+    """What a ``legato serve`` process printed up to its "listening on" line; fails if the
+    process exits first or takes longer than ``seconds``."""
+    assert process.stdout is not None
+    output = b""
+    with trio.fail_after(seconds):
+        while b"listening on" not in output:
+            chunk = await process.stdout.receive_some()
+            assert chunk, f"exited early: {output.decode(errors='replace')}"
+            output += chunk
+    return output

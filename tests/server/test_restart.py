@@ -27,7 +27,7 @@ from legato.protocol.params import SamplingParams
 from legato.server import ServerSettings, open_server
 from legato.supervise import RestartLimitExceeded, RestartPolicy, open_supervised_engine
 
-from .conftest import ENGINE_ARGS, MODEL, SETTINGS, wait_until
+from .conftest import ENGINE_ARGS, MODEL, SETTINGS, read_until_listening, wait_until
 from .test_websocket import collect, connect, generate, receive, send
 
 LONG = {"max_tokens": 450, "ignore_eos": True}
@@ -181,13 +181,8 @@ async def test_legato_serve_restarts_then_exits_non_zero_past_the_limit(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     assert process.stdout is not None
-    output = b""
     try:
-        with trio.fail_after(60):
-            while b"listening on" not in output:
-                chunk = await process.stdout.receive_some()
-                assert chunk, f"exited early: {output.decode(errors='replace')}"
-                output += chunk
+        output = await read_until_listening(process, 60)
         match = re.search(rb"listening on (http://\S+) ", output)
         assert match is not None, output
         http_url = match.group(1).decode()

@@ -16,6 +16,8 @@ import trio
 from legato.cli import build_parser
 from legato.server.state import ServerSettings
 
+from .conftest import read_until_listening
+
 
 def test_serve_flags_parse() -> None:
     args = build_parser().parse_args(
@@ -52,13 +54,8 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
     assert process.stdout is not None
-    output = b""
     try:
-        with trio.fail_after(60):
-            while b"listening on" not in output:
-                chunk = await process.stdout.receive_some()
-                assert chunk, f"exited early: {output.decode(errors='replace')}"
-                output += chunk
+        output = await read_until_listening(process, 60)
         match = re.search(rb"listening on (http://\S+) and (ws://\S+)", output)
         assert match is not None, output
         http_url = match.group(1).decode()
@@ -116,13 +113,8 @@ async def test_legato_serve_without_a_model_answers_a_chat(smollm2_dir: Path) ->
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     assert process.stdout is not None
-    output = b""
     try:
-        with trio.fail_after(120):
-            while b"listening on" not in output:
-                chunk = await process.stdout.receive_some()
-                assert chunk, f"exited early: {output.decode(errors='replace')}"
-                output += chunk
+        output = await read_until_listening(process, 120)
         match = re.search(rb"listening on (http://\S+) and", output)
         assert match is not None, output
         assert b"converting" not in output  # the fixture's conversion is reused
