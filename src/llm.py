@@ -365,8 +365,9 @@ class LLMEngine:
         """
         if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        pooling = self._check_pooling(params) if isinstance(params, PoolingParams) else None
-        if pooling is not None:
+        pooling = None
+        if isinstance(params, PoolingParams):  # one step's worth, nothing sampled
+            pooling = self._check_pooling(params)
             params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         params = params or SamplingParams()
         rendered = self.renderer.render_prompt(
