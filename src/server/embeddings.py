@@ -6,8 +6,9 @@ numbers, the default) or ``"base64"`` (each vector's little-endian float32
 bytes, base64-encoded, as OpenAI's clients decode it); ``dimensions`` asks for
 shorter vectors, which only a model trained for it (Matryoshka) can give, so
 the caller says whether it may. vLLM's extras ``add_special_tokens``,
-``normalize`` (L2, default true) and ``priority`` are understood. A known field of the wrong type is a
-``ValidationError`` naming it; unknown fields are ignored.
+``normalize`` (L2, default true) and ``priority`` are understood. A known
+field of the wrong type is a ``ValidationError`` naming it; unknown fields
+are ignored.
 
 Pure code: never imports trio or torch.
 """
