@@ -27,7 +27,7 @@ from .actors.stats import StatsCollector
 from .config import EngineConfig
 from .protocol import messages as m
 from .protocol.errors import ValidationError
-from .protocol.outputs import PoolingRequestOutput, RequestOutput
+from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .structured.engine import EngineGrammars
 
@@ -328,6 +328,7 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         # Live requests by the caller's id: the engine id each runs under, and its slot.
         self._live: dict[str, tuple[str, OutputSlot]] = {}
+        self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
         self._engine_ids = itertools.count(1)
         self._stats = m.SchedulerStats()
 
@@ -339,13 +340,14 @@ class LLMEngine:
         return self.tokenizer
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        """Generation and embeddings (pooled final hidden states) from the one model."""
+        return ("generate", "embed")
 
     def add_request(
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -358,9 +360,15 @@ class LLMEngine:
 
         ``tokenization_kwargs``, ``prompt_text`` and ``lora_request``: as for
         ``AsyncEngine.generate`` (an adapter not loaded yet is loaded here).
+        ``params`` a PoolingParams: an embedding request (``AsyncEngine.encode``);
+        ``step()`` gives its one PoolingRequestOutput when its prompt is computed.
         """
         if request_id in self._live:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        pooling = None
+        if isinstance(params, PoolingParams):  # one step's worth, nothing sampled
+            pooling = self._check_pooling(params)
+            params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         params = params or SamplingParams()
         rendered = self.renderer.render_prompt(
             prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
@@ -372,7 +380,7 @@ class LLMEngine:
             engine_id, rendered, params, priority=priority, arrival_time=arrival_time
         )
         for request in requests:
-            request.lora_request = lora_request
+            request.lora_request, request.pooling_params = lora_request, pooling
             if lora_request is not None:
                 request.lora_name = lora_request.lora_name
         self.grammars.compile(requests)  # ValidationError naming the field if it cannot
@@ -390,6 +398,21 @@ class LLMEngine:
         self._live[request_id] = (engine_id, slot)
         self.core.add_requests(requests)
         return request_id
+
+    def _check_pooling(self, params: PoolingParams) -> PoolingParams:
+        """``params`` if this engine can serve them; ValidationError naming the field."""
+        if params.task != "embed":
+            raise ValidationError(
+                "task", f"this engine serves the 'embed' pooling task, got {params.task!r}"
+            )
+        size = self.runner.embedding_size()
+        if params.dimensions is not None and params.dimensions != size:
+            raise ValidationError(
+                "dimensions",
+                f"this model gives {size}-dimensional embeddings and was not trained to "
+                "be shortened (Matryoshka)",
+            )
+        return params
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter in this process; ValidationError naming the field if it cannot."""
@@ -428,20 +451,30 @@ class LLMEngine:
             self.core.finish(step.requests_to_abort, m.FinishReason.ABORT)
         self.stats.record(step.step_stats())
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs it produced (finished ones included)."""
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Run one engine step; return the outputs it produced (finished ones included):
+        a RequestOutput per generation request with news, a PoolingRequestOutput per
+        embedding request that finished (an aborted one gives its RequestOutput)."""
         planned = self.core.plan()
         if planned is not None:
             core_out = self.core.apply(planned, self.runner.execute(planned.plan))
             if core_out.scheduler_stats is not None:
                 self._stats = core_out.scheduler_stats
+            for core in core_out.outputs:
+                if core.pooled is not None:
+                    self._pooled[core.request_id] = core.pooled
             self._pass_on(self.processor.process_outputs(core_out))
-        results = []
-        for rid, (_, slot) in list(self._live.items()):
+        results: list[RequestOutput | PoolingRequestOutput] = []
+        for rid, (engine_id, slot) in list(self._live.items()):
             out = slot.get_nowait()
             if out is None:
                 continue
-            results.append(out)
+            vector = self._pooled.pop(engine_id, None)
+            if vector is not None and out.finished:
+                pooled = PoolingOutput(vector)
+                results.append(PoolingRequestOutput(rid, pooled, list(out.prompt_token_ids or [])))
+            else:
+                results.append(out)
             if out.finished:
                 del self._live[rid]
         return results

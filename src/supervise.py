@@ -7,7 +7,10 @@ the restart loop as a task of its own nursery: when the current engine dies
 (an actor fails, its worker process exits, a heartbeat times out) its streams
 end with ``EngineDeadError`` as always, the dead engine is shut down and
 reaped, and a new one is opened with the same arguments. Callers pick up the
-new engine from ``.engine`` (or ``await wait_running()``).
+new engine from ``.engine`` (or ``await wait_running()``). The LoRA adapters
+the dead engine had loaded (and not removed) are loaded into the new one
+before it is installed, under the same names and ids; one that can no longer
+be loaded (its files are gone) is left out with a warning.
 
 More than ``max_restarts`` deaths within any ``window`` seconds end it: the
 loop raises ``RestartLimitExceeded`` (``__cause__``: the last death), which
@@ -31,7 +34,7 @@ import trio
 
 from .engine import AsyncEngine, open_engine
 from .exception_groups import unwrap_single_error
-from .protocol.errors import LegatoError
+from .protocol.errors import LegatoError, ValidationError
 
 logger = logging.getLogger("legato.supervise")
 
@@ -157,6 +160,8 @@ class SupervisedEngine:
             started = trio.current_time()
             try:
                 async with opener(model, **engine_args) as engine:
+                    if self._engine is not None:
+                        await _reload_adapters(self._engine, engine)
                     self._install(engine)
                     if first:
                         first = False
@@ -178,6 +183,22 @@ class SupervisedEngine:
                 )
             self._count_death(cause)
             self.restarts += 1
+
+
+async def _reload_adapters(dead: AsyncEngine, engine: AsyncEngine) -> None:
+    """Load into ``engine`` every adapter ``dead`` had loaded (``--lora-modules``, and
+    ``add_lora`` / ``/v1/load_lora_adapter`` since), in id order; skip (and log) one
+    that fails. Pins are not carried over. A checkpoint per adapter."""
+    for lora in dead.adapters.loaded():
+        try:
+            await engine.add_lora(lora)
+        except ValidationError as exc:
+            logger.warning(
+                "LoRA adapter %r (id %d) not reloaded after the restart: %s",
+                lora.lora_name,
+                lora.lora_int_id,
+                exc,
+            )
 
 
 @asynccontextmanager

@@ -533,7 +533,7 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
     from legato.llm import LLMEngine
 
     eng = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS))
-    assert eng.get_supported_tasks() == ("generate",)
+    assert eng.get_supported_tasks() == ("generate", "embed")
     assert eng.get_tokenizer() is eng.tokenizer
     assert eng.add_request("a", "to abort", greedy(50)) == "a"
     assert eng.add_request("b", "to abort too", greedy(50)) == "b"

@@ -17,7 +17,7 @@ import trio
 
 from legato import LoRARequest, SamplingParams
 from legato.engine import AsyncEngine, open_engine
-from legato.protocol.errors import ValidationError
+from legato.protocol.errors import EngineGenerateError, ValidationError
 from legato.protocol.params import PoolingParams, RequestOutputKind
 
 NEW_TOKENS = 12
@@ -175,6 +175,55 @@ async def test_lora_needs_enable_lora(toy_model_dir: Path, adapters: dict[str, A
             await run(engine, PROMPTS[1], "r", lora)
         out = await run(engine, PROMPTS[1], "base")  # the engine serves on
         assert out.outputs[0].token_ids == adapters["a"].base_greedy(PROMPTS[1], NEW_TOKENS)
+
+
+async def test_adapter_whose_files_vanish_fails_its_requests_alone(
+    toy_model_dir: Path, adapters: dict[str, Any], tmp_path: Path
+) -> None:
+    """max_cpu_loras=1: loading b evicts a and c from host memory; then a's files are
+    deleted and c's weights corrupted. A request through either fails alone with an
+    error naming its adapter (generation and embeddings alike); the base model and b
+    (= peft) go on beside them, and the engine stays healthy."""
+    import shutil
+
+    copies = {}
+    for name, source in (("a", "a"), ("c", "a"), ("b", "b")):
+        copies[name] = tmp_path / name
+        shutil.copytree(adapters[source].path, copies[name])
+    loras = {name: LoRARequest(name, i + 1, str(copies[name])) for i, name in enumerate("acb")}
+    args = {**ENGINE_ARGS, "max_loras": 1, "max_cpu_loras": 1}
+    async with open_engine(str(toy_model_dir), **args) as engine:
+        for name in "acb":  # each one evicts the one before from host memory
+            await engine.add_lora(loras[name])
+        shutil.rmtree(copies["a"])
+        (copies["c"] / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+        results: dict[str, Any] = {}
+
+        async def one(rid: str, lora: LoRARequest | None, embedding: bool = False) -> None:
+            try:
+                if embedding:
+                    results[rid] = await embed(engine, PROMPTS[2], rid, lora_request=lora)
+                else:
+                    results[rid] = await run(engine, PROMPTS[1], rid, lora)
+            except EngineGenerateError as exc:
+                results[rid] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "a", loras["a"])
+            nursery.start_soon(one, "base", None)
+            nursery.start_soon(one, "c", loras["c"])
+            nursery.start_soon(one, "b", loras["b"])
+            nursery.start_soon(one, "a-embed", loras["a"], True)
+        for rid, name in (("a", "a"), ("c", "c"), ("a-embed", "a")):
+            error = results[rid]
+            assert isinstance(error, EngineGenerateError), error
+            assert f"LoRA adapter {name!r}" in str(error) and "cannot be read again" in str(error)
+        assert results["base"].outputs[0].token_ids == peft_base(adapters["a"], PROMPTS[1])
+        expected_b = adapters["b"].greedy(PROMPTS[1], NEW_TOKENS)
+        assert results["b"].outputs[0].token_ids == expected_b
+        assert not engine.errored
+        await engine.check_health()
+        assert (await run(engine, PROMPTS[1], "b2", loras["b"])).outputs[0].token_ids == expected_b
 
 
 # ---------------------------------------------------------------- embeddings

@@ -171,7 +171,10 @@ class CoreSteps:
 
     def apply(self, step: PlannedStep, runner_output: m.ModelRunnerOutput) -> m.EngineCoreOutputs:
         """Take a step's answer into the scheduler (steps in planning order); its outputs."""
+        # Requests the runner could not compute finish first: the answer skips them.
+        not_computed = self.scheduler.fail(runner_output.failed) if runner_output.failed else []
         core_out = self.scheduler.update_from_output(step.plan, runner_output)
+        core_out.outputs += not_computed
         failed = step.grammar_failures
         if self.grammars is not None:
             failed.update(self.grammars.accept(core_out.outputs, self.scheduler.requests))

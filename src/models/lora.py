@@ -9,9 +9,11 @@
 - :mod:`~legato.models.lora_layers` holds the slot weights and applies them.
 
 ``add`` / ``remove`` / ``pin`` / ``ids`` serve the engine's ``add_lora`` family;
-``track`` / ``forget`` follow the requests the runner holds; ``begin_step``
-puts the step's adapters in slots (loading any that were evicted from host
-memory again from their path) and announces each token's slot.
+``track`` / ``forget`` follow the requests the runner holds; ``unreadable``
+loads again the adapters of a step's requests that were evicted from host
+memory, and names the requests whose adapter can no longer be read (they fail
+alone; the step goes on without them); ``begin_step`` puts the step's adapters
+in slots and announces each token's slot.
 
 Never imports trio.
 """
@@ -116,12 +118,40 @@ class RunnerLoRA:
 
     # --------------------------------------------------------------- steps
 
+    def unreadable(self, req_ids: list[str]) -> dict[str, str]:
+        """Load again every adapter of ``req_ids`` evicted from host memory; the requests
+        whose adapter cannot be read any more (its files gone or corrupt), each with
+        an error naming the adapter. Never raises for an adapter's files; blocks."""
+        wanted = [self._requests.get(r) for r in req_ids]
+        needed = {w.lora_int_id: w for w in wanted if w is not None}
+        broken: dict[int, str] = {}
+        for int_id, request in needed.items():
+            if int_id in self.registry:
+                continue
+            try:  # its files were checked when it was added: any failure is theirs now
+                self.add(request, keep=tuple(needed))
+            except LoRACapacityError:
+                raise
+            except Exception as exc:
+                broken[int_id] = (
+                    f"LoRA adapter {request.lora_name!r} (id {int_id}) was evicted from host "
+                    f"memory and cannot be read again from {request.lora_path!r}: {exc}"
+                )
+                logger.warning("%s", broken[int_id])
+        return {
+            r: broken[w.lora_int_id]
+            for r, w in zip(req_ids, wanted, strict=True)
+            if w is not None and w.lora_int_id in broken
+        }
+
     def begin_step(self, req_ids: list[str], q_lens: np.ndarray) -> bool:
         """Slot every adapter the step's requests use; announce per-token slots.
 
         ``req_ids`` are the scheduled requests in the flat batch's order, each
         computing ``q_lens[i]`` tokens. Returns whether any token uses an adapter.
-        Raises LoRACapacityError when the step needs more adapters than slots.
+        Raises LoRACapacityError when the step needs more adapters than slots
+        (call ``unreadable`` first: an evicted adapter is read here only as a
+        fallback, and a failure to read it fails the step).
         """
         wanted = [self._requests.get(r) for r in req_ids]
         needed = {w.lora_int_id: w for w in wanted if w is not None}

@@ -325,6 +325,10 @@ class ModelRunner:
             return out
         rows_all = np.fromiter((batch.row(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
         n_all = np.fromiter(step.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        if self.lora is not None:  # requests whose adapter cannot be read: not computed
+            out.failed = self.lora.unreadable(req_ids)
+            if out.failed:
+                n_all[[i for i, r in enumerate(req_ids) if r in out.failed]] = 0
         order = np.flatnonzero(n_all == 1)
         order = np.concatenate((order, np.flatnonzero(n_all > 1)))
         if len(order) == 0:

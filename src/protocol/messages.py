@@ -157,6 +157,8 @@ class ModelRunnerOutput(Message):
     per sampled token; ``prompt_logprobs`` holds one entry per prompt position
     computed this step (None for the first prompt token). ``pooled`` holds
     the pooled hidden state of each pooling request whose prompt finished this step.
+    ``failed`` names the requests the runner could not compute (their LoRA adapter
+    could not be read again, say): each fails alone with that message.
     """
 
     step_id: int
@@ -165,6 +167,7 @@ class ModelRunnerOutput(Message):
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # requests not computed: why
 
 
 # ------------------------------------------------- scheduler -> detokenizer

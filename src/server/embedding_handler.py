@@ -39,7 +39,7 @@ async def create_embeddings(request: Request, state: ServingState) -> None:
     kwargs = {"add_special_tokens": parsed.add_special_tokens}
 
     async def embed_all() -> tuple[list[list[float]], int]:
-        return await _embed_all(
+        return await embed_inputs(
             state, parsed.inputs, parsed.params, engine_ids, lora, kwargs, parsed.priority
         )
 
@@ -52,7 +52,7 @@ async def create_embeddings(request: Request, state: ServingState) -> None:
     await send_json(request.send, 200, response)
 
 
-async def _embed_all(
+async def embed_inputs(
     state: ServingState,
     inputs: list[PromptInput],
     params: PoolingParams,

@@ -5,9 +5,10 @@ ids or a list of token-id lists; ``encoding_format`` is ``"float"`` (lists of
 numbers, the default) or ``"base64"`` (each vector's little-endian float32
 bytes, base64-encoded, as OpenAI's clients decode it); ``dimensions`` asks for
 shorter vectors, which only a model trained for it (Matryoshka) can give, so
-the caller says whether it may. vLLM's extras ``add_special_tokens`` and
-``priority`` are understood. A known field of the wrong type is a
-``ValidationError`` naming it; unknown fields are ignored.
+the caller says whether it may. vLLM's extras ``add_special_tokens``,
+``normalize`` (L2, default true) and ``priority`` are understood. A known
+field of the wrong type is a ``ValidationError`` naming it; unknown fields
+are ignored.
 
 Pure code: never imports trio or torch.
 """
@@ -111,11 +112,14 @@ def parse_embedding_request(
         check_str("user", body["user"])
     add_special = body.get("add_special_tokens")
     priority = body.get("priority")
+    normalize = body.get("normalize")
     return EmbeddingRequest(
         model=model,
         inputs=inputs,
         params=PoolingParams(
-            task="embed", dimensions=dimensions if dimensions != hidden_size else None
+            task="embed",
+            dimensions=dimensions if dimensions != hidden_size else None,
+            normalize=True if normalize is None else check_bool("normalize", normalize),
         ),
         encoding_format=fmt,
         add_special_tokens=True

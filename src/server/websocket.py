@@ -1,9 +1,10 @@
 """The WebSocket streaming endpoint (trio-websocket): many concurrent requests per connection.
 
 Protocol (see ``docs/websocket.md``): text frames carry JSON, binary frames
-the same objects in msgpack. Client frames are ``generate``, ``abort`` and
-``auth``; server frames are ``output`` (one per completion per engine step,
-DELTA text) and ``error``. Each request is answered in the encoding of the
+the same objects in msgpack. Client frames are ``generate``, ``embed``,
+``abort`` and ``auth``; server frames are ``output`` (one per completion per
+engine step, DELTA text), ``embedding`` (an ``embed`` request's vectors, in
+one frame) and ``error``. Each request is answered in the encoding of the
 frame that started it; an error about a frame comes in that frame's encoding.
 
 Every connection owns a nursery with one task per request; when the client
@@ -38,6 +39,8 @@ from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationEr
 from ..protocol.outputs import CompletionOutput, RequestOutput
 from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams
 from .asgi import LONE_SURROGATE, HTTPError, bearer_token_ok, dumps, has_lone_surrogate
+from .embedding_handler import embed_inputs
+from .embeddings import encode_vector, parse_embedding_request
 from .lora_routes import select_model
 from .openai_schemas import PARAM_CHECKS, check_int, parse_messages, show
 from .state import ServingState, Unavailable
@@ -223,6 +226,19 @@ def parse_generate(
     return GenerateRequest(request_id, prompt, params, priority, encoding, lora)
 
 
+def embed_request_id(frame: Mapping[str, Any]) -> str:
+    """An ``embed`` frame's ``request_id``; FrameError naming it if it is bad. The rest of
+    the frame is checked by its task (:meth:`Connection._serve_embed`)."""
+    request_id = frame.get("request_id")
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+        raise FrameError(
+            "invalid_request",
+            f"request_id: must be a non-empty string of at most {MAX_REQUEST_ID_LEN} characters",
+            param="request_id",
+        )
+    return request_id
+
+
 def output_frames(
     request_id: str, output: RequestOutput, usage: dict[str, int] | None
 ) -> list[dict[str, Any]]:
@@ -337,6 +353,7 @@ class Connection:
         self.number = number
         self.authed = authed
         self._live: dict[str, str] = {}  # client request id -> engine request id
+        self._embeds: dict[str, trio.CancelScope] = {}  # live embed requests: abort cancels
 
     async def run(self) -> None:
         """Read frames until the connection closes; then cancel (abort) every request."""
@@ -371,6 +388,11 @@ class Connection:
                 return False
             if kind == "generate":
                 self._start(parse_generate(frame, self.state, encoding), nursery)
+            elif kind == "embed":
+                rid = embed_request_id(frame)
+                self._admit(rid)
+                self._embeds[rid] = trio.CancelScope()
+                nursery.start_soon(self._serve_embed, rid, frame, encoding)
             elif kind == "abort":
                 await self._abort(frame)
             else:
@@ -396,7 +418,12 @@ class Connection:
         return False
 
     def _start(self, request: GenerateRequest, nursery: trio.Nursery) -> None:
-        rid = request.request_id
+        self._admit(request.request_id)
+        nursery.start_soon(self._serve, request)
+
+    def _admit(self, rid: str) -> None:
+        """Make ``rid`` live (FrameError if it cannot start: a duplicate, too many, the
+        server unavailable); the caller starts its task, which removes it."""
         if rid in self._live:
             raise FrameError(
                 "duplicate_request_id", f"request {show(rid)} is already running", request_id=rid
@@ -412,13 +439,15 @@ class Connection:
         except Unavailable as exc:
             raise FrameError(exc.code, exc.message, request_id=rid) from None
         self._live[rid] = f"ws{self.number}-{rid}"
-        nursery.start_soon(self._serve, request)
 
     async def _abort(self, frame: Mapping[str, Any]) -> None:
         """Abort a live request (its last frame has finish_reason "abort"); unknown ids are ignored."""
         rid = frame.get("request_id")
         engine_id = self._live.get(rid) if isinstance(rid, str) else None
-        if engine_id is None:
+        embed = self._embeds.get(rid) if isinstance(rid, str) else None
+        if embed is not None:  # its task aborts its engine requests and answers
+            embed.cancel()
+        if engine_id is None or embed is not None:
             await trio.lowlevel.checkpoint()
             return
         try:
@@ -491,3 +520,78 @@ class Connection:
         if error is not None:
             error.request_id = rid
             await self.send(error.frame(), encoding)
+
+    async def _serve_embed(self, rid: str, frame: Mapping[str, Any], encoding: Encoding) -> None:
+        """Run one ``embed`` frame (the body of ``POST /v1/embeddings``); send its
+        ``embedding`` frame, or an ``error`` frame naming the field at fault.
+
+        An ``abort`` cancels ``self._embeds[rid]``: the engine requests are
+        aborted and the answer has ``finish_reason: "abort"`` and no vectors.
+        """
+        engine_id, scope = self._live[rid], self._embeds[rid]
+        started = time.monotonic()
+        prompt_tokens = 0
+        outcome = "connection closed"  # unless it finishes or fails first
+        answer: dict[str, Any] | None = None
+        error: FrameError | None = None
+        try:
+            with scope:
+                size = await self.state.engine.embedding_size()
+                parsed = parse_embedding_request(frame, hidden_size=size)
+                lora = select_model(self.state, parsed.model)
+                engine_ids = [f"{engine_id}-{i}" for i in range(len(parsed.inputs))]
+                kwargs = {"add_special_tokens": parsed.add_special_tokens}
+                with self.state.track(engine_id, engine_ids) as live:
+                    vectors, prompt_tokens = await embed_inputs(
+                        self.state, parsed.inputs, parsed.params, engine_ids, lora, kwargs,
+                        parsed.priority,
+                    )  # fmt: skip
+                if live.scope.cancelled_caught:
+                    raise Unavailable("shutting_down", "the server shut down before it was done")
+                answer = {
+                    "type": "embedding",
+                    "request_id": rid,
+                    "model": self.state.model_name if lora is None else lora.lora_name,
+                    "data": [
+                        {"index": i, "embedding": encode_vector(v, parsed.encoding_format)}
+                        for i, v in enumerate(vectors)
+                    ],
+                    "finished": True,
+                    "finish_reason": "stop",
+                    "usage": {"prompt_tokens": prompt_tokens},
+                }
+                outcome = "stop"
+            if scope.cancelled_caught:
+                outcome = "abort"
+                answer = {"type": "embedding", "request_id": rid, "data": [], "finished": True,
+                          "finish_reason": "abort", "usage": {"prompt_tokens": 0}}  # fmt: skip
+        except ValidationError as exc:
+            field = "input" if exc.field in ("prompt", "prompt_token_ids") else exc.field
+            error = FrameError(
+                "invalid_request", f"{field}: {str(exc).partition(': ')[2]}", param=field
+            )
+        except HTTPError as exc:  # select_model: no such model
+            error = FrameError("model_not_found", exc.message, param="model")
+        except Unavailable as exc:
+            error = FrameError(exc.code, exc.message)
+        except EngineDeadError as exc:
+            error = FrameError("engine_dead", f"the engine is dead: {exc}")
+        except (EngineGenerateError, ValueError) as exc:
+            error = FrameError("invalid_request", str(exc))
+        except Exception as exc:
+            logger.exception("request %s failed", engine_id)
+            error = FrameError("internal_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            del self._live[rid], self._embeds[rid]
+            self.state.log_request(
+                engine_id,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=0,
+                started=started,
+                outcome=outcome if error is None else f"error: {error.code}",
+            )
+        if error is not None:
+            error.request_id = rid
+            answer = error.frame()
+        if answer is not None:
+            await self.send(answer, encoding)

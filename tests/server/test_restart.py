@@ -233,3 +233,60 @@ async def test_legato_serve_restarts_then_exits_non_zero_past_the_limit(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_adapters_are_reloaded_into_a_restarted_engine(
+    toy_model_dir: Path, make_toy_adapter: Any
+) -> None:
+    """Adapters from ``lora_modules`` and from /v1/load_lora_adapter answer by name after
+    the worker process is killed and the engine restarted, with the same greedy text as
+    before; one unloaded before the death stays unloaded."""
+    from legato.server.lora_routes import parse_lora_modules
+
+    paths = {
+        name: make_toy_adapter(r=4, targets=("q_proj", "v_proj"), seed=seed).path
+        for name, seed in (("a", 1), ("b", 2), ("c", 3))
+    }
+    settings = ServerSettings(
+        **SETTINGS,
+        lora_modules=parse_lora_modules([f"a={paths['a']}"]),
+        allow_runtime_lora_updating=True,
+    )
+    args = dict(ENGINE_ARGS, executor="process", enable_lora=True, max_loras=2, max_lora_rank=8)
+    async with (
+        open_supervised_engine(str(toy_model_dir), max_restarts=1, window=600, **args) as handle,
+        open_server(handle, settings, model_name=MODEL) as server,
+        httpx.AsyncClient(base_url=server.http_url, timeout=60) as client,
+    ):
+
+        async def texts() -> dict[str, str]:
+            out = {}
+            for model in (MODEL, "a", "b"):
+                body = {"model": model, "prompt": [5, 300, 71, 1200, 9], "max_tokens": 8,
+                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+                response = await client.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                out[model] = response.json()["choices"][0]["text"]
+            return out
+
+        for name in ("b", "c"):
+            load = {"lora_name": name, "lora_path": str(paths[name])}
+            assert (await client.post("/v1/load_lora_adapter", json=load)).status_code == 200
+        unload = {"lora_name": "c"}
+        assert (await client.post("/v1/unload_lora_adapter", json=unload)).status_code == 200
+        before = await texts()
+        assert len(set(before.values())) == 3  # the adapters change the text
+
+        first = handle.engine
+        assert first.executor.pid is not None
+        os.kill(first.executor.pid, signal.SIGKILL)
+
+        async def restarted() -> bool:
+            return handle.engine is not first and (await client.get("/health")).status_code == 200
+
+        await wait_until(restarted, 60)
+        models = (await client.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in models] == [MODEL, "a", "b"]
+        assert await texts() == before
+        gone = {"model": "c", "prompt": "x", "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=gone)).status_code == 404
