@@ -20,7 +20,6 @@ within one engine step and nothing more is computed for it.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 import os
@@ -28,14 +27,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import trio
 
-from .actors.detokenizer import OutputProcessor, ProcessedStep
-from .actors.engine_core import AddRequests, CoreStopped, EngineCore, FinishRequests
+from .actors.detokenizer import OutputProcessor
+from .actors.engine_core import CoreStopped, EngineCore
 from .actors.executor import (
     Executor,
     ProcessExecutor,
@@ -43,17 +41,10 @@ from .actors.executor import (
     WorkerDiedError,
     make_executor,
 )
+from .actors.frontend import Frontend, thread_renderer
 from .actors.heartbeat import run_heartbeat
 from .actors.output_slot import OutputSlot
-from .actors.renderer import (
-    PromptType,
-    RenderedPrompt,
-    Renderer,
-    RenderJob,
-    check_tokenization_kwargs,
-    load_tokenizer,
-    run_renderer,
-)
+from .actors.renderer import PromptType, Renderer, check_tokenization_kwargs, load_tokenizer
 from .actors.scheduler import Scheduler
 from .actors.stats import StatsCollector, run_stats
 from .actors.supervisor import Supervisor
@@ -190,14 +181,12 @@ class RequestStream:
                 pass
 
 
-@dataclass(slots=True)
-class _LiveRequest:
-    engine_id: str
-    slot: OutputSlot
-
-
 class AsyncEngine(EngineClient):
-    """The engine as a trio-native ``EngineClient``. Build it with ``open_engine``."""
+    """The engine as a trio-native ``EngineClient``: a facade over the front end
+    (``Frontend``: rendering, output processing, request slots) and the engine
+    core's actors. Build it with ``open_engine``."""
+
+    frontend: Frontend  # set by _start
 
     def __init__(
         self, config: EngineConfig, nursery: trio.Nursery, *, faults: dict[str, Any] | None = None
@@ -210,15 +199,7 @@ class AsyncEngine(EngineClient):
         if isinstance(self.executor, ProcessExecutor):
             self.executor.on_failure = self.supervisor.die
         self.stats = StatsCollector(model_name=self.model_name)
-        # Every live request by the caller's id. Below this facade a request is known
-        # by its engine id only (unique for the engine's life), so a caller's id is
-        # free again the moment its stream ends, whatever is still in flight for it.
-        self._live: dict[str, _LiveRequest] = {}
-        self._engine_ids = itertools.count(1)
-        self._registered: set[str] = set()  # engine ids the detokenizer knows
-        self._abort_on_accept: set[str] = set()  # engine ids aborted while being rendered
         self.adapters = EngineAdapters(config.enable_lora, self._worker_call, WorkerCallError)
-        self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until read
         self._embedding_size: int | None = None
         self._stopped = False
         self.supervisor.on_death(self._on_death)
@@ -255,10 +236,9 @@ class AsyncEngine(EngineClient):
         self.tokenizer = tokenizer
         grammars = EngineGrammars(tokenizer, ready.vocab_size, ready.eos_token_ids)
         self.renderer.grammars = grammars
+        offload_renderer = await trio.to_thread.run_sync(thread_renderer, self.renderer)
         self.scheduler = Scheduler(config)
-        self.processor = OutputProcessor(tokenizer)
         outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
-        self._render_send, render_recv = trio.open_memory_channel[RenderJob](math.inf)
         self.core = EngineCore(
             self.scheduler,
             self.executor,
@@ -267,11 +247,17 @@ class AsyncEngine(EngineClient):
             async_scheduling=config.async_scheduling,
             grammars=grammars,
         )
+        self.frontend = Frontend(
+            self.renderer,
+            OutputProcessor(tokenizer),
+            self.core.submit,
+            self.stats.record,
+            offload_renderer=offload_renderer,
+        )
         start = self._nursery.start_soon
         run = self.supervisor.run_actor
         start(run, "scheduler", self.core.run)
-        start(run, "detokenizer", self._run_detokenizer, outputs_recv)
-        start(run, "renderer", run_renderer, self.renderer, render_recv)
+        start(run, "detokenizer", self.frontend.deliver, outputs_recv)
         stats_actor = functools.partial(
             run_stats,
             log_interval=config.log_stats_interval,
@@ -287,22 +273,6 @@ class AsyncEngine(EngineClient):
 
     async def _ping_core(self) -> None:
         await self.core.call(m.HealthPing(seq=0, sent_time=time.monotonic()))
-
-    async def _run_detokenizer(self, inbox: trio.MemoryReceiveChannel[m.EngineCoreOutputs]) -> None:
-        async for outputs in inbox:
-            for out in outputs.outputs:
-                if out.pooled is not None:  # read by encode() when the request ends
-                    self._pooled[out.request_id] = out.pooled
-            self._after_processing(self.processor.process_outputs(outputs))
-            await trio.lowlevel.checkpoint()
-
-    def _after_processing(self, step: ProcessedStep) -> None:
-        """Pass a detokenizer result on: scheduler-side aborts, and the metrics."""
-        if step.requests_to_stop:
-            self.core.submit(FinishRequests(step.requests_to_stop, m.FinishReason.STOP))
-        if step.requests_to_abort:
-            self.core.submit(FinishRequests(step.requests_to_abort, m.FinishReason.ABORT))
-        self.stats.record(step.step_stats())
 
     # ------------------------------------------------------------- requests
 
@@ -363,87 +333,38 @@ class AsyncEngine(EngineClient):
         return stream
 
     async def _submit(self, stream: RequestStream) -> None:
-        """Register the stream's request and queue it for rendering; a checkpoint.
+        """Render and register the stream's request in the caller's task; a checkpoint.
 
-        Either submits or raises, never both: a cancellation is taken before the
-        request is registered, never after (the stream would be marked done with
-        its request left running and its id held for ever). While the engine is
-        paused or asleep the request is accepted and held until it resumes.
-        A ``lora_request`` adapter not loaded yet is loaded first (a bad one
-        raises its ValidationError here, before anything is registered).
+        Either submits or raises, never both (see ``Frontend.add_request``: a
+        prompt that fails to render is reported by the stream's first read).
+        While the engine is paused or asleep the request is accepted and held
+        until it resumes. A ``lora_request`` adapter not loaded yet is loaded
+        first (a bad one raises its ValidationError here, before anything is
+        registered).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         self._check_alive()
-        lora, pooling = stream._lora, stream._pooling
-        if lora is not None:
-            await self.adapters.ensure(lora)
+        if stream._lora is not None:
+            await self.adapters.ensure(stream._lora)
             self._check_alive()
-        # The closures below must not hold the stream: dropping it unfinished aborts it.
-        request_id, slot, params = stream.request_id, stream._slot, stream._params
-        prompt, priority = stream._prompt, stream._priority
-        if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already running")
-        engine_id = stream.engine_id = f"{request_id}-{next(self._engine_ids)}"
-        self._live[request_id] = _LiveRequest(engine_id, slot)
-
-        def accept(rendered: RenderedPrompt, requests: list[m.EngineRequest]) -> None:
-            if not self._is_live(request_id, engine_id):
-                return  # abandoned while it was being rendered
-            for request in requests:
-                request.lora_request, request.pooling_params = lora, pooling
-                if lora is not None:
-                    request.lora_name = lora.lora_name  # a prefix-cache key
-            self.processor.add_request(
-                engine_id,
-                rendered.text,
-                requests[0].prompt_token_ids,
-                params,
-                requests[0].arrival_time,
-                slot=slot,
-                child_ids=[r.request_id for r in requests],
-                output_id=request_id,
-            )
-            self._registered.add(engine_id)
-            self.core.submit(AddRequests(requests))
-            if engine_id in self._abort_on_accept:
-                self._abort_on_accept.discard(engine_id)
-                self._after_processing(self.processor.abort_requests([engine_id]))
-
-        def reject(error: BaseException) -> None:
-            if self._is_live(request_id, engine_id):
-                slot.put_error(error)
-
-        job = RenderJob(
-            request_id,
-            engine_id,
-            prompt,
-            params,
-            priority,
-            time.monotonic(),
-            accept,
-            reject,
+        stream.engine_id = await self.frontend.add_request(
+            stream.request_id,
+            stream._prompt,
+            stream._params,
+            stream._slot,
+            priority=stream._priority,
+            lora_request=stream._lora,
+            pooling_params=stream._pooling,
             **stream._render_options,
         )
-        self._render_send.send_nowait(job)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-
-    def _is_live(self, request_id: str, engine_id: str) -> bool:
-        live = self._live.get(request_id)
-        return live is not None and live.engine_id == engine_id
 
     def _release(self, request_id: str, engine_id: str) -> None:
         """Forget a request whose stream has ended (only this one: not a later namesake)."""
-        if self._is_live(request_id, engine_id):
-            del self._live[request_id]
-        self._registered.discard(engine_id)
-        self._abort_on_accept.discard(engine_id)
+        self.frontend.release(request_id, engine_id)
 
     def _abort_quietly(self, request_id: str, engine_id: str) -> None:
         """The consumer left: abort in the scheduler, forget the request. Never blocks."""
-        self._release(request_id, engine_id)
-        if self.supervisor.dead_error is not None or self._stopped:
-            return
-        self._after_processing(self.processor.abort_requests([engine_id]))
+        self.frontend.abort_quietly(request_id, engine_id)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests: each stream ends with a last output whose finish_reason is "abort".
@@ -452,13 +373,7 @@ class AsyncEngine(EngineClient):
         ignored; on a dead engine there is nothing to abort and it returns. A
         checkpoint.
         """
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if self.supervisor.dead_error is None and not self._stopped:
-            engine_ids = [live.engine_id for rid in ids if (live := self._live.get(rid))]
-            self._after_processing(
-                self.processor.abort_requests([e for e in engine_ids if e in self._registered])
-            )
-            self._abort_on_accept.update(e for e in engine_ids if e not in self._registered)
+        self.frontend.abort([request_id] if isinstance(request_id, str) else request_id)
         await trio.lowlevel.checkpoint()
 
     async def encode(
@@ -497,7 +412,7 @@ class AsyncEngine(EngineClient):
                 async for output in stream:
                     if not output.finished:
                         continue
-                    vector = self._pooled.pop(stream.engine_id, None)
+                    vector = self.frontend.take_pooled(stream.engine_id)
                     if vector is not None:
                         yield PoolingRequestOutput(
                             stream.request_id,
@@ -506,7 +421,7 @@ class AsyncEngine(EngineClient):
                             True,
                         )
         finally:  # a vector that came while nobody read it any more
-            self._pooled.pop(stream.engine_id, None)
+            self.frontend.take_pooled(stream.engine_id)
 
     async def _check_pooling(self, params: object) -> PoolingParams:
         if not isinstance(params, PoolingParams):
@@ -536,8 +451,9 @@ class AsyncEngine(EngineClient):
     # -------------------------------------------------------------- health
 
     def _on_death(self, error: EngineDeadError) -> None:
-        for live in list(self._live.values()):
-            live.slot.put_error(error)
+        frontend: Frontend | None = getattr(self, "frontend", None)  # None: died starting
+        if frontend is not None:
+            frontend.fail_all(error)
 
     @property
     def is_running(self) -> bool:
@@ -733,9 +649,9 @@ class AsyncEngine(EngineClient):
             return
         self._stopped = True
         self.supervisor.stopping = True
-        error = EngineDeadError("the engine has been shut down")
-        for live in list(self._live.values()):
-            live.slot.put_error(error)
+        frontend: Frontend | None = getattr(self, "frontend", None)  # None: never started
+        if frontend is not None:
+            frontend.fail_all(EngineDeadError("the engine has been shut down"))
         self.executor.begin_shutdown()
         self.supervisor.cancel_all()
 

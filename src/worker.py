@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, Self
 
 from .protocol import messages as m
 from .protocol import wire
+from .protocol.runner import Runner
 
 
 class UnexpectedFrame(Exception):
@@ -88,7 +89,7 @@ class _FaultPlan:
         return output
 
 
-def _build_runner(init: m.WorkerInit, faults: _FaultPlan, parallel: Any) -> Any:
+def _build_runner(init: m.WorkerInit, faults: _FaultPlan, parallel: Any) -> Runner:
     from .config import EngineConfig
 
     if faults.fail_load:
@@ -143,7 +144,7 @@ class Worker:
     after which the worker must not be used again.
     """
 
-    def __init__(self, runner: Any, faults: _FaultPlan) -> None:
+    def __init__(self, runner: Runner, faults: _FaultPlan) -> None:
         self.runner = runner
         self._faults = faults
         self._profiler = _Profiler()

@@ -150,7 +150,7 @@ async def test_a_thousand_requests_half_abandoned_leave_nothing_behind(
         # Nothing is held anywhere.
         assert engine.num_kv_blocks_used == 0
         assert engine.scheduler.get_num_unfinished_requests() == 0
-        assert not engine.processor.has_unfinished_requests()
+        assert not engine.frontend.processor.has_unfinished_requests()
         assert not engine.errored
         await engine.check_health()
         # Every id is free again: a sample of each way of leaving, and of finishing.

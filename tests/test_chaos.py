@@ -117,12 +117,13 @@ async def test_harness_reports_a_real_hang_a_leaked_task_and_a_leaked_process(
     start = AsyncEngine._start
 
     def forgetful_on_death(self: AsyncEngine, error: EngineDeadError) -> None:
-        victim = self._live.pop("chaos-r0-s0", None)
+        live = self.frontend._live
+        victim = live.pop("chaos-r0-s0", None)
         try:
             on_death(self, error)
         finally:
             if victim is not None:
-                self._live["chaos-r0-s0"] = victim
+                live["chaos-r0-s0"] = victim
 
     async def leaky_start(self: AsyncEngine) -> None:
         await start(self)
@@ -134,7 +135,7 @@ async def test_harness_reports_a_real_hang_a_leaked_task_and_a_leaked_process(
     monkeypatch.setattr(AsyncEngine, "_start", leaky_start)
     config = small_config(toy_model_dir, executor="inproc", stream_deadline=0.5)
     specs = plan_streams(random.Random(0), "chaos-r0", 4, config.max_tokens)
-    fault = Fault(FaultKind.KILL_ACTOR, actor="renderer", when=AfterTokens(0, 1))
+    fault = Fault(FaultKind.KILL_ACTOR, actor="stats", when=AfterTokens(0, 1))
     try:
         with trio.fail_after(30):
             result = await run_round(fault, specs, config=config)
@@ -233,7 +234,7 @@ def test_fault_descriptions_are_checked() -> None:
         "worker": {"fail_load": True}
     }
     assert Fault(FaultKind.SIGSTOP, when=AfterTokens(0, 1)).engine_faults() is None
-    with pytest.raises(ValueError, match="actor: must be one of renderer"):
+    with pytest.raises(ValueError, match="actor: must be one of scheduler"):
         Fault(FaultKind.KILL_ACTOR, "tokenizer")
     with pytest.raises(ValueError, match="actor: only a kill fault"):
         Fault(FaultKind.SIGKILL, "executor")

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from legato import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
+from legato.actors.frontend import INLINE_MAX_PROMPT_CHARS
 from legato.engine import AsyncEngine, open_engine
 from legato.protocol.errors import EngineStartupError, PromptTooLongError, ValidationError
 
@@ -47,7 +48,7 @@ async def assert_idle(engine: AsyncEngine) -> None:
     with trio.fail_after(10):
         await engine.wait_until_idle()
     assert engine.num_kv_blocks_used == 0
-    assert not engine.processor.has_unfinished_requests()
+    assert not engine.frontend.processor.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("kind", [DELTA, FINAL])
@@ -283,6 +284,25 @@ async def test_pause_abort_wait_keep(engine: AsyncEngine) -> None:
         await engine.resume_generation()
     assert len(got["p-keep"].outputs[0].token_ids) == 60
     await assert_idle(engine)
+
+
+async def test_a_prompt_too_large_to_render_inline_runs_like_its_token_ids(
+    toy_model_dir: Any,
+) -> None:
+    """Over the inline limit a prompt renders in a worker thread, with the engine's
+    own tokenizer copy; its outputs are those of the same prompt given as token ids."""
+    text = "the " * 1100  # 4,400 characters, 1,102 toy tokens
+    assert len(text) > INLINE_MAX_PROMPT_CHARS
+    args = dict(ENGINE_ARGS, max_model_len=2048, num_kv_blocks=400)
+    async with open_engine(str(toy_model_dir), executor="inproc", **args) as engine:
+        offload = engine.frontend.offload_renderer
+        assert offload is not None and offload.tokenizer is not engine.renderer.tokenizer
+        by_text = await run_one(engine, text, greedy(6), "text")
+        ids = by_text[0].prompt_token_ids
+        assert ids is not None and len(ids) == 1102
+        by_ids = await run_one(engine, ids, greedy(6), "ids")
+    assert by_text[-1].outputs[0].token_ids == by_ids[-1].outputs[0].token_ids
+    assert by_text[-1].outputs[0].text == by_ids[-1].outputs[0].text
 
 
 async def test_per_request_errors_fail_only_that_request(engine: AsyncEngine) -> None:

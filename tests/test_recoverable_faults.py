@@ -81,7 +81,7 @@ async def assert_idle(engine: AsyncEngine) -> None:
     with trio.fail_after(30):
         await engine.wait_until_idle()
     assert engine.num_kv_blocks_used == 0
-    assert not engine.processor.has_unfinished_requests()
+    assert not engine.frontend.processor.has_unfinished_requests()
 
 
 # ------------------------------------------------------------------ the tokenizer raising

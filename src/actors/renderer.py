@@ -1,21 +1,20 @@
 """The renderer: prompt (text | chat messages | token ids) -> validated engine requests.
 
-``Renderer`` is plain synchronous code (also used by ``RenderOnlyClient``,
-which has no model). Every rule it enforces raises ``ValidationError`` (a
-ValueError) naming the field, and fails only that request. ``run_renderer`` is
-the actor loop around it.
+``Renderer`` is plain synchronous code, run by the engine's front end
+(``legato.actors.frontend``) in the caller's task, by ``LLMEngine`` and by
+``RenderOnlyClient`` (which has no model). Every rule it enforces raises
+``ValidationError`` (a ValueError) naming the field, and fails only that
+request. Never imports trio or torch.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import trio
-
-from ..protocol.errors import EngineGenerateError, PromptTooLongError, ValidationError
+from ..protocol.errors import PromptTooLongError, ValidationError
 from ..protocol.messages import EngineRequest
 from ..protocol.params import SamplingParams
 
@@ -350,67 +349,3 @@ class Renderer:
             )
         return children
 
-
-@dataclass
-class RenderJob:
-    """One ``generate`` call waiting to be rendered.
-
-    ``request_id`` is the caller's (errors name it); ``engine_id`` the one
-    the engine runs it under. ``accept`` registers the request with the
-    output side and hands it on; ``reject`` fails that request alone. Both are
-    called synchronously.
-    """
-
-    request_id: str
-    engine_id: str
-    prompt: PromptType
-    params: SamplingParams
-    priority: int
-    arrival_time: float
-    accept: Callable[[RenderedPrompt, list[EngineRequest]], None]
-    reject: Callable[[BaseException], None]
-    tokenization_kwargs: dict[str, Any] | None = None
-    prompt_text: str | None = None
-
-
-async def run_renderer(renderer: Renderer, inbox: trio.MemoryReceiveChannel[RenderJob]) -> None:
-    """The renderer actor: render each job in arrival order until the inbox closes.
-
-    A job whose prompt or params are invalid is rejected alone with the
-    ValueError; any other failure while rendering one prompt (the tokenizer
-    raising on it, say) rejects that job alone with EngineGenerateError. The
-    engine keeps serving in both cases.
-    """
-    async for job in inbox:
-        await _render_one(renderer, job)
-        del job  # hold nothing of a request between jobs
-        await trio.lowlevel.checkpoint()
-
-
-async def _render_one(renderer: Renderer, job: RenderJob) -> None:
-    try:
-        rendered = renderer.render_prompt(
-            job.prompt, tokenization_kwargs=job.tokenization_kwargs, prompt_text=job.prompt_text
-        )
-        requests = renderer.make_requests(
-            job.engine_id,
-            rendered,
-            job.params,
-            priority=job.priority,
-            arrival_time=job.arrival_time,
-        )
-        grammars = renderer.grammars
-        if grammars is not None and job.params.structured_outputs is not None:
-            # Compiling may take from microseconds to a second: off the event loop.
-            await trio.to_thread.run_sync(grammars.compile, requests)
-    except ValueError as exc:
-        job.reject(exc)
-        return
-    except Exception as exc:
-        error = EngineGenerateError(
-            job.request_id, f"rendering failed: {type(exc).__name__}: {exc}"
-        )
-        error.__cause__ = exc
-        job.reject(error)
-        return
-    job.accept(rendered, requests)

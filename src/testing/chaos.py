@@ -62,7 +62,7 @@ from ..protocol.outputs import RequestOutput
 from ..protocol.params import RequestOutputKind, SamplingParams
 
 # The actors an engine runs under its supervisor, each a target for KILL_ACTOR.
-ACTORS: Final = ("renderer", "scheduler", "executor", "detokenizer", "stats", "heartbeat")
+ACTORS: Final = ("scheduler", "executor", "detokenizer", "stats", "heartbeat")
 
 # ------------------------------------------------------------------ faults
 

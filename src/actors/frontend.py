@@ -1,0 +1,348 @@
+"""The front end: a caller's request from prompt to output slot, and back.
+
+``Frontend`` owns the renderer, the output processor and every live request's
+output slot. Two paths go through it:
+
+- ``add_request`` runs in the caller's task. It renders the prompt (on the
+  event-loop thread when it is small, in a worker thread when it is large, so
+  a 100k-token prompt never stalls the other streams) and registers the
+  request right there: its output-processor state, then the engine core's
+  ``AddRequests``. Nothing else touches a request between the two.
+- ``deliver`` is the output-delivery actor ("detokenizer"): it feeds each
+  step's ``EngineCoreOutputs`` to the output processor, which fills the slots,
+  and hands the finishes it decides (stop strings, a failed sibling) back to
+  the engine core.
+
+A request is known to the caller by its own id and below the front end by an
+engine id (``f"{request_id}-{n}"``, unique for the engine's life), so a
+caller's id is free again the moment its stream ends, whatever is still in
+flight for the old one.
+
+Imports trio; never torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..protocol import messages as m
+from ..protocol.errors import EngineDeadError, EngineGenerateError
+from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
+from .detokenizer import OutputProcessor, ProcessedStep
+from .engine_core import AddRequests, CoreMessage, FinishRequests
+from .output_slot import OutputSlot
+from .renderer import PromptType, RenderedPrompt, Renderer
+from .stats import StepStats
+
+INLINE_MAX_PROMPT_CHARS = 4096
+"""A text prompt longer than this is tokenized in a worker thread. Tokenizing
+4,096 characters takes from a fraction of a millisecond (a byte-level BPE with
+a pre-tokenizer) to about 10 ms (the toy tokenizer, which has none) on one
+core; a thread hop costs some tens of microseconds. Below it, rendering on the
+event-loop thread is cheaper than the hop and delays the other streams by at
+most that much."""
+
+INLINE_MAX_PROMPT_TOKENS = 16384
+"""A prompt given as more token ids than this is checked in a worker thread
+(about 1 ms of Python per 16k ids)."""
+
+
+def renders_inline(prompt: PromptType) -> bool:
+    """Whether ``prompt`` is small enough to render on the event-loop thread."""
+    if isinstance(prompt, str):
+        return len(prompt) <= INLINE_MAX_PROMPT_CHARS
+    if isinstance(prompt, Mapping):
+        ids = prompt.get("prompt_token_ids")
+        if ids is not None:
+            return not isinstance(ids, Sequence) or len(ids) <= INLINE_MAX_PROMPT_TOKENS
+        text = prompt.get("prompt")
+        return not isinstance(text, str) or len(text) <= INLINE_MAX_PROMPT_CHARS
+    return not isinstance(prompt, Sequence) or len(prompt) <= INLINE_MAX_PROMPT_TOKENS
+
+
+def thread_renderer(renderer: Renderer) -> Renderer:
+    """A copy of ``renderer`` with a tokenizer of its own, for renders in a worker thread.
+
+    A Hugging Face fast tokenizer keeps truncation settings on the shared Rust
+    object and changes them per call (``tokenization_kwargs``), behind a lock:
+    a call on the event-loop thread that changes them would wait for a long
+    encode in a thread to finish, and two threads changing them would race.
+    With its own copy, a thread render shares nothing with the event loop.
+    Blocks (a deep copy of the tokenizer): call it in a thread.
+    """
+    twin = copy.copy(renderer)
+    twin.tokenizer = copy.deepcopy(renderer.tokenizer)
+    return twin
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    """One caller's request, from ``add_request`` until its stream ends."""
+
+    engine_id: str
+    slot: OutputSlot
+    registered: bool = False  # the output processor and the engine core know it
+    abort_asked: bool = False  # abort() came while it was still being rendered
+
+
+class Frontend:
+    """Renders, registers and delivers requests for one engine.
+
+    ``to_core`` queues a message for the engine core (never blocks);
+    ``record`` takes each step's output-side figures. Renders too large for
+    the event-loop thread run one at a time in a worker thread, through
+    ``offload_renderer`` (default: ``thread_renderer(renderer)``, built on
+    first use).
+
+    All methods but ``add_request`` and ``deliver`` are synchronous and never
+    block. Once ``fail_all`` has run (the engine died or shut down), nothing is
+    sent to the engine core any more and ``add_request`` raises that error.
+    """
+
+    def __init__(
+        self,
+        renderer: Renderer,
+        processor: OutputProcessor,
+        to_core: Callable[[CoreMessage], None],
+        record: Callable[[StepStats], None],
+        *,
+        offload_renderer: Renderer | None = None,
+    ) -> None:
+        self.renderer = renderer
+        self.processor = processor
+        self.offload_renderer = offload_renderer
+        self._to_core = to_core
+        self._record = record
+        self._live: dict[str, LiveRequest] = {}  # by the caller's id
+        self._engine_ids = itertools.count(1)
+        self._offload_limiter = trio.CapacityLimiter(1)
+        self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until taken
+        self._failed: EngineDeadError | None = None
+
+    # ------------------------------------------------------------ requests
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        slot: OutputSlot,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Render the request and register it, in the caller's task; its engine id.
+
+        A checkpoint. Either the request is registered (outputs reach ``slot``)
+        or this raises and holds nothing (the id is free again): ValueError for
+        a live duplicate ``request_id``, ``Cancelled`` if the caller is
+        cancelled while a large prompt renders in its thread (the thread's
+        result is dropped), the engine's EngineDeadError if it died meanwhile.
+        A prompt that fails to render fails this request alone without
+        raising: ``slot`` gets the ValueError (ValidationError), or
+        EngineGenerateError for any other failure of the tokenizer, so the
+        stream's first read raises it; the id stays held until the stream ends.
+        An ``abort`` while the prompt renders takes effect once it is registered.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._failed is not None:
+            raise self._failed
+        if request_id in self._live:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        engine_id = f"{request_id}-{next(self._engine_ids)}"
+        live = self._live[request_id] = LiveRequest(engine_id, slot)
+        try:
+            rendered = await self._render(
+                live,
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                lora_request=lora_request,
+                tokenization_kwargs=tokenization_kwargs,
+                prompt_text=prompt_text,
+            )
+            if self._failed is not None:  # died while the prompt was rendering
+                raise self._failed
+            if rendered is not None:
+                self._register(request_id, live, params, lora_request, pooling_params, *rendered)
+        except BaseException:
+            self.release(request_id, engine_id)
+            raise
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return engine_id
+
+    async def _render(
+        self,
+        live: LiveRequest,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int,
+        lora_request: LoRARequest | None,
+        tokenization_kwargs: dict[str, Any] | None,
+        prompt_text: str | None,
+    ) -> tuple[RenderedPrompt, list[m.EngineRequest]] | None:
+        """The rendered prompt and its engine requests, or None if it failed (the
+        slot has the error). Only a large prompt or a grammar to compile checkpoints."""
+        arrival_time = time.monotonic()
+
+        def render(renderer: Renderer) -> tuple[RenderedPrompt, list[m.EngineRequest]]:
+            rendered = renderer.render_prompt(
+                prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
+            )
+            requests = renderer.make_requests(
+                live.engine_id,
+                rendered,
+                params,
+                priority=priority,
+                arrival_time=arrival_time,
+                lora_name=None if lora_request is None else lora_request.lora_name,
+            )
+            return rendered, requests
+
+        try:
+            if renders_inline(prompt):
+                rendered, requests = render(self.renderer)
+            else:
+                rendered, requests = await trio.to_thread.run_sync(
+                    self._render_offloaded,
+                    render,
+                    abandon_on_cancel=True,
+                    limiter=self._offload_limiter,
+                )
+            grammars = self.renderer.grammars
+            if grammars is not None and params.structured_outputs is not None:
+                # Compiling may take from microseconds to a second: off the event loop.
+                await trio.to_thread.run_sync(grammars.compile, requests)
+                await trio.lowlevel.checkpoint_if_cancelled()
+        except ValueError as exc:
+            live.slot.put_error(exc)
+            return None
+        except Exception as exc:
+            error = EngineGenerateError(
+                request_id, f"rendering failed: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            live.slot.put_error(error)
+            return None
+        return rendered, requests
+
+    def _render_offloaded(
+        self, render: Callable[[Renderer], tuple[RenderedPrompt, list[m.EngineRequest]]]
+    ) -> tuple[RenderedPrompt, list[m.EngineRequest]]:
+        """``render`` with the thread's own renderer. Runs in a worker thread, one at a time."""
+        if self.offload_renderer is None:
+            self.offload_renderer = thread_renderer(self.renderer)
+        return render(self.offload_renderer)
+
+    def _register(
+        self,
+        request_id: str,
+        live: LiveRequest,
+        params: SamplingParams,
+        lora_request: LoRARequest | None,
+        pooling_params: PoolingParams | None,
+        rendered: RenderedPrompt,
+        requests: list[m.EngineRequest],
+    ) -> None:
+        """Give a rendered request to the output processor, then to the engine core."""
+        for request in requests:
+            request.lora_request, request.pooling_params = lora_request, pooling_params
+        self.processor.add_request(
+            live.engine_id,
+            rendered.text,
+            requests[0].prompt_token_ids,
+            params,
+            requests[0].arrival_time,
+            slot=live.slot,
+            child_ids=[r.request_id for r in requests],
+            output_id=request_id,
+        )
+        live.registered = True
+        self._to_core(AddRequests(requests))
+        if live.abort_asked:
+            self._pass_on(self.processor.abort_requests([live.engine_id]))
+
+    def is_live(self, request_id: str, engine_id: str) -> bool:
+        """Whether ``request_id`` is live as ``engine_id`` (not a later namesake)."""
+        live = self._live.get(request_id)
+        return live is not None and live.engine_id == engine_id
+
+    def release(self, request_id: str, engine_id: str) -> None:
+        """Forget a request whose stream has ended (only this one: not a later namesake)."""
+        if self.is_live(request_id, engine_id):
+            del self._live[request_id]
+
+    def abort_quietly(self, request_id: str, engine_id: str) -> None:
+        """The consumer left: forget the request and abort it in the engine core."""
+        self.release(request_id, engine_id)
+        if self._failed is None:
+            self._pass_on(self.processor.abort_requests([engine_id]))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort live requests (the caller's ids): each stream ends with a last output
+        whose finish_reason is "abort". Unknown or finished ids are ignored; so is
+        everything once the engine has failed."""
+        if self._failed is not None:
+            return
+        engine_ids = []
+        for request_id in request_ids:
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            if live.registered:
+                engine_ids.append(live.engine_id)
+            else:
+                live.abort_asked = True
+        self._pass_on(self.processor.abort_requests(engine_ids))
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        """The engine died or shut down: every open stream raises ``error``; nothing
+        more reaches the engine core. Idempotent (the first error stays)."""
+        if self._failed is None:
+            self._failed = error
+        for live in list(self._live.values()):
+            live.slot.put_error(error)
+
+    def take_pooled(self, engine_id: str) -> list[float] | None:
+        """The pooled vector of a finished embedding request, once; None if there is none."""
+        return self._pooled.pop(engine_id, None)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ------------------------------------------------------------- outputs
+
+    async def deliver(self, inbox: trio.MemoryReceiveChannel[m.EngineCoreOutputs]) -> None:
+        """The output-delivery actor: process each step's outputs into the slots.
+
+        Runs until ``inbox`` closes; a checkpoint after each step. Stop-string
+        finishes and aborts it decides go back to the engine core.
+        """
+        async for outputs in inbox:
+            for out in outputs.outputs:
+                if out.pooled is not None:  # read by encode() when the request ends
+                    self._pooled[out.request_id] = out.pooled
+            self._pass_on(self.processor.process_outputs(outputs))
+            await trio.lowlevel.checkpoint()
+
+    def _pass_on(self, step: ProcessedStep) -> None:
+        """Finish in the engine core what the output side finished, and record the figures."""
+        if step.requests_to_stop:
+            self._to_core(FinishRequests(step.requests_to_stop, m.FinishReason.STOP))
+        if step.requests_to_abort:
+            self._to_core(FinishRequests(step.requests_to_abort, m.FinishReason.ABORT))
+        self._record(step.step_stats())
