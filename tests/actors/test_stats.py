@@ -68,6 +68,8 @@ VLLM_NAMES = [
     "inter_token_latency_seconds_count",
     "e2e_request_latency_seconds_count",
     "request_queue_time_seconds_count",
+    "request_prompt_tokens_sum",
+    "request_generation_tokens_sum",
 ]
 
 
@@ -91,6 +93,8 @@ def test_prometheus_logger_publishes_vllm_names_only_when_asked() -> None:
         "inter_token_latency_seconds_count": 4,
         "e2e_request_latency_seconds_count": 2,
         "request_queue_time_seconds_count": 2,
+        "request_prompt_tokens_sum": 14,
+        "request_generation_tokens_sum": 10,
     }
     assert sorted(expected) == sorted(VLLM_NAMES)
     for name, value in expected.items():
