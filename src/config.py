@@ -49,6 +49,8 @@ class EngineConfig:
     heartbeat_timeout: float = 60.0  # a long CPU prefill step must not count as a hang
     disable_log_stats: bool = False
     log_stats_interval: float = 10.0
+    # Publish the metrics vLLM has a name for under that name (vllm:...) as well as legato:...
+    vllm_metric_names: bool = False
     profile_dir: str | None = None
     max_logprobs: int = 20
     # Tensor parallelism (legato.distributed): one worker process per rank in a

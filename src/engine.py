@@ -46,7 +46,7 @@ from .actors.heartbeat import run_heartbeat
 from .actors.output_slot import OutputSlot
 from .actors.renderer import PromptType, Renderer, check_tokenization_kwargs, load_tokenizer
 from .actors.scheduler import Scheduler
-from .actors.stats import StatsCollector, run_stats
+from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector, run_stats
 from .actors.supervisor import Supervisor
 from .config import EngineConfig
 from .engine_adapters import EngineAdapters
@@ -189,7 +189,12 @@ class AsyncEngine(EngineClient):
     frontend: Frontend  # set by _start
 
     def __init__(
-        self, config: EngineConfig, nursery: trio.Nursery, *, faults: dict[str, Any] | None = None
+        self,
+        config: EngineConfig,
+        nursery: trio.Nursery,
+        *,
+        faults: dict[str, Any] | None = None,
+        stat_loggers: Sequence[StatLoggerArg] = (),
     ):
         self.config = config
         self._nursery = nursery
@@ -198,7 +203,7 @@ class AsyncEngine(EngineClient):
         self.executor: Executor = make_executor(config, inject_fault=self._faults.get("worker"))
         if isinstance(self.executor, ProcessExecutor):
             self.executor.on_failure = self.supervisor.die
-        self.stats = StatsCollector(model_name=self.model_name)
+        self.stats = StatsCollector.for_config(config, self.model_name, stat_loggers)
         self.adapters = EngineAdapters(config.enable_lora, self._worker_call, WorkerCallError)
         self._embedding_size: int | None = None
         self._stopped = False
@@ -258,17 +263,14 @@ class AsyncEngine(EngineClient):
         run = self.supervisor.run_actor
         start(run, "scheduler", self.core.run)
         start(run, "detokenizer", self.frontend.deliver, outputs_recv)
-        stats_actor = functools.partial(
-            run_stats,
-            log_interval=config.log_stats_interval,
-            log_enabled=not config.disable_log_stats,
-        )
+        stats_actor = functools.partial(run_stats, log_interval=config.log_stats_interval)
         start(run, "stats", stats_actor, self.stats)
         probes = [("scheduler loop", self._ping_core), ("model worker", self.executor.ping)]
         heartbeat = functools.partial(
             run_heartbeat, interval=config.heartbeat_interval, silence=config.heartbeat_timeout
         )
         start(run, "heartbeat", heartbeat, probes)
+        self.stats.log_engine_initialized()
         await trio.lowlevel.checkpoint()
 
     async def _ping_core(self) -> None:
@@ -479,10 +481,17 @@ class AsyncEngine(EngineClient):
         self._check_alive()
 
     async def do_log_stats(self) -> None:
-        """Log one line of figures; silent when ``disable_log_stats``. A checkpoint."""
-        if not self.config.disable_log_stats:
-            logger.info(self.stats.log_line(window=self.config.log_stats_interval))
+        """Every stat logger's ``log()``; silent when ``disable_log_stats``. A checkpoint."""
+        self.stats.log()
         await trio.lowlevel.checkpoint()
+
+    def add_logger(self, stat_logger: StatLoggerBase) -> None:
+        """Feed ``stat_logger`` the engine's figures from the next step on."""
+        self.stats.add(stat_logger)
+
+    def remove_logger(self, stat_logger: StatLoggerBase) -> None:
+        """Stop feeding ``stat_logger`` (a built-in one too); ValueError if unknown."""
+        self.stats.remove(stat_logger)
 
     async def is_tracing_enabled(self) -> bool:
         return False
@@ -675,7 +684,11 @@ class AsyncEngine(EngineClient):
 
 @asynccontextmanager
 async def open_engine(
-    model: str | None = None, *, faults: dict[str, Any] | None = None, **engine_args: Any
+    model: str | None = None,
+    *,
+    faults: dict[str, Any] | None = None,
+    stat_loggers: Sequence[StatLoggerArg] = (),
+    **engine_args: Any,
 ) -> AsyncIterator[AsyncEngine]:
     """Start an engine for ``model`` (None: the default model; see legato.model_source) and yield it.
 
@@ -683,6 +696,9 @@ async def open_engine(
     failures (a bad model directory, weights that fail to load) raise here.
     On exit every request is ended, the actors stop and the worker is reaped.
     ``faults`` is for chaos testing only (``legato.testing.chaos``).
+    ``stat_loggers``: custom stat loggers (``legato.actors.stats.StatLoggerBase``)
+    or vLLM-style factories ``(config, engine_index) -> logger``, fed besides the
+    built-in Prometheus and log-line loggers.
     """
     config = EngineConfig.from_kwargs(model=model, **engine_args)
     config = await trio.to_thread.run_sync(resolve_model, config)
@@ -690,7 +706,7 @@ async def open_engine(
     # start-up or from the caller's own block.
     with unwrap_single_error():
         async with trio.open_nursery() as nursery:
-            engine = AsyncEngine(config, nursery, faults=faults)
+            engine = AsyncEngine(config, nursery, faults=faults, stat_loggers=stat_loggers)
             try:
                 await engine._start()
                 yield engine

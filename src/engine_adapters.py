@@ -9,8 +9,9 @@ request's ``lora_request``: a known adapter costs nothing, an unknown one is
 loaded first, and one that cannot be loaded fails that request alone with a
 ``ValidationError`` naming the field at fault (the engine lives).
 
-The worker's error crosses the process boundary as ``"Type: field: message"``
-text; :func:`adapter_error` turns it back into a ValidationError.
+The worker's ValidationError crosses the process boundary as its field and
+reason (``UtilityResult.error_field`` / ``error_reason``); :func:`adapter_error`
+hands it on.
 
 Trio: every method that talks to the worker is a checkpoint; a caller
 cancelled while waiting stops waiting, the worker still finishes the call
@@ -29,18 +30,15 @@ from .protocol.params import LoRARequest
 
 WorkerCall = Callable[..., Awaitable[Any]]
 
-_FIELD_ERRORS = ("LoRAError", "ValidationError")
 
-
-def adapter_error(message: str) -> ValidationError:
-    """A worker's ``"LoRAError: field: why"`` as ValidationError(field, why);
-    other failures (every loaded adapter pinned, say) name ``lora_request``."""
-    kind, _, rest = message.partition(": ")
-    if kind in _FIELD_ERRORS:
-        field, _, why = rest.partition(": ")
-        if why:
-            return ValidationError(field, why)
-    return ValidationError("lora_request", rest or message)
+def adapter_error(exc: Exception) -> ValidationError:
+    """The worker's own ValidationError (``LoRAError``: its field and reason), carried
+    across the boundary as fields by ``WorkerCallError.validation``; other failures
+    (every loaded adapter pinned, say) name ``lora_request``."""
+    validation = getattr(exc, "validation", None)
+    if isinstance(validation, ValidationError):
+        return validation
+    return ValidationError("lora_request", str(exc))
 
 
 class EngineAdapters:
@@ -93,7 +91,7 @@ class EngineAdapters:
         try:
             await self._call("add_lora", dataclasses.asdict(request))
         except self._call_error as exc:
-            raise adapter_error(str(exc)) from None
+            raise adapter_error(exc) from None
         self._by_id[request.lora_int_id] = request
         return True
 

@@ -10,7 +10,6 @@ detokenizer, driven synchronously in this thread, one ``step()`` at a time.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -23,7 +22,7 @@ from .actors.engine_core import CoreSteps
 from .actors.output_slot import OutputSlot
 from .actors.renderer import PromptType, Renderer, load_tokenizer
 from .actors.scheduler import Scheduler
-from .actors.stats import StatsCollector
+from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector
 from .config import EngineConfig
 from .protocol import messages as m
 from .protocol.errors import ValidationError
@@ -33,8 +32,6 @@ from .structured.engine import EngineGrammars
 
 T = TypeVar("T")
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
-
-logger = logging.getLogger("legato.engine")
 
 
 class LLM:
@@ -302,7 +299,9 @@ class LLMEngine:
     processor) in the calling thread. Never overlaps steps. Not thread-safe.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerArg] = ()) -> None:
+        """``stat_loggers``: custom stat loggers or vLLM-style factories, fed besides
+        the built-in Prometheus and log-line loggers (see ``legato.actors.stats``)."""
         from .engine import resolve_model
         from .models.runner import ModelRunner
 
@@ -323,7 +322,8 @@ class LLMEngine:
         self.grammars = EngineGrammars(self.tokenizer, self.runner.vocab_size, eos)
         self.renderer.grammars = self.grammars
         self.scheduler = Scheduler(self.config)
-        self.stats = StatsCollector(model_name=self.config.model or "legato-toy")
+        model_name = self.config.served_model_name or self.config.model or "legato-toy"
+        self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers)
         self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
         self.processor = OutputProcessor(self.tokenizer)
         # Live requests by the caller's id: the engine id each runs under, and its slot.
@@ -331,10 +331,17 @@ class LLMEngine:
         self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
         self._engine_ids = itertools.count(1)
         self._stats = m.SchedulerStats()
+        self.stats.log_engine_initialized()
 
     @classmethod
-    def from_engine_args(cls, model: str | None = None, **engine_args: Any) -> LLMEngine:
-        return cls(EngineConfig.from_kwargs(model=model, **engine_args))
+    def from_engine_args(
+        cls,
+        model: str | None = None,
+        *,
+        stat_loggers: Sequence[StatLoggerArg] = (),
+        **engine_args: Any,
+    ) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model=model, **engine_args), stat_loggers)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -495,9 +502,16 @@ class LLMEngine:
         }
 
     def do_log_stats(self) -> None:
-        """Log one line of figures; silent when ``disable_log_stats``."""
-        if not self.config.disable_log_stats:
-            logger.info(self.stats.log_line(window=self.config.log_stats_interval))
+        """Every stat logger's ``log()``; silent when ``disable_log_stats``."""
+        self.stats.log()
+
+    def add_logger(self, stat_logger: StatLoggerBase) -> None:
+        """Feed ``stat_logger`` the engine's figures from the next step on."""
+        self.stats.add(stat_logger)
+
+    def remove_logger(self, stat_logger: StatLoggerBase) -> None:
+        """Stop feeding ``stat_logger`` (a built-in one too); ValueError if unknown."""
+        self.stats.remove(stat_logger)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget cached prefixes (see ``Scheduler.reset_prefix_cache``); whether it did."""

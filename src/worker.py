@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, Self
 
 from .protocol import messages as m
 from .protocol import wire
+from .protocol.errors import ValidationError
 from .protocol.runner import Runner
 
 
@@ -196,6 +197,13 @@ class Worker:
                 call.call_id, result=getattr(target, call.method)(*call.args, **call.kwargs)
             )
             wire.encode(answer)  # the result must be plain msgpack data
+        except ValidationError as exc:  # the field crosses the boundary as a field, not text
+            return m.UtilityResult(
+                call.call_id,
+                error=f"{type(exc).__name__}: {exc}",
+                error_field=exc.field,
+                error_reason=exc.reason,
+            )
         except Exception as exc:
             return m.UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
         return answer

@@ -12,6 +12,7 @@ import trio.testing
 
 from legato import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from legato.actors.frontend import INLINE_MAX_PROMPT_CHARS
+from legato.actors.stats import StatLoggerBase, StepStats
 from legato.engine import AsyncEngine, open_engine
 from legato.protocol.errors import EngineStartupError, PromptTooLongError, ValidationError
 
@@ -544,6 +545,23 @@ async def test_prompt_text_and_tokenization_kwargs_are_honoured(engine: AsyncEng
         engine.generate(ids, greedy(1), "pt", prompt_text=5)  # type: ignore[arg-type]
 
 
+class ReasonSink(StatLoggerBase):
+    """A custom stat logger: the finish reasons it was told of."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+        self.logs = self.initialized = 0
+
+    def record(self, step: StepStats) -> None:
+        self.reasons += [done.finish_reason for done in step.finished]
+
+    def log(self) -> None:
+        self.logs += 1
+
+    def log_engine_initialized(self) -> None:
+        self.initialized += 1
+
+
 def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
     toy_model_dir: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -552,7 +570,9 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
     from legato.config import EngineConfig
     from legato.llm import LLMEngine
 
-    eng = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS))
+    sink = ReasonSink()
+    eng = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS), [sink])
+    assert sink.initialized == 1
     assert eng.get_supported_tasks() == ("generate", "embed")
     assert eng.get_tokenizer() is eng.tokenizer
     assert eng.add_request("a", "to abort", greedy(50)) == "a"
@@ -574,13 +594,17 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
         "b": "abort",
         "c": "length",
     }
+    assert sorted(sink.reasons) == ["abort", "abort", "length"]  # the stat logger saw them
+    eng.remove_logger(sink)
     assert eng.get_num_unfinished_requests() == 0
     assert eng.reset_prefix_cache() is True
     (held,) = eng.collective_rpc("held_requests")
     assert set(held) <= {"c-3"}  # the runner forgot the aborted ones (c: at the next step)
-    caplog.set_level("INFO", logger="legato.engine")
+    caplog.set_level("INFO", logger="legato.stats")
+    late = ReasonSink()
+    eng.add_logger(late)
     eng.do_log_stats()
-    assert not caplog.records  # disable_log_stats=True: silent
+    assert not caplog.records and late.logs == 0  # disable_log_stats=True: silent
     eng.sleep(1)
     assert eng.is_sleeping()
     eng.wake_up()
@@ -590,3 +614,4 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
     while eng.has_unfinished_requests():
         outs += eng.step()
     assert len(outs[-1].outputs[0].token_ids) == 3
+    assert late.reasons == ["length"] and sink.reasons == ["abort", "abort", "length"]

@@ -13,6 +13,8 @@ import trio
 import trio.testing
 
 from legato import RequestOutput, SamplingParams
+from legato.actors.stats import StatLoggerBase, StepStats
+from legato.config import EngineConfig
 from legato.engine import AsyncEngine, open_engine
 
 
@@ -100,9 +102,64 @@ async def test_metrics_and_log_line(engine: AsyncEngine, caplog: Any) -> None:
     assert 'legato:request_success_total{finished_reason="length"' in text
     assert "legato:generation_tokens_total" in text
     assert "legato:time_to_first_token_seconds_bucket" in text
-    with caplog.at_level(logging.INFO, logger="legato.engine"):
+    with caplog.at_level(logging.INFO, logger="legato.stats"):
         await engine.do_log_stats()
-    assert "generation throughput" in caplog.text
+    assert "Avg generation throughput" in caplog.text
+
+
+class TokenSink(StatLoggerBase):
+    """A custom stat logger that counts generated tokens (or raises, when ``fail``)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.generated = self.logs = self.initialized = 0
+
+    def record(self, step: StepStats) -> None:
+        if self.fail:
+            raise RuntimeError("metrics sink unreachable")
+        self.generated += step.num_generation_tokens
+
+    def log(self) -> None:
+        self.logs += 1
+
+    def log_engine_initialized(self) -> None:
+        self.initialized += 1
+
+
+async def test_custom_stat_loggers_and_one_that_raises(
+    toy_model_dir: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``stat_loggers=`` takes vLLM-style factories; ``add_logger`` / ``remove_logger`` at run
+    time; a logger that raises is logged and removed, and the engine keeps serving."""
+    made: list[tuple[EngineConfig, int, TokenSink]] = []
+
+    def factory(config: EngineConfig, engine_index: int) -> TokenSink:
+        made.append((config, engine_index, TokenSink()))
+        return made[-1][2]
+
+    async with open_engine(
+        str(toy_model_dir), executor="inproc", max_model_len=256, num_kv_blocks=64,
+        stat_loggers=[factory],
+    ) as engine:  # fmt: skip
+        ((config, index, sink),) = made
+        assert (config.max_model_len, index, sink.initialized) == (256, 0, 1)
+        await final(engine, "count me", greedy(5), "a")
+        assert sink.generated == 5
+        await engine.do_log_stats()
+        assert sink.logs == 1
+        faulty = TokenSink(fail=True)
+        engine.add_logger(faulty)
+        with caplog.at_level(logging.ERROR, logger="legato.stats"):
+            out = await final(engine, "still serving", greedy(3), "b")
+        assert len(out.outputs[0].token_ids) == 3 and not engine.errored
+        assert faulty not in engine.stats.loggers and sink in engine.stats.loggers
+        assert "metrics sink unreachable" in caplog.text
+        assert sink.generated == 8
+        engine.remove_logger(sink)
+        await final(engine, "unseen", greedy(2), "c")
+        assert sink.generated == 8
+        text = engine.stats.exposition().decode()
+        assert f'legato:generation_tokens_total{{model_name="{toy_model_dir}"}} 10.0' in text
 
 
 async def test_control_calls_from_a_cancelled_scope_leave_the_engine_serving(

@@ -40,7 +40,7 @@ from ..config import EngineConfig
 from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol import wire
-from ..protocol.errors import EngineStartupError, LegatoError
+from ..protocol.errors import EngineStartupError, LegatoError, ValidationError
 
 
 class WorkerDiedError(LegatoError):
@@ -48,7 +48,23 @@ class WorkerDiedError(LegatoError):
 
 
 class WorkerCallError(LegatoError):
-    """A utility call on the worker raised; the worker is still healthy."""
+    """A utility call on the worker raised; the worker is still healthy.
+
+    ``validation`` is set when the worker raised a ValidationError: the same
+    error (field and reason) on this side of the process boundary.
+    """
+
+    def __init__(self, message: str, validation: ValidationError | None = None) -> None:
+        super().__init__(message)
+        self.validation = validation
+
+    @classmethod
+    def of(cls, answer: m.UtilityResult) -> WorkerCallError:
+        """The error a failed ``UtilityResult`` reports."""
+        validation = None
+        if answer.error_field is not None:
+            validation = ValidationError(answer.error_field, answer.error_reason or "")
+        return cls(answer.error or "", validation)
 
 
 def check_runner_output(step: m.SchedulerOutput, output: object) -> m.ModelRunnerOutput:
@@ -349,7 +365,7 @@ class ProcessExecutor:
         if not isinstance(answer, m.UtilityResult):
             raise WorkerDiedError(f"expected UtilityResult, got {type(answer).__name__}")
         if answer.error is not None:
-            raise WorkerCallError(answer.error)
+            raise WorkerCallError.of(answer)
         return answer.result
 
     def begin_shutdown(self) -> None:
@@ -416,7 +432,7 @@ class InprocExecutor:
         answer = await self._request(m.UtilityCall(0, method, list(args), kwargs))
         assert isinstance(answer, m.UtilityResult)
         if answer.error is not None:
-            raise WorkerCallError(answer.error)
+            raise WorkerCallError.of(answer)
         return answer.result
 
     def begin_shutdown(self) -> None:

@@ -283,11 +283,7 @@ class Renderer:
             raise ValidationError("prompt", "must not be empty")
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens :]
-        try:
-            params.validate_against_vocab(self.vocab_size)
-        except ValueError as exc:
-            field = str(exc).split(":", 1)[0]
-            raise ValidationError(field, str(exc).split(": ", 1)[-1]) from None
+        params.validate_against_vocab(self.vocab_size)  # ValidationError naming the field
         for name, value in (
             ("logprobs", params.logprobs),
             ("prompt_logprobs", params.prompt_logprobs),

@@ -1,22 +1,37 @@
-"""Metrics: Prometheus series in a registry of the engine's own, and the periodic log line.
+"""Metrics: the stat-logger API (vLLM's ``StatLoggerBase``, in our terms), its two
+built-in loggers, and the collector that feeds them.
 
-Names follow Prometheus conventions under one prefix, ``legato:``, with units
-in the names. ``StatsCollector`` is synchronous: the scheduler and detokenizer
-actors record into it as they go; ``run_stats`` is the actor that logs a line
-every ``log_stats_interval``.
+- ``StatLoggerBase``: ``record(step)`` once per engine step, ``log()`` every
+  ``log_stats_interval`` (and on ``do_log_stats``), ``log_engine_initialized()``
+  once the engine has started.
+- ``PrometheusStatLogger``: series in a registry of the engine's own, named by
+  Prometheus conventions under ``legato:`` with units in the names, and, with
+  ``vllm_metric_names``, the same figures under vLLM's names (``vllm:``) too.
+- ``LoggingStatLogger``: the periodic line (throughput, queues, KV usage).
+- ``StatsCollector``: the loggers of one engine. Synchronous: the engine-core
+  and detokenizer actors record into it as they go; ``run_stats`` is the actor
+  that calls ``log()`` every ``log_stats_interval``.
+
+Never imports torch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..protocol.messages import SchedulerStats
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
 
 logger = logging.getLogger("legato.stats")
 
@@ -24,6 +39,7 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 ... 5,000,000
 
 
 @dataclass
@@ -50,101 +66,183 @@ class StepStats:
     finished: list[FinishedRequest] = field(default_factory=list)
 
 
-class StatsCollector:
-    """Prometheus metrics for one engine, and the figures of the log line."""
+class StatLoggerBase(ABC):
+    """A sink for the engine's figures; subclass it for a custom logger.
 
-    def __init__(self, model_name: str = "legato") -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
-        self._model = model_name
-        r = self.registry
+    ``record`` is called synchronously on the engine's event loop, once or twice
+    per engine step (the engine core's figures, then the output processor's): it
+    must be quick and must not block. ``log`` is called every
+    ``log_stats_interval`` seconds and by ``do_log_stats``, never when
+    ``disable_log_stats`` is set. ``log_engine_initialized`` is called once,
+    when the engine has started. ``StepStats`` and ``SchedulerStats`` may grow
+    fields; read them by name.
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+    A logger whose method raises is logged (with its traceback) and removed
+    from its engine, which keeps serving: a faulty metrics sink must not take
+    generation down, nor fill the log with one traceback per step.
+    """
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels + list(extra), registry=r)
+    @abstractmethod
+    def record(self, step: StepStats) -> None:
+        """Take one step's figures."""
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
+    def log(self) -> None:  # noqa: B027 - optional, as in vLLM
+        """Report the figures recorded since the last call (optional)."""
 
-        self.running = gauge("legato:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("legato:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge(
-            "legato:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."
-        )
-        self.kv_blocks_used = gauge("legato:kv_cache_blocks_used", "KV-cache blocks in use.")
-        self.kv_blocks_total = gauge("legato:kv_cache_blocks_total", "KV-cache blocks in all.")
+    def log_engine_initialized(self) -> None:  # noqa: B027 - optional, as in vLLM
+        """The engine has started (optional)."""
+
+
+StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
+"""vLLM's shape: ``(config, engine_index) -> logger``; a StatLoggerBase subclass is one."""
+
+
+class _Series:
+    """The engine's series under one prefix, with their ``model_name`` children cached:
+    ``labels()`` is a locked dict lookup, too slow to call per series per step."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, model: str, full: bool) -> None:
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(prefix + name, doc, ["model_name"], registry=registry).labels(model)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(prefix + name, doc, ["model_name"], registry=registry).labels(model)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS) -> Any:
+            return Histogram(
+                prefix + name, doc, ["model_name"], buckets=buckets, registry=registry
+            ).labels(model)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        # Series vLLM has no name for are published under legato: only (``full``).
+        self.kv_blocks: tuple[Any, Any] | None = None
+        if full:
+            self.kv_blocks = (
+                gauge("kv_cache_blocks_used", "KV-cache blocks in use."),
+                gauge("kv_cache_blocks_total", "KV-cache blocks in all."),
+            )
         self.prefix_queries = counter(
-            "legato:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.prefix_hits = counter(
-            "legato:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._success = Counter(
+            prefix + "request_success",
+            "Requests finished, by reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
         )
-        self.preemptions = counter(
-            "legato:num_preemptions", "Requests preempted for lack of KV blocks."
+        self._model = model
+        self._success_by_reason: dict[str, Any] = {}
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.request_prompt = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", _TOKEN_BUCKETS
         )
-        self.prompt_tokens = counter("legato:prompt_tokens", "Prompt tokens computed.")
-        self.generation_tokens = counter("legato:generation_tokens", "Tokens generated.")
-        self.request_success = counter(
-            "legato:request_success", "Requests finished, by reason.", ("finished_reason",)
+        self.request_generation = histogram(
+            "request_generation_tokens",
+            "Tokens generated by each finished request.",
+            _TOKEN_BUCKETS,
         )
-        self.ttft = histogram("legato:time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram("legato:inter_token_latency_seconds", "Time between two tokens.")
-        self.e2e = histogram("legato:e2e_request_latency_seconds", "Arrival to finish.")
-        self.queue = histogram("legato:request_queue_time_seconds", "Arrival to first scheduled.")
 
-        for gauge_ in (
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.kv_blocks_used,
-            self.kv_blocks_total,
+    def success(self, reason: str) -> Any:
+        child = self._success_by_reason.get(reason)
+        if child is None:
+            child = self._success_by_reason[reason] = self._success.labels(self._model, reason)
+        return child
+
+    def record(self, step: StepStats) -> None:
+        s = step.scheduler
+        if s is not None:
+            self.running.set(s.num_running)
+            self.waiting.set(s.num_waiting)
+            self.kv_usage.set(s.kv_cache_usage)
+            if self.kv_blocks is not None:
+                self.kv_blocks[0].set(s.num_blocks_used)
+                self.kv_blocks[1].set(s.num_blocks_total)
+            self.prefix_queries.inc(s.prefix_cache_queries)
+            self.prefix_hits.inc(s.prefix_cache_hits)
+            self.preemptions.inc(s.num_preempted)
+        self.prompt_tokens.inc(step.num_prompt_tokens)
+        self.generation_tokens.inc(step.num_generation_tokens)
+        for child, values in (
+            (self.ttft, step.time_to_first_token),
+            (self.itl, step.inter_token_latency),
+            (self.queue, step.queue_time),
         ):
-            gauge_.labels(model_name).set(0)  # every series exists from the start
+            for value in values:
+                child.observe(value)
+        for done in step.finished:
+            self.success(done.finish_reason).inc()
+            self.e2e.observe(done.e2e_latency)
+            self.request_prompt.observe(done.num_prompt_tokens)
+            self.request_generation.observe(done.num_generation_tokens)
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """The engine's Prometheus series, in a registry of its own (``exposition()`` is
+    what ``/metrics`` serves). Every series has the ``model_name`` label.
+
+    With ``vllm_names`` the figures vLLM has a name for are published twice: under
+    ``legato:`` and under vLLM's ``vllm:`` (``vllm:num_requests_running``,
+    ``vllm:kv_cache_usage_perc``, ``vllm:request_success_total{finished_reason}``,
+    ``vllm:time_to_first_token_seconds`` ...), so dashboards and the Kubernetes
+    inference gateway written for vLLM read them unchanged.
+    """
+
+    def __init__(self, model_name: str = "legato", *, vllm_names: bool = False) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._series = [_Series(self.registry, "legato:", model_name, full=True)]
+        if vllm_names:
+            self._series.append(_Series(self.registry, "vllm:", model_name, full=False))
+
+    def record(self, step: StepStats) -> None:
+        for series in self._series:
+            series.record(step)
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """The periodic log line, as vLLM's: throughput over the last interval, the
+    queues, KV-cache usage and the prefix-cache hit rate."""
+
+    def __init__(self, interval: float = 10.0, log: logging.Logger = logger) -> None:
+        self.interval = interval
+        self._log = log
         self._last_scheduler = SchedulerStats()
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt, generation)
         self._prefix_window: deque[tuple[float, int, int]] = deque()
 
     def record(self, step: StepStats) -> None:
-        model = self._model
-        if step.scheduler is not None:
-            s = step.scheduler
+        s = step.scheduler
+        if s is not None:
             self._last_scheduler = s
-            self.running.labels(model).set(s.num_running)
-            self.waiting.labels(model).set(s.num_waiting)
-            self.kv_usage.labels(model).set(s.kv_cache_usage)
-            self.kv_blocks_used.labels(model).set(s.num_blocks_used)
-            self.kv_blocks_total.labels(model).set(s.num_blocks_total)
-            self.prefix_queries.labels(model).inc(s.prefix_cache_queries)
-            self.prefix_hits.labels(model).inc(s.prefix_cache_hits)
-            self.preemptions.labels(model).inc(s.num_preempted)
             self._prefix_window.append(
                 (step.timestamp, s.prefix_cache_queries, s.prefix_cache_hits)
             )
-        self.prompt_tokens.labels(model).inc(step.num_prompt_tokens)
-        self.generation_tokens.labels(model).inc(step.num_generation_tokens)
-        self._window.append((step.timestamp, step.num_prompt_tokens, step.num_generation_tokens))
-        # One labels() lookup per series and step, not per token (it is a locked dict lookup).
-        for series, values in (
-            (self.ttft, step.time_to_first_token),
-            (self.itl, step.inter_token_latency),
-            (self.queue, step.queue_time),
-        ):
-            if values:
-                child = series.labels(model)
-                for value in values:
-                    child.observe(value)
-        for done in step.finished:
-            self.request_success.labels(model, done.finish_reason).inc()
-            self.e2e.labels(model).observe(done.e2e_latency)
+        if step.num_prompt_tokens or step.num_generation_tokens:
+            self._window.append(
+                (step.timestamp, step.num_prompt_tokens, step.num_generation_tokens)
+            )
+        self._trim(step.timestamp)
 
-    def log_line(self, now: float | None = None, window: float = 10.0) -> str:
-        """Throughput over the last ``window`` seconds, queue sizes, KV usage, prefix hit rate."""
-        now = time.monotonic() if now is None else now
+    def _trim(self, now: float) -> None:
         for dq in (self._window, self._prefix_window):
-            while dq and dq[0][0] < now - window:
+            while dq and dq[0][0] < now - self.interval:
                 dq.popleft()
+
+    def line(self, now: float | None = None) -> str:
+        """The figures over the last ``interval`` seconds, as one line."""
+        self._trim(time.monotonic() if now is None else now)
         prompt = sum(p for _, p, _ in self._window)
         generated = sum(g for _, _, g in self._window)
         queries = sum(q for _, q, _ in self._prefix_window)
@@ -152,20 +250,129 @@ class StatsCollector:
         s = self._last_scheduler
         hit_rate = 100.0 * hits / queries if queries else 0.0
         return (
-            f"prompt throughput: {prompt / window:.1f} tokens/s, "
-            f"generation throughput: {generated / window:.1f} tokens/s, "
-            f"running: {s.num_running} reqs, waiting: {s.num_waiting} reqs, "
+            f"Avg prompt throughput: {prompt / self.interval:.1f} tokens/s, "
+            f"Avg generation throughput: {generated / self.interval:.1f} tokens/s, "
+            f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
             f"KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, "
-            f"prefix cache hit rate: {hit_rate:.1f}%"
+            f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
+
+    def log(self) -> None:
+        self._log.info("%s", self.line())
+
+
+class StatsCollector:
+    """The stat loggers of one engine: the Prometheus logger, the log-line logger
+    (unless ``log_stats`` is False) and any custom ones, in that order.
+
+    ``record`` / ``log`` / ``log_engine_initialized`` call every logger; one that
+    raises is logged and removed (see ``StatLoggerBase``). ``log`` does nothing
+    when ``log_stats`` is False (``disable_log_stats``). Not thread-safe: call it
+    from the engine's own thread.
+    """
+
+    def __init__(
+        self,
+        model_name: str = "legato",
+        *,
+        log_stats: bool = True,
+        log_interval: float = 10.0,
+        vllm_names: bool = False,
+        loggers: Iterable[StatLoggerBase] = (),
+    ) -> None:
+        self.log_stats = log_stats
+        self.prometheus = PrometheusStatLogger(model_name, vllm_names=vllm_names)
+        self.log_line_logger = LoggingStatLogger(log_interval) if log_stats else None
+        self._loggers: list[StatLoggerBase] = [self.prometheus]
+        if self.log_line_logger is not None:
+            self._loggers.append(self.log_line_logger)
+        for one in loggers:
+            self.add(one)
+
+    @classmethod
+    def for_config(
+        cls, config: EngineConfig, model_name: str, stat_loggers: Sequence[StatLoggerArg] = ()
+    ) -> StatsCollector:
+        """The collector an engine with ``config`` starts with; ``stat_loggers`` are
+        loggers or vLLM-style factories ``(config, engine_index) -> logger``."""
+        return cls(
+            model_name,
+            log_stats=not config.disable_log_stats,
+            log_interval=config.log_stats_interval,
+            vllm_names=config.vllm_metric_names,
+            loggers=[make_stat_logger(arg, config) for arg in stat_loggers],
+        )
+
+    @property
+    def loggers(self) -> tuple[StatLoggerBase, ...]:
+        """The loggers, built-ins first."""
+        return tuple(self._loggers)
+
+    def add(self, stat_logger: StatLoggerBase) -> None:
+        """Feed ``stat_logger`` from the next step on (TypeError if it is not a logger)."""
+        if not isinstance(stat_logger, StatLoggerBase):
+            raise TypeError(f"expected a StatLoggerBase, got {type(stat_logger).__name__}")
+        if stat_logger not in self._loggers:
+            self._loggers.append(stat_logger)
+
+    def remove(self, stat_logger: StatLoggerBase) -> None:
+        """Stop feeding ``stat_logger`` (ValueError if it is not one of these loggers)."""
+        try:
+            self._loggers.remove(stat_logger)
+        except ValueError:
+            raise ValueError(f"{stat_logger!r} is not a logger of this engine") from None
+
+    def _call(self, method: str, *args: Any) -> None:
+        for one in tuple(self._loggers):
+            try:
+                getattr(one, method)(*args)
+            except Exception:
+                logger.exception("stat logger %r raised in %s(); it is removed", one, method)
+                if one in self._loggers:
+                    self._loggers.remove(one)
+
+    def record(self, step: StepStats) -> None:
+        self._call("record", step)
+
+    def log(self) -> None:
+        """Every logger's ``log()``; nothing when stats logging is disabled."""
+        if self.log_stats:
+            self._call("log")
+
+    def log_engine_initialized(self) -> None:
+        self._call("log_engine_initialized")
+
+    def log_line(self, now: float | None = None) -> str:
+        """The log-line logger's line (its figures are kept only while stats logging is on)."""
+        if self.log_line_logger is None:
+            return "stats logging is disabled"
+        return self.log_line_logger.line(now)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus text format."""
-        return generate_latest(self.registry)
+        return self.prometheus.exposition()
 
 
-async def run_stats(collector: StatsCollector, *, log_interval: float, log_enabled: bool) -> None:
-    """The stats actor: log the collector's line every ``log_interval`` seconds.
+StatLoggerArg = StatLoggerBase | StatLoggerFactory
+"""What ``stat_loggers=`` takes: a logger, or a factory ``(config, engine_index) -> logger``."""
+
+
+def make_stat_logger(arg: StatLoggerArg, config: EngineConfig) -> StatLoggerBase:
+    """``arg`` itself if it is a logger, else ``arg(config, 0)`` (engine index 0: one engine)."""
+    if isinstance(arg, StatLoggerBase):
+        return arg
+    if not callable(arg):
+        raise TypeError(
+            f"stat_loggers: expected a StatLoggerBase or a factory, got {type(arg).__name__}"
+        )
+    made = arg(config, 0)
+    if not isinstance(made, StatLoggerBase):
+        raise TypeError(f"stat_loggers: {arg!r} made a {type(made).__name__}, not a StatLoggerBase")
+    return made
+
+
+async def run_stats(collector: StatsCollector, *, log_interval: float) -> None:
+    """The stats actor: ``collector.log()`` every ``log_interval`` seconds.
 
     Figures are recorded synchronously by the actors that produce them
     (``StatsCollector.record``), so a metric is up to date as soon as the
@@ -173,5 +380,4 @@ async def run_stats(collector: StatsCollector, *, log_interval: float, log_enabl
     """
     while True:
         await trio.sleep(log_interval)
-        if log_enabled:
-            logger.info(collector.log_line(window=log_interval))
+        collector.log()

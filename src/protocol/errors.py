@@ -27,14 +27,31 @@ class EngineGenerateError(LegatoError):
 
 
 class ValidationError(LegatoError, ValueError):
-    """Bad input from a caller; names the offending field.
+    """Bad input from a caller: ``field`` names the offending field (vLLM's and the
+    request's own names: ``temperature``, ``structured_outputs.json``,
+    ``messages[0].content``) and ``reason`` says what is wrong with it.
 
-    A ValueError, so code written against vLLM's checks keeps working.
+    ``str()`` is ``"field: reason"``. A ValueError, so code written against
+    vLLM's checks keeps working. Layers above the engine (HTTP, WebSocket) read
+    ``field`` and ``reason`` and, where their request names the field
+    differently, build a copy with :meth:`renamed` or :meth:`under`; nothing
+    parses the message text.
     """
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
         self.field = field
+        self.reason = reason
+
+    def renamed(self, field: str) -> ValidationError:
+        """The same error (same type, same reason) naming ``field`` instead."""
+        if field == self.field:
+            return self
+        return type(self)(field, self.reason)
+
+    def under(self, parent: str) -> ValidationError:
+        """The same error naming ``parent.field`` (``params.temperature``)."""
+        return self.renamed(f"{parent}.{self.field}")
 
 
 class PromptTooLongError(ValidationError):

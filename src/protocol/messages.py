@@ -278,6 +278,9 @@ class UtilityResult(Message):
     call_id: int
     result: Any = None
     error: str | None = None  # set when the call raised; the message of the error
+    # set when the call raised a ValidationError: the field it names and the reason
+    error_field: str | None = None
+    error_reason: str | None = None
 
 
 # ------------------------------------------------------ executor <-> worker

@@ -2,7 +2,8 @@
 
 Fields, names and defaults follow vLLM's ``SamplingParams`` so code written
 against vLLM carries over. Every rule is checked at construction and a
-violation raises ``ValueError`` naming the field.
+violation raises ``ValidationError`` (a ``ValueError``) whose ``field`` is
+vLLM's name of the field and whose ``reason`` says what is wrong.
 
 Never imports torch or trio.
 """
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ValidationError
 from .structured import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
@@ -27,8 +29,8 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # a single output, when the request finishes
 
 
-def _fail(field_name: str, message: str) -> ValueError:
-    return ValueError(f"{field_name}: {message}")
+def _fail(field_name: str, reason: str) -> ValidationError:
+    return ValidationError(field_name, reason)
 
 
 def _as_list(field_name: str, value: Any) -> list[Any]:
@@ -128,7 +130,7 @@ class SamplingParams:
         return set(self.stop_token_ids or ())
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that breaks a rule."""
+        """Raise ValidationError naming the first field that breaks a rule."""
         _int("n", self.n, minimum=1)
         for flag in (
             "include_stop_str_in_output",
@@ -208,7 +210,7 @@ class SamplingParams:
                 )
 
     def validate_against_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError if a token id named in the params is outside the vocabulary."""
+        """Raise ValidationError if a token id named in the params is outside the vocabulary."""
         for name, ids in (
             ("stop_token_ids", self.stop_token_ids or []),
             ("allowed_token_ids", self.allowed_token_ids or []),
@@ -245,6 +247,7 @@ class PoolingParams:
             raise _fail("task", f"unknown pooling task {self.task!r}")
         if self.dimensions is not None:
             _int("dimensions", self.dimensions, minimum=1)
+        _bool("normalize", self.normalize)
 
 
 @dataclass(frozen=True)

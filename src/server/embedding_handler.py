@@ -21,11 +21,11 @@ from ..protocol.params import LoRARequest, PoolingParams
 from .asgi import Request, send_json
 from .embeddings import embedding_response, parse_embedding_request
 from .lora_routes import select_model
-from .openai_handlers import renamed, until_disconnect
-from .openai_schemas import PromptInput
+from .openai_handlers import until_disconnect
+from .openai_schemas import PromptInput, in_request_terms, request_fields
 from .state import ServingState, Unavailable
 
-_RENAMES = {"prompt_token_ids": "input", "prompt": "input"}
+_RENAMES = request_fields("embeddings", {})
 
 
 async def create_embeddings(request: Request, state: ServingState) -> None:
@@ -80,7 +80,7 @@ async def embed_inputs(
             if not vectors[i]:  # aborted (a shutdown past its grace period)
                 raise Unavailable("shutting_down", "the request was aborted")
         except ValidationError as exc:
-            errors[i] = renamed(exc, _RENAMES)
+            errors[i] = in_request_terms(exc, _RENAMES)
             cancel.cancel()
         except Exception as exc:
             errors[i] = exc

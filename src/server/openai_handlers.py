@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -92,14 +92,6 @@ def error_event(exc: BaseException) -> dict[str, Any]:
     return HTTPError(500, f"{type(exc).__name__}: {exc}", code="internal_error").body()
 
 
-def renamed(exc: ValidationError, renames: dict[str, str]) -> ValidationError:
-    """The engine's field names in the request's terms (``prompt_token_ids`` -> ``prompt``)."""
-    if exc.field in renames:
-        message = str(exc).partition(": ")[2]
-        return ValidationError(renames[exc.field], message)
-    return exc
-
-
 @dataclass
 class Job:
     """One engine request of an HTTP request (one prompt; ``n`` choices)."""
@@ -124,7 +116,7 @@ async def open_jobs(
     params: SamplingParams,
     live: LiveRequest,
     priority: int,
-    renames: dict[str, str],
+    renames: Mapping[str, str],
     lora_request: LoRARequest | None = None,
 ) -> list[Job]:
     """Submit one engine request per prompt and wait for each one's first output.
@@ -143,7 +135,7 @@ async def open_jobs(
         try:
             first = await stream.__anext__()
         except ValidationError as exc:
-            raise renamed(exc, renames) from None
+            raise schemas.in_request_terms(exc, renames) from None
         jobs.append(Job(index, stream, first))
     return jobs
 
@@ -198,7 +190,7 @@ class Generation:
     priority: int
     stream: bool
     include_usage: bool
-    renames: dict[str, str]
+    renames: Mapping[str, str]  # engine field -> the request's (openai_schemas.request_fields)
     on_start: Callable[[SSEResponse, list[Job]], Awaitable[None]]
     on_delta: Callable[[Job, CompletionOutput], dict[str, Any] | None]
     make_chunk: Callable[[list[dict[str, Any]], dict[str, int] | None], dict[str, Any]]
@@ -407,7 +399,7 @@ async def create_completion(request: Request, state: ServingState) -> None:
         parsed.priority,
         parsed.stream,
         parsed.include_usage,
-        {"prompt_token_ids": "prompt"},
+        schemas.request_fields("completions", body),
         on_start,
         on_delta,
         make_chunk,
@@ -459,9 +451,7 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
     request_id = _new_id("chatcmpl")
     model = lora.lora_name if lora is not None else state.model_name
     decode = decoder(state)
-    renames = {"prompt_token_ids": "messages", "prompt": "messages"}
-    if parsed.logprobs:
-        renames["logprobs"] = "top_logprobs"
+    renames = schemas.request_fields("chat", body)
 
     def logprobs_of(token_ids: list[int], entries: Any) -> Any:
         if not parsed.logprobs:
@@ -617,5 +607,5 @@ async def detokenize(request: Request, state: ServingState) -> None:
     try:
         text = state.engine.renderer.decode(tokens)
     except ValidationError as exc:
-        raise renamed(exc, {"prompt_token_ids": "tokens", "prompt": "tokens"}) from None
+        raise schemas.in_request_terms(exc, schemas.request_fields("detokenize", body)) from None
     await send_json(request.send, 200, {"prompt": text})

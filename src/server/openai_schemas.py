@@ -176,17 +176,40 @@ def _given(body: Mapping[str, Any], name: str) -> bool:
     return body.get(name) is not None
 
 
-def _sampling_params(
-    body: Mapping[str, Any],
-    extra: dict[str, Any],
-    renames: dict[str, str],
-    *,
-    max_n: int,
-) -> SamplingParams:
-    """SamplingParams from the shared fields plus ``extra``; errors name the request's field.
+REQUEST_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "completions": {"prompt_token_ids": ("prompt",), "prompt": ("prompt",)},
+    "chat": {
+        "max_tokens": ("max_completion_tokens", "max_tokens"),
+        "logprobs": ("top_logprobs", "logprobs"),
+        "prompt_token_ids": ("messages",),
+        "prompt": ("messages",),
+    },
+    "embeddings": {"prompt_token_ids": ("input",), "prompt": ("input",)},
+    "detokenize": {"prompt_token_ids": ("tokens",), "prompt": ("tokens",)},
+}
+"""Endpoint -> engine field (SamplingParams', the renderer's) -> the request fields that
+set it, the first one the body gives winning (chat's ``max_completion_tokens`` before
+``max_tokens``). The one place where an engine ``ValidationError`` gets the name the
+client used; a field not listed keeps its name (``temperature`` is ``temperature``)."""
 
-    ``renames`` maps SamplingParams fields back to the request field that set them.
-    """
+
+def request_fields(endpoint: str, body: Mapping[str, Any]) -> dict[str, str]:
+    """Engine field -> this request's name for it (see ``REQUEST_FIELDS``)."""
+    return {
+        engine_field: next((n for n in names if _given(body, n)), names[-1])
+        for engine_field, names in REQUEST_FIELDS[endpoint].items()
+    }
+
+
+def in_request_terms(exc: ValidationError, renames: Mapping[str, str]) -> ValidationError:
+    """``exc`` naming the request's field (``renames`` from :func:`request_fields`)."""
+    return exc.renamed(renames.get(exc.field, exc.field))
+
+
+def _sampling_params(
+    body: Mapping[str, Any], extra: dict[str, Any], renames: Mapping[str, str], *, max_n: int
+) -> SamplingParams:
+    """SamplingParams from the shared fields plus ``extra``; errors name the request's field."""
     kwargs: dict[str, Any] = {}
     for name, (target, check) in _SAMPLING_FIELDS.items():
         if _given(body, name):
@@ -197,11 +220,8 @@ def _sampling_params(
         raise ValidationError("n", f"must be <= {max_n}, got {n}")
     try:
         return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-    except ValidationError:
-        raise
-    except ValueError as exc:
-        target, _, message = str(exc).partition(": ")
-        raise ValidationError(renames.get(target, target), message or str(exc)) from None
+    except ValidationError as exc:
+        raise in_request_terms(exc, renames) from None
 
 
 def _common(body: Mapping[str, Any]) -> tuple[str | None, bool, bool, int]:
@@ -331,7 +351,7 @@ def parse_completion_request(body: Mapping[str, Any], *, max_n: int) -> Completi
     if _given(body, "best_of"):
         extra["best_of"] = check_int("best_of", body["best_of"])
     echo = check_bool("echo", body["echo"]) if _given(body, "echo") else False
-    params = _sampling_params(body, extra, {}, max_n=max_n)
+    params = _sampling_params(body, extra, request_fields("completions", body), max_n=max_n)
     return CompletionRequest(
         model, prompts, params, stream, include_usage, echo, logprobs, priority, _cache_salt(body)
     )
@@ -380,11 +400,10 @@ def parse_chat_request(body: Mapping[str, Any], *, max_n: int) -> ChatRequest:
     model, stream, include_usage, priority = _common(body)
     _refuse_unsupported(body)
     extra: dict[str, Any] = {}
-    renames: dict[str, str] = {}
-    for name in ("max_completion_tokens", "max_tokens"):  # the first given wins
+    renames = request_fields("chat", body)
+    for name in REQUEST_FIELDS["chat"]["max_tokens"]:  # the first given wins
         if _given(body, name):
             extra["max_tokens"] = check_int(name, body[name])
-            renames["max_tokens"] = name
             break
     else:
         extra["max_tokens"] = None  # up to the context limit, as OpenAI and vLLM do for chat
@@ -398,7 +417,6 @@ def parse_chat_request(body: Mapping[str, Any], *, max_n: int) -> ChatRequest:
             raise ValidationError("top_logprobs", f"must be >= 0, got {top_logprobs}")
     if logprobs:
         extra["logprobs"] = top_logprobs
-        renames["logprobs"] = "top_logprobs"
     add_generation_prompt = True
     if _given(body, "add_generation_prompt"):
         add_generation_prompt = check_bool("add_generation_prompt", body["add_generation_prompt"])

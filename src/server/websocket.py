@@ -73,6 +73,11 @@ class FrameError(Exception):
         self.request_id = request_id
         self.param = param
 
+    @classmethod
+    def invalid(cls, exc: ValidationError, request_id: str | None = None) -> FrameError:
+        """An ``invalid_request`` error whose ``param`` is the error's field."""
+        return cls("invalid_request", str(exc), request_id=request_id, param=exc.field)
+
     def frame(self) -> dict[str, Any]:
         frame: dict[str, Any] = {"type": "error", "code": self.code, "message": self.message}
         if self.request_id is not None:
@@ -151,10 +156,8 @@ def parse_generate(
             param="request_id",
         )
 
-    def invalid(param: str, message: str) -> FrameError:
-        return FrameError(
-            "invalid_request", f"{param}: {message}", request_id=request_id, param=param
-        )
+    def invalid(param: str, reason: str) -> FrameError:
+        return FrameError.invalid(ValidationError(param, reason), request_id)
 
     given = [
         key for key in ("prompt", "prompt_token_ids", "messages") if frame.get(key) is not None
@@ -172,7 +175,7 @@ def parse_generate(
         else:
             prompt = state.engine.renderer.render_chat_prompt(parse_messages(frame["messages"]))
     except ValidationError as exc:
-        raise invalid(exc.field, str(exc).partition(": ")[2]) from None
+        raise FrameError.invalid(exc, request_id) from None
     salt = frame.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt:
@@ -197,23 +200,19 @@ def parse_generate(
         try:  # the types first: SamplingParams checks ranges, and not every type
             kwargs[key] = PARAM_CHECKS[key](key, value)
         except ValidationError as exc:
-            raise invalid(f"params.{key}", str(exc).partition(": ")[2]) from None
+            raise FrameError.invalid(exc.under("params"), request_id) from None
     try:
         params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
     except ValidationError as exc:
-        raise invalid(f"params.{exc.field}", str(exc).partition(": ")[2]) from None
-    except (ValueError, TypeError) as exc:
-        field, _, message = str(exc).partition(": ")
-        if field not in _PARAM_FIELDS:
-            field, message = "params", str(exc)
-            raise invalid(field, message) from None
-        raise invalid(f"params.{field}", message) from None
+        raise FrameError.invalid(exc.under("params"), request_id) from None
+    except (ValueError, TypeError) as exc:  # a rule that forgot to name its field: a bug
+        raise invalid("params", f"{type(exc).__name__}: {exc}") from None
     if params.n > state.settings.max_n:
         raise invalid("params.n", f"must be <= {state.settings.max_n}, got {params.n}")
     try:
         priority = check_int("priority", frame.get("priority", 0))
     except ValidationError as exc:
-        raise invalid("priority", str(exc).partition(": ")[2]) from None
+        raise FrameError.invalid(exc, request_id) from None
     model = frame.get("model")
     if model is not None and not isinstance(model, str):
         raise invalid("model", "must be a string")
@@ -237,6 +236,16 @@ def embed_request_id(frame: Mapping[str, Any]) -> str:
             param="request_id",
         )
     return request_id
+
+
+def in_frame_terms(exc: ValidationError) -> ValidationError:
+    """An engine error's field as the ``generate`` frame names it: the prompt's fields
+    are ``prompt``, SamplingParams' are under ``params`` (``params.structured_outputs.json``)."""
+    if exc.field in ("prompt", "prompt_token_ids"):
+        return exc.renamed("prompt")
+    if exc.field.partition(".")[0] in _PARAM_FIELDS:
+        return exc.under("params")
+    return exc
 
 
 def output_frames(
@@ -493,12 +502,7 @@ class Connection:
         except Unavailable as exc:
             error = FrameError(exc.code, exc.message)
         except ValidationError as exc:
-            field = "prompt" if exc.field == "prompt_token_ids" else exc.field
-            if field not in ("prompt", "request_id") and field in _PARAM_FIELDS:
-                field = f"params.{field}"
-            error = FrameError(
-                "invalid_request", f"{field}: {str(exc).partition(': ')[2]}", param=field
-            )
+            error = FrameError.invalid(in_frame_terms(exc))
         except EngineDeadError as exc:
             error = FrameError("engine_dead", f"the engine is dead: {exc}")
         except (EngineGenerateError, ValueError) as exc:

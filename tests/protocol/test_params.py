@@ -1,4 +1,5 @@
-"""SamplingParams and PoolingParams: vLLM's defaults, every validation rule, the normalisations."""
+"""SamplingParams and PoolingParams: vLLM's defaults, every validation rule (a ValidationError
+whose ``field`` is vLLM's name and whose ``reason`` says why), the normalisations."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ from typing import Any
 
 import pytest
 
-from legato.protocol.params import PoolingParams, RequestOutputKind, SamplingParams
+from legato.protocol.errors import PromptTooLongError, ValidationError
+from legato.protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 
 NAN = math.nan
 INF = math.inf
+
+
+def assert_names(info: pytest.ExceptionInfo[ValidationError], field: str) -> str:
+    """The error is a ValidationError (a ValueError) naming ``field``; its reason."""
+    exc = info.value
+    assert type(exc) is ValidationError and isinstance(exc, ValueError)
+    assert exc.field == field, (exc.field, field)
+    assert exc.reason and str(exc) == f"{field}: {exc.reason}"
+    return exc.reason
 
 
 def test_defaults_match_vllm() -> None:
@@ -97,8 +108,9 @@ def test_defaults_match_vllm() -> None:
     ],
 )
 def test_each_rule_names_its_field(field: str, kwargs: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match=rf"^{field}: "):
+    with pytest.raises(ValidationError) as info:
         SamplingParams(**kwargs)
+    assert_names(info, field)
 
 
 @pytest.mark.parametrize(
@@ -174,10 +186,9 @@ def test_output_kind_from_int() -> None:
 def test_validate_against_vocab(field: str, kwargs: dict[str, Any]) -> None:
     params = SamplingParams(**kwargs)
     params.validate_against_vocab(101)
-    with pytest.raises(
-        ValueError, match=rf"^{field}: token id 100 is outside the vocabulary \(100\)"
-    ):
+    with pytest.raises(ValidationError) as info:
         params.validate_against_vocab(100)
+    assert assert_names(info, field) == "token id 100 is outside the vocabulary (100)"
 
 
 def test_clone_validates_and_copies() -> None:
@@ -193,12 +204,17 @@ def test_pooling_params() -> None:
     assert PoolingParams() == PoolingParams(task="embed", dimensions=None, normalize=True)
     for task in ("embed", "classify", "score", "encode"):
         PoolingParams(task=task)
-    with pytest.raises(ValueError, match="^task: unknown pooling task 'generate'"):
+    with pytest.raises(ValidationError) as info:
         PoolingParams(task="generate")
-    with pytest.raises(ValueError, match="^dimensions: "):
-        PoolingParams(dimensions=0)
-    with pytest.raises(ValueError, match="^dimensions: "):
-        PoolingParams(dimensions=True)
+    assert assert_names(info, "task") == "unknown pooling task 'generate'"
+    for kwargs, field in (
+        ({"dimensions": 0}, "dimensions"),
+        ({"dimensions": True}, "dimensions"),
+        ({"normalize": "yes"}, "normalize"),
+    ):
+        with pytest.raises(ValidationError) as info:
+            PoolingParams(**kwargs)
+        assert_names(info, field)
 
 
 @pytest.mark.parametrize(
@@ -219,11 +235,68 @@ def test_pooling_params() -> None:
 )
 def test_values_no_worker_could_hold_are_refused_by_name(kwargs: dict[str, Any], field: str) -> None:
     # Such values used to pass validation and then kill the engine inside the model worker.
-    with pytest.raises(ValueError, match=f"^{field}:"):
+    with pytest.raises(ValidationError) as info:
         SamplingParams(**kwargs)
+    assert_names(info, field)
 
 
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "presence_penalty", "top_p"])
 def test_infinities_are_refused_by_name(field: str) -> None:
-    with pytest.raises(ValueError, match=f"^{field}: must be a finite number"):
+    with pytest.raises(ValidationError) as info:
         SamplingParams(**{field: math.inf})
+    assert assert_names(info, field).startswith("must be a finite number")
+
+
+@pytest.mark.parametrize(
+    ("value", "field"),
+    [
+        ({"json": 3}, "structured_outputs.json"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"regex": 1}, "structured_outputs.regex"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"wibble": "x"}, "structured_outputs.wibble"),
+        ({"regex": "a", "grammar": "b"}, "structured_outputs"),
+        ("a string", "structured_outputs"),
+    ],
+)
+def test_structured_outputs_errors_name_the_sub_field(value: Any, field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(structured_outputs=value)
+    assert_names(info, field)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"lora_name": "", "lora_int_id": 1}, "lora_name"),
+        ({"lora_name": "a", "lora_int_id": 0}, "lora_int_id"),
+        ({"lora_name": "a", "lora_int_id": 1, "lora_path": 3}, "lora_path"),
+        ({"lora_name": "a", "lora_int_id": 1, "base_model_name": 3}, "base_model_name"),
+    ],
+)
+def test_lora_request_errors_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        LoRARequest(**kwargs)
+    assert_names(info, field)
+
+
+def test_validation_error_renamed_keeps_type_and_reason() -> None:
+    exc = PromptTooLongError("prompt_token_ids", "has 9 tokens, over 8")
+    assert (exc.field, exc.reason, str(exc)) == (
+        "prompt_token_ids",
+        "has 9 tokens, over 8",
+        "prompt_token_ids: has 9 tokens, over 8",
+    )
+    renamed = exc.renamed("prompt")
+    assert type(renamed) is PromptTooLongError
+    assert (renamed.field, renamed.reason, str(renamed)) == (
+        "prompt",
+        "has 9 tokens, over 8",
+        "prompt: has 9 tokens, over 8",
+    )
+    assert exc.renamed("prompt_token_ids") is exc
+    nested = ValidationError("structured_outputs.json", "bad").under("params")
+    assert (nested.field, str(nested)) == (
+        "params.structured_outputs.json",
+        "params.structured_outputs.json: bad",
+    )

@@ -70,6 +70,16 @@ BAD_BODIES: list[tuple[dict[str, Any], str, int, str, str | None]] = [
     ({"tokens": ["a"]}, "/detokenize", 400, "invalid_value", "tokens"),
     ({"tokens": [99999]}, "/detokenize", 400, "invalid_value", "tokens"),
     ({}, "/tokenize", 400, "invalid_value", "prompt"),
+    # SamplingParams' own rules, and the engine's, name the field as the request spelled it
+    ({"prompt": "x", "top_p": 1.5}, "/v1/completions", 400, "invalid_value", "top_p"),
+    ({"prompt": "x", "min_tokens": 5, "max_tokens": 4}, "/v1/completions", 400, "invalid_value", "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": [99999]}, "/v1/completions", 400, "invalid_value", "stop_token_ids"),
+    ({"prompt": "x", "structured_outputs": {"json": "{no"}}, "/v1/completions", 400, "invalid_value", "structured_outputs.json"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "/v1/chat/completions", 400, "invalid_value", "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "/v1/chat/completions", 400, "invalid_value", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0, "max_tokens": 5}, "/v1/chat/completions", 400, "invalid_value", "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, "/v1/chat/completions", 400, "invalid_value", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "/v1/chat/completions", 400, "invalid_value", "top_logprobs"),
 ]  # fmt: skip
 
 
@@ -77,6 +87,8 @@ async def test_bad_bodies_get_openai_errors_naming_the_field(small: httpx.AsyncC
     for body, path, status, code, param in BAD_BODIES:
         response = await small.post(path, json=body)
         assert_error(response, status, code, param)
+        if code == "invalid_value" and param is not None:  # "param: reason", one field named
+            assert response.json()["error"]["message"].startswith(f"{param}: "), response.text
     await assert_still_serving(small)
 
 

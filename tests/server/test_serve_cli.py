@@ -47,7 +47,7 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
     command = [
         sys.executable, "-m", "legato.cli", "serve", str(toy_model_dir), "--port", "0", "--ws-port", "0",
         "--executor", "inproc", "--max-model-len", "512", "--num-kv-blocks", "600", "--shutdown-grace", "30",
-        "--log-stats-interval", "0.2",
+        "--log-stats-interval", "0.2", "--vllm-metric-names",
     ]  # fmt: skip
     env = {**os.environ, "LEGATO_API_KEY": "k"}
     process = await trio.lowlevel.open_process(
@@ -66,7 +66,7 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
             nonlocal output
             async for chunk in process.stdout:  # type: ignore[union-attr]
                 output += chunk
-                if b"generation throughput:" in output:  # the engine's periodic stats line
+                if b"Avg generation throughput:" in output:  # the engine's periodic stats line
                     stats_logged.set()
 
         async with trio.open_nursery() as nursery:
@@ -80,6 +80,24 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
 
                 with trio.fail_after(10):
                     await stats_logged.wait()
+
+                # --vllm-metric-names: the figures under vLLM's names too, same label
+                body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+                assert (await client.post("/v1/completions", json=body, headers=auth)).is_success
+                metrics = (await client.get("/metrics", headers=auth)).text
+                model = f'model_name="{toy_model_dir}"'
+                for prefix in ("legato:", "vllm:"):
+                    for line in (
+                        f"{prefix}generation_tokens_total{{{model}}} 3.0",
+                        f'{prefix}request_success_total{{finished_reason="length",{model}}} 1.0',
+                        f"{prefix}num_requests_running{{{model}}} 0.0",
+                        f"{prefix}e2e_request_latency_seconds_count{{{model}}} 1.0",
+                    ):
+                        assert line in metrics, (line, metrics)
+                for name in ("num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                             "time_to_first_token_seconds_bucket", "request_queue_time_seconds_sum",
+                             "inter_token_latency_seconds_count"):  # fmt: skip
+                    assert f"\nvllm:{name}{{" in metrics, name
 
                 body = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
                 async with client.stream("POST", "/v1/completions", json=body, headers=auth) as sse:

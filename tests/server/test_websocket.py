@@ -158,6 +158,36 @@ async def test_abort_by_frame_and_by_closing(
     await freed_and_reported()
 
 
+async def test_errors_name_the_field_in_the_frames_terms(server: Server) -> None:
+    """SamplingParams' rules and the engine's checks (after admission) give an error frame
+    whose ``param`` is the field as the frame spells it and whose message is
+    ``"param: reason"``."""
+    cases = [
+        (generate("a", top_p=1.5), "params.top_p"),
+        (generate("b", min_tokens=5, max_tokens=4), "params.min_tokens"),
+        (generate("c", structured_outputs={"json": "{no"}), "params.structured_outputs.json"),
+        (generate("d", structured_outputs={"wibble": 1}), "params.structured_outputs.wibble"),
+        # found by the engine, after admission
+        (generate("e", stop_token_ids=[99999]), "params.stop_token_ids"),
+        (generate("f", logprobs=50), "params.logprobs"),
+        (
+            generate("g", structured_outputs={"grammar": "start: ("}),
+            "params.structured_outputs.grammar",
+        ),
+        ({"type": "generate", "request_id": "h", "prompt_token_ids": [1] * 600}, "prompt"),
+        (generate("i", max_tokens=600), "params.max_tokens"),
+    ]
+    async with connect(server) as ws:
+        for frame, param in cases:
+            await send(ws, frame)
+            error, _ = await receive(ws)
+            assert error["type"] == "error" and error["code"] == "invalid_request", error
+            assert (error["request_id"], error["param"]) == (frame["request_id"], param), error
+            assert error["message"].startswith(f"{param}: "), error
+        await send(ws, generate("ok", max_tokens=2))
+        assert (await collect(ws, {"ok"}))["ok"][-1]["finish_reason"] in ("length", "stop")
+
+
 async def test_bad_frames_get_error_frames_and_the_connection_stays(engine: AsyncEngine) -> None:
     async with serving(engine, ws_max_frame_bytes=2000, ws_max_requests=2, max_n=2) as server:
         async with connect(server) as ws:
