@@ -8,9 +8,11 @@ row per constrained request each step, advance the grammars over the sampled tok
   raises ``ValidationError`` naming the request's field, and only that request fails. The
   grammar-engine tokenizer is built on the first such request (about 0.5 s for a 49k
   vocabulary), so engines that never see one never pay for it;
-- the scheduler loop calls :meth:`EngineGrammars.bitmasks` before each step (the rows travel
-  to the worker in ``SchedulerOutput.grammar_bitmask``; the sampler applies them before
-  anything else) and :meth:`EngineGrammars.accept` after it. Both return ``{request id:
+- the scheduler loop calls :meth:`EngineGrammars.bitmasks` for each step that
+  :meth:`EngineGrammars.constrains`, once every earlier step is applied (the rows travel
+  to the worker in ``SchedulerOutput.grammar_bitmask``, or in a ``GrammarBitmask`` frame
+  while the step's forward runs; the sampler applies them before anything else) and
+  :meth:`EngineGrammars.accept` after it. Both return ``{request id:
   message}`` for requests whose grammar failed; the loop fails those requests alone
   (``Scheduler.fail``), the engine keeps serving.
 
@@ -62,6 +64,13 @@ class EngineGrammars:
         compiler = self.compiler
         for request in requests:
             request.grammar = compiler.compile(params)
+
+    def constrains(self, plan: SchedulerOutput, requests: Mapping[str, Any]) -> bool:
+        """Whether ``plan`` schedules a request with a grammar (so it needs ``bitmasks``)."""
+        return any(
+            getattr(requests.get(request_id), "grammar", None) is not None
+            for request_id in plan.num_scheduled_tokens
+        )
 
     def bitmasks(
         self, plan: SchedulerOutput, requests: Mapping[str, Any]

@@ -23,6 +23,7 @@ from legato.protocol.messages import (
     EngineCoreOutputs,
     EngineRequest,
     FinishReason,
+    GrammarBitmask,
     HealthPing,
     HealthPong,
     ModelRunnerOutput,
@@ -278,6 +279,13 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         total_num_scheduled_tokens=small,
         finished_req_ids=st.lists(text, max_size=3),
         preempted_req_ids=st.lists(text, max_size=3),
+        grammar_bitmask=st.dictionaries(text, st.binary(max_size=16), max_size=2),
+        grammar_bitmask_follows=st.booleans(),
+    ),
+    GrammarBitmask: st.builds(
+        GrammarBitmask,
+        step_id=small,
+        rows=st.dictionaries(text, st.binary(max_size=16), max_size=3),
     ),
     TokenLogprobs: token_logprobs,
     ModelRunnerOutput: st.builds(
