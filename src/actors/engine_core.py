@@ -52,7 +52,7 @@ from .scheduler import Scheduler
 from .stats import StepStats
 
 if TYPE_CHECKING:
-    from ..structured.engine import EngineGrammars
+    from ..structured.engine import EngineGrammars, GrammarFailure
 
 logger = logging.getLogger("legato.engine")
 
@@ -111,7 +111,7 @@ class PlannedStep:
         self,
         plan: m.SchedulerOutput,
         queue_times: list[float],
-        grammar_failures: dict[str, str] | None = None,
+        grammar_failures: dict[str, GrammarFailure] | None = None,
     ) -> None:
         self.plan = plan
         self.queue_times = queue_times
@@ -205,9 +205,9 @@ class CoreSteps:
         failed = step.grammar_failures
         if self.grammars is not None:
             failed.update(self.grammars.accept(core_out.outputs, self.scheduler.requests))
-        if failed:
-            _discard_tokens(core_out.outputs, failed)
-            core_out.outputs += self.scheduler.fail(failed)  # those requests alone
+        if failed:  # those requests alone
+            core_out.outputs += self.scheduler.fail({i: f.message for i, f in failed.items()})
+            _fail_outputs(core_out.outputs, failed)
         self.forget_finished(core_out.outputs)
         self.record(core_out.scheduler_stats, step.queue_times)
         return core_out
@@ -232,17 +232,19 @@ class CoreSteps:
                 self._arrivals.pop(out.request_id, None)
 
 
-def _discard_tokens(outputs: list[m.EngineCoreOutput], failed: dict[str, str]) -> None:
+def _fail_outputs(outputs: list[m.EngineCoreOutput], failed: dict[str, GrammarFailure]) -> None:
     """Drop the step's tokens of requests whose grammar failed (sampled without a row, or
-    refused by their grammar); one that the step also finished ends with its error."""
+    refused by their grammar); each ends with its error, naming its constraint's field
+    (also one the step finished before its failure was known)."""
     for out in outputs:
-        message = failed.get(out.request_id)
-        if message is None:
+        failure = failed.get(out.request_id)
+        if failure is None:
             continue
         out.new_token_ids = []
         out.new_logprobs = None
         if out.finish_reason is not None:
-            out.finish_reason, out.stop_reason, out.error = m.FinishReason.ERROR, None, message
+            out.finish_reason, out.stop_reason = m.FinishReason.ERROR, None
+            out.error, out.error_field = failure.message, failure.field or None
 
 
 @dataclass

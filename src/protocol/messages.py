@@ -218,6 +218,8 @@ class EngineCoreOutput(Message):
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR
     pooled: list[float] | None = None  # a pooling request's vector, with its finish
+    # With ERROR, when the request's own input caused it: the field (its output constraint).
+    error_field: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -225,6 +225,7 @@ core_output = st.builds(
     stop_reason=optional(ints | text),
     num_cached_tokens=small,
     error=optional(text),
+    error_field=optional(text),
 )
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {

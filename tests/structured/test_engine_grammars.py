@@ -15,9 +15,20 @@ import trio
 
 from legato import SamplingParams
 from legato.engine import AsyncEngine, open_engine
-from legato.protocol.errors import EngineGenerateError, ValidationError
+from legato.protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
+from legato.protocol.params import RequestOutputKind
 from legato.protocol.structured import StructuredOutputsParams as Structured
 from legato.structured import GrammarError, GrammarState
+from legato.testing.chaos import (
+    AfterTokens,
+    ChaosConfig,
+    Fault,
+    FaultKind,
+    StreamSpec,
+    check_round,
+    find_cause,
+    run_round,
+)
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -262,6 +273,24 @@ async def run_constrained(engine: AsyncEngine) -> dict[str, list[str]]:
     return results
 
 
+def run_constrained_stepwise(model: Path) -> dict[str, list[str]]:
+    """``CONSTRAINED`` through ``LLMEngine`` (the synchronous driver, in this thread)."""
+    from legato.config import EngineConfig
+    from legato.llm import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model), max_model_len=256, num_kv_blocks=64))
+    for rid, params in CONSTRAINED.items():
+        engine.add_request(rid, "a b c d", params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+    results: dict[str, list[str]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = [
+                    c.text for c in sorted(out.outputs, key=lambda c: c.index)
+                ]
+    return results
+
+
 @pytest.mark.parametrize("executor", ["inproc", "process"])
 async def test_constrained_steps_overlap_and_give_the_same_outputs(
     toy_model_dir: Path, executor: str, monkeypatch: pytest.MonkeyPatch
@@ -287,6 +316,8 @@ async def test_constrained_steps_overlap_and_give_the_same_outputs(
         assert (await texts(eng, "a b", free, "free"))[0]
         assert watch.bitmask_frames == before[0] and watch.steps > before[1]
     assert got == want
+    if executor == "inproc":  # LLMEngine's step computes the rows before it samples
+        assert await trio.to_thread.run_sync(run_constrained_stepwise, toy_model_dir) == want
     for text in got["json-greedy"] + got["json-seeded"]:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert re.fullmatch(r"[a-c]{30}", got["regex-seeded"][0])
@@ -351,3 +382,24 @@ async def test_a_row_failing_under_overlap_fails_that_request_alone_and_drops_it
     assert engine.is_running
     await engine.wait_until_idle()
     assert engine.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("kind", [FaultKind.SIGKILL, FaultKind.SIGSTOP])
+async def test_a_worker_dying_between_a_step_and_its_bitmask_fails_every_stream(
+    toy_model_dir: Path, kind: FaultKind
+) -> None:
+    """Constrained streams under overlap: the worker often holds a step whose bitmask has
+    not come when it is killed or stopped; every stream must still end dead in time."""
+    constrained = SamplingParams(
+        temperature=1.0, max_tokens=200, structured_outputs={"regex": LONG}
+    )
+    specs = [StreamSpec(f"chaos-{i}", "a b c", constrained) for i in range(4)]
+    config = ChaosConfig(
+        model=str(toy_model_dir), num_streams=4, engine_args={"max_model_len": 256}
+    )
+    fault = Fault(kind, when=AfterTokens(0, 5))
+    result = await run_round(fault, specs, config=config)
+    assert check_round(result) == []  # every stream ended dead in time; no process left
+    assert isinstance(result.dead_error, EngineDeadError)
+    assert all(record.outcome == "dead" for record in result.streams)
+    assert find_cause(result.dead_error, fault) is not None
