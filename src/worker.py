@@ -5,8 +5,17 @@ executor through this module's ``serve`` loop in a child process, the
 in-process executor in a thread):
 
     SchedulerOutput     -> ModelRunnerOutput           (a runner error is fatal)
+    SchedulerOutput(grammar_bitmask_follows)
+                        -> no answer: the forward runs, sampling waits for
+    GrammarBitmask      -> that step's ModelRunnerOutput
     HealthPing          -> HealthPong
     UtilityCall         -> UtilityResult               (public runner methods only)
+
+A step sent with ``grammar_bitmask_follows`` is answered by the next step
+frame, its GrammarBitmask (the engine computes the rows while the forward
+runs); pings and utility calls in between are answered as usual. Any other
+step frame before it is fatal (``UnexpectedFrame``). A worker that never gets
+the bitmask just holds the step: it exits at the end of stdin as always.
 
 Run as ``python -m legato.worker`` it speaks length-prefixed msgpack frames
 (``legato.protocol.wire``) on stdin / stdout. Every frame's header carries an
@@ -16,7 +25,7 @@ stopped waiting never reads its answer, and nothing else shifts). Frames are
 answered one at a time, in order:
 
     WorkerInit          -> WorkerReady | WorkerError(fatal)   (first frame only)
-    any other frame     -> Worker.handle's answer | WorkerError(fatal)
+    any other frame     -> Worker.handle's answer (if any) | WorkerError(fatal)
     end of stdin        -> exit 0
 
 The real stdout is kept for frames; anything printed goes to stderr. A fatal
@@ -149,6 +158,8 @@ class Worker:
         self.runner = runner
         self._faults = faults
         self._profiler = _Profiler()
+        # A step whose forward ran and whose GrammarBitmask has not come yet.
+        self._awaiting_bitmask: tuple[int, Any] | None = None
 
     @classmethod
     def start(cls, init: m.WorkerInit, parallel: Any = None) -> Self:
@@ -169,16 +180,37 @@ class Worker:
             device=str(runner.device),
         )
 
-    def handle(self, message: object) -> object:
-        """The answer to one frame. Raises only for fatal errors (see the class docstring)."""
-        if isinstance(message, m.SchedulerOutput):
-            self._faults.before_step()
-            return self._faults.after_step(self.runner.execute(message))
+    def handle(self, message: object) -> object | None:
+        """The answer to one frame; None for a step whose GrammarBitmask follows (see the
+        module docstring). Raises only for fatal errors (see the class docstring)."""
+        if isinstance(message, m.SchedulerOutput | m.GrammarBitmask):
+            return self._step(message)
         if isinstance(message, m.HealthPing):
             return m.HealthPong(message.seq, message.sent_time)
         if isinstance(message, m.UtilityCall):
             return self.call_utility(message)
         raise UnexpectedFrame(f"unexpected frame {type(message).__name__}")
+
+    def _step(self, message: m.SchedulerOutput | m.GrammarBitmask) -> m.ModelRunnerOutput | None:
+        """Run a step whole, or its forward now and its sampling when its bitmask comes."""
+        pending = self._awaiting_bitmask
+        if isinstance(message, m.GrammarBitmask):
+            if pending is None or pending[0] != message.step_id:
+                waiting = "no step" if pending is None else f"step {pending[0]}"
+                raise UnexpectedFrame(
+                    f"GrammarBitmask for step {message.step_id} while {waiting} waits for one"
+                )
+            self._awaiting_bitmask = None
+            return self._faults.after_step(self.runner.sample_tokens(pending[1], message.rows))
+        if pending is not None:
+            raise UnexpectedFrame(
+                f"step {message.step_id} arrived before step {pending[0]}'s GrammarBitmask"
+            )
+        self._faults.before_step()
+        if message.grammar_bitmask_follows:
+            self._awaiting_bitmask = (message.step_id, self.runner.execute_model(message))
+            return None
+        return self._faults.after_step(self.runner.execute(message))
 
     def call_utility(self, call: m.UtilityCall) -> m.UtilityResult:
         """Run ``runner.<method>(*args, **kwargs)``; public methods only.
@@ -244,7 +276,8 @@ def serve(
             traceback.print_exc()
             write_frame(out, frame_id, m.WorkerError(str(exc), type(exc).__name__, fatal=True))
             return 1
-        write_frame(out, frame_id, answer)
+        if answer is not None:
+            write_frame(out, frame_id, answer)
 
 
 def main() -> None:

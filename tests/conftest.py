@@ -230,14 +230,24 @@ class StepGate:
         assert self.engine.num_kv_blocks_used == 0
 
     def submit_step(self, step: Any) -> Any:
-        """A step sent ahead (async scheduling) reaches the gate when its answer is awaited."""
+        """A step sent ahead (async scheduling) reaches the gate when its answer is awaited.
+        A constrained step's bitmask rows (``submit_bitmask``) then travel in the step."""
         gate = self
 
         class _Held:
+            awaits_bitmask = step.grammar_bitmask_follows
+
+            def take_bitmask(self, rows: dict[str, bytes]) -> None:
+                step.grammar_bitmask, step.grammar_bitmask_follows = rows, False
+                self.awaits_bitmask = False
+
             async def wait(self) -> Any:
                 return await gate.execute(step)
 
         return _Held()
+
+    def submit_bitmask(self, answer: Any, rows: dict[str, bytes]) -> None:
+        answer.take_bitmask(rows)
 
     async def execute(self, step: Any) -> Any:
         self.num_held += 1

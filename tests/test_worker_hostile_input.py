@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from legato.actors.executor import _FrameReader
 from legato.config import EngineConfig
 from legato.protocol import messages as m
+from legato.protocol.params import SamplingParams
 from legato.protocol.wire import HEADER_SIZE, MAX_FRAME_SIZE, WireError, encode, frame_header
 from legato.worker import read_frame, serve
 
@@ -164,6 +165,71 @@ def test_end_of_input_is_a_clean_exit() -> None:
     assert isinstance(frames_in(done.stdout)[0], m.WorkerReady)
 
 
+# ------------------------------------------------------------------ a step whose bitmask follows
+
+
+def _step(step_id: int, *, follows: bool) -> m.SchedulerOutput:
+    new = [m.NewRequestData("r", [1, 2], SamplingParams(), [1], 0)] if step_id == 1 else []
+    cached = [] if step_id == 1 else [m.CachedRequestData("r", [], [], 2)]
+    tokens = {"r": 2 if step_id == 1 else 1}
+    return m.SchedulerOutput(
+        step_id, new, cached, tokens, sum(tokens.values()), grammar_bitmask_follows=follows
+    )
+
+
+def _serve(*messages: object) -> tuple[int, list[tuple[int, object]]]:
+    """``serve`` in this process on ``messages`` (frame ids 1, 2, ...): its exit code and
+    its answers with the ids they answer."""
+    out = io.BytesIO()
+    code = serve(io.BytesIO(framed(NULL_INIT, *messages)), out)
+    stream, answers = io.BytesIO(out.getvalue()), []
+    while (frame := read_frame(stream)) is not None:
+        answers.append(frame)
+    return code, answers
+
+
+def test_a_step_whose_bitmask_follows_is_answered_through_its_bitmask() -> None:
+    code, answers = _serve(
+        _step(1, follows=True),
+        m.HealthPing(7, 1.0),
+        m.GrammarBitmask(1, {}),
+        _step(2, follows=False),
+    )
+    assert code == 0
+    ids = [frame_id for frame_id, _ in answers]
+    assert ids == [1, 3, 4, 5]  # nothing answers the step frame itself; the ping is served
+    assert answers[1][1] == m.HealthPong(7, 1.0)
+    first, second = answers[2][1], answers[3][1]
+    assert isinstance(first, m.ModelRunnerOutput) and first.step_id == 1
+    assert first.req_ids == ["r"] and len(first.sampled_token_ids[0]) == 1
+    assert isinstance(second, m.ModelRunnerOutput) and second.step_id == 2
+
+
+def test_a_worker_that_never_gets_the_bitmask_exits_at_end_of_input() -> None:
+    code, answers = _serve(_step(1, follows=True))
+    assert code == 0 and [frame_id for frame_id, _ in answers] == [1]
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([m.GrammarBitmask(1, {})], "GrammarBitmask for step 1 while no step waits for one"),
+        (
+            [_step(1, follows=True), m.GrammarBitmask(9, {})],
+            "GrammarBitmask for step 9 while step 1 waits for one",
+        ),
+        (
+            [_step(1, follows=True), _step(2, follows=False)],
+            "step 2 arrived before step 1's GrammarBitmask",
+        ),
+    ],
+)
+def test_bitmask_frames_out_of_turn_are_fatal(messages: list[object], message: str) -> None:
+    code, answers = _serve(*messages)
+    assert code == 2
+    assert answers[-1][1] == m.WorkerError(message, "WireError", fatal=True)
+
+
 # ------------------------------------------------------------------ framing, fuzzed in-process
 
 frames_strategy = st.lists(
@@ -175,6 +241,8 @@ frames_strategy = st.lists(
             m.UtilityCall(8, "_private", [], {}),
             m.AbortRequests(["r"]),
             m.SchedulerOutput(1, [], [], {}, 0),
+            m.SchedulerOutput(1, [], [], {}, 0, grammar_bitmask_follows=True),
+            m.GrammarBitmask(1, {"r": b"\xff" * 8}),
         ]
     ),
     max_size=4,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from tokenizers import Tokenizer
 
-from ..protocol.errors import EngineGenerateError
+from ..protocol.errors import ConstraintFailedError, EngineGenerateError
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, TokenLogprobs
 from ..protocol.outputs import (
     CompletionOutput,
@@ -513,7 +513,12 @@ class OutputProcessor:
                 continue
             request = completion.parent
             if core.finish_reason == FinishReason.ERROR:
-                error = EngineGenerateError(request.output_id, core.error or "the request failed")
+                message = core.error or "the request failed"
+                error = (
+                    EngineGenerateError(request.output_id, message)
+                    if core.error_field is None
+                    else ConstraintFailedError(request.output_id, core.error_field, message)
+                )
                 self._fail(request, error, now, step, failed_id=core.request_id)
                 touched.pop(request.request_id, None)
                 continue

@@ -15,8 +15,16 @@ With ``async_scheduling`` (overlap) the loop plans and sends step N+1 before
 step N's answer arrives: the scheduler counts step N's samples as placeholder
 tokens and the worker, which runs steps in order, fills them in. Without it,
 each step is applied before the next is planned. Outputs are the same either
-way (greedy tokens, stops, ``max_tokens``, aborts); overlap only hides the
-control plane's time behind the worker's.
+way (greedy tokens, stops, ``max_tokens``, aborts, structured outputs);
+overlap only hides the control plane's time behind the worker's.
+
+Structured outputs: a step with constrained requests is sent without its
+grammar bitmask rows (``grammar_bitmask_follows``); the worker starts its
+forward at once and samples when the rows come in a ``GrammarBitmask`` frame.
+The loop computes them as soon as every earlier step is applied (each grammar
+has then accepted the tokens before the one this step samples): at once
+without overlap, else right after step N-1's answer, while step N's forward
+runs. So constrained requests are planned ahead like any other.
 
 Aborts and stop-string finishes that arrive while a step is running take
 effect before the next step is planned, so an aborted request's KV blocks are
@@ -44,7 +52,7 @@ from .scheduler import Scheduler
 from .stats import StepStats
 
 if TYPE_CHECKING:
-    from ..structured.engine import EngineGrammars
+    from ..structured.engine import EngineGrammars, GrammarFailure
 
 logger = logging.getLogger("legato.engine")
 
@@ -103,7 +111,7 @@ class PlannedStep:
         self,
         plan: m.SchedulerOutput,
         queue_times: list[float],
-        grammar_failures: dict[str, str] | None = None,
+        grammar_failures: dict[str, GrammarFailure] | None = None,
     ) -> None:
         self.plan = plan
         self.queue_times = queue_times
@@ -150,9 +158,15 @@ class CoreSteps:
         for request_id in request_ids:
             self._arrivals.pop(request_id, None)
 
-    def plan(self) -> PlannedStep | None:
+    def plan(self, *, bitmask_follows: bool = False) -> PlannedStep | None:
         """Plan the next step; None if nothing can run now (nothing to do, frozen by a
-        pause, or every request waits for blocks or for steps in flight)."""
+        pause, or every request waits for blocks or for steps in flight).
+
+        A step with constrained requests needs their grammar bitmask rows. By default
+        they are computed now, into the plan (the caller applied every earlier step).
+        ``bitmask_follows``: the plan is marked ``grammar_bitmask_follows`` instead, and
+        the caller sends ``bitmask(step)`` once every earlier step is applied.
+        """
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0:
             return None
@@ -162,12 +176,25 @@ class CoreSteps:
             arrival = self._arrivals.pop(new.request_id, None)
             if arrival is not None:
                 queue_times.append(now - arrival)
-        failed: dict[str, str] = {}
-        if self.grammars is not None:
-            # Constrained requests are never planned ahead (Scheduler), so each one's
-            # grammar has accepted every token before its next row is built.
-            plan.grammar_bitmask, failed = self.grammars.bitmasks(plan, self.scheduler.requests)
-        return PlannedStep(plan, queue_times, failed)
+        planned = PlannedStep(plan, queue_times)
+        if self.grammars is not None and self.grammars.constrains(plan, self.scheduler.requests):
+            if bitmask_follows:
+                plan.grammar_bitmask_follows = True
+            else:
+                plan.grammar_bitmask = self.bitmask(planned)
+        return planned
+
+    def bitmask(self, step: PlannedStep) -> dict[str, bytes]:
+        """``step``'s grammar bitmask rows, computed now. Call it once every step before
+        ``step`` is applied: each grammar has then accepted every token before the one
+        ``step`` samples (the row does not depend on what ``step`` computes). A request
+        whose grammar fails here gets no row and fails, alone, when ``step`` is applied
+        (its token from ``step`` is discarded)."""
+        if self.grammars is None:
+            return {}
+        rows, failed = self.grammars.bitmasks(step.plan, self.scheduler.requests)
+        step.grammar_failures.update(failed)
+        return rows
 
     def apply(self, step: PlannedStep, runner_output: m.ModelRunnerOutput) -> m.EngineCoreOutputs:
         """Take a step's answer into the scheduler (steps in planning order); its outputs."""
@@ -178,8 +205,9 @@ class CoreSteps:
         failed = step.grammar_failures
         if self.grammars is not None:
             failed.update(self.grammars.accept(core_out.outputs, self.scheduler.requests))
-        if failed:
-            core_out.outputs += self.scheduler.fail(failed)  # those requests alone
+        if failed:  # those requests alone
+            core_out.outputs += self.scheduler.fail({i: f.message for i, f in failed.items()})
+            _fail_outputs(core_out.outputs, failed)
         self.forget_finished(core_out.outputs)
         self.record(core_out.scheduler_stats, step.queue_times)
         return core_out
@@ -202,6 +230,21 @@ class CoreSteps:
         for out in outputs:
             if out.finish_reason is not None:
                 self._arrivals.pop(out.request_id, None)
+
+
+def _fail_outputs(outputs: list[m.EngineCoreOutput], failed: dict[str, GrammarFailure]) -> None:
+    """Drop the step's tokens of requests whose grammar failed (sampled without a row, or
+    refused by their grammar); each ends with its error, naming its constraint's field
+    (also one the step finished before its failure was known)."""
+    for out in outputs:
+        failure = failed.get(out.request_id)
+        if failure is None:
+            continue
+        out.new_token_ids = []
+        out.new_logprobs = None
+        if out.finish_reason is not None:
+            out.finish_reason, out.stop_reason = m.FinishReason.ERROR, None
+            out.error, out.error_field = failure.message, failure.field or None
 
 
 @dataclass
@@ -324,20 +367,32 @@ class EngineCore:
         return not self.sleeping and self.scheduler.has_unfinished_requests()
 
     def _send_step(self) -> bool:
-        """Plan a step and send it to the executor; False if nothing can run now."""
-        planned = self.steps.plan()
+        """Plan a step and send it to the executor; False if nothing can run now.
+
+        A constrained step's bitmask rows follow it: computed and sent at once when
+        no earlier step is in flight (the worker's forward runs meanwhile), else
+        right after the earlier step is applied (``_apply_oldest``).
+        """
+        planned = self.steps.plan(bitmask_follows=True)
         if planned is None:
             return False
-        self._sent.append((planned, self.executor.submit_step(planned.plan)))
+        answer = self.executor.submit_step(planned.plan)
+        self._sent.append((planned, answer))
+        if answer.awaits_bitmask and len(self._sent) == 1:
+            self.executor.submit_bitmask(answer, self.steps.bitmask(planned))
         return True
 
     async def _apply_oldest(self) -> None:
-        """Wait for the oldest step's answer, apply it, pass its outputs on. A checkpoint."""
+        """Wait for the oldest step's answer, apply it, pass its outputs on; then send the
+        next step's bitmask rows if they wait for this step. A checkpoint."""
         planned, answer = self._sent[0]
         runner_out = await answer.wait()
         self._sent.popleft()
         self._stats_dirty = False
         self.outputs.send_nowait(self.steps.apply(planned, runner_out))
+        if self._sent and self._sent[0][1].awaits_bitmask:
+            following, following_answer = self._sent[0]
+            self.executor.submit_bitmask(following_answer, self.steps.bitmask(following))
 
     async def _drain_sent(self) -> None:
         """Apply every step in flight (before a control that needs a quiet worker)."""

@@ -1,7 +1,7 @@
 """The executor actor: drives the model worker, one request frame per step.
 
 Two implementations with one interface (``run``, ``execute``, ``submit_step``,
-``ping``, ``call``, ``begin_shutdown``, ``kill``), both serving frames with
+``submit_bitmask``, ``ping``, ``call``, ``begin_shutdown``, ``kill``), both serving frames with
 ``legato.worker.Worker.handle``:
 
 - ``ProcessExecutor`` (the default) runs ``python -m legato.worker`` as a child
@@ -118,15 +118,31 @@ class StepAnswer:
     ``wait`` returns the checked ``ModelRunnerOutput`` (WorkerDiedError for a
     wrong one, or the worker's failure); a checkpoint. Steps sent ahead run
     on the worker in the order they were sent.
+
+    A step sent with ``grammar_bitmask_follows`` has no answer until
+    ``submit_bitmask`` sent its rows (the worker answers that frame); waiting
+    before then is a programming error (RuntimeError), never a hang.
     """
 
     __slots__ = ("step", "_answer")
 
-    def __init__(self, step: m.SchedulerOutput, answer: _Answer) -> None:
+    def __init__(self, step: m.SchedulerOutput, answer: _Answer | None) -> None:
         self.step = step
         self._answer = answer
 
+    @property
+    def awaits_bitmask(self) -> bool:
+        """Whether the step's GrammarBitmask is still to be sent (``submit_bitmask``)."""
+        return self._answer is None
+
+    def _bitmask_sent(self, answer: _Answer) -> None:
+        if self._answer is not None:
+            raise RuntimeError(f"step {self.step.step_id}: its bitmask was already sent")
+        self._answer = answer
+
     async def wait(self) -> m.ModelRunnerOutput:
+        if self._answer is None:
+            raise RuntimeError(f"step {self.step.step_id}: waited for before its bitmask was sent")
         return check_runner_output(self.step, await self._answer.wait())
 
 
@@ -348,8 +364,19 @@ class ProcessExecutor:
         return check_runner_output(step, await self._request(step))
 
     def submit_step(self, step: m.SchedulerOutput) -> StepAnswer:
-        """Send a step now without waiting (never blocks); its answer comes in the slot."""
+        """Send a step now without waiting (never blocks); its answer comes in the slot
+        (with ``grammar_bitmask_follows``: once ``submit_bitmask`` sent its rows)."""
+        if step.grammar_bitmask_follows:
+            if self._failure is not None:
+                raise self._failure
+            self._outbox.send_nowait(self._frame(step)[1])  # answered through its bitmask
+            return StepAnswer(step, None)
         return StepAnswer(step, self.submit(step))
+
+    def submit_bitmask(self, answer: StepAnswer, rows: dict[str, bytes]) -> None:
+        """Send the bitmask rows of a step sent with ``grammar_bitmask_follows`` (never
+        blocks); the worker then samples it, and its answer comes in ``answer``."""
+        answer._bitmask_sent(self.submit(m.GrammarBitmask(answer.step.step_id, rows)))
 
     async def ping(self) -> float:
         """Round trip to the worker; returns the seconds it took."""
@@ -402,11 +429,16 @@ class InprocExecutor:
             raise EngineStartupError(f"model failed to load: {type(exc).__name__}: {exc}") from exc
         self.ready = self._worker.ready()
         task_status.started(self.ready)
+        failure: WorkerDiedError | None = None  # the worker is not used after a failure
         async for message, answer in self._frames:
+            if failure is not None:
+                answer.fail(failure)
+                continue
             try:
                 answer.set(await trio.to_thread.run_sync(self._worker.handle, message))
             except Exception as exc:
-                answer.fail(WorkerDiedError(f"model runner failed: {type(exc).__name__}: {exc}"))
+                failure = WorkerDiedError(f"model runner failed: {type(exc).__name__}: {exc}")
+                answer.fail(failure)
 
     def _submit(self, message: object) -> _Answer:
         answer = _Answer()
@@ -421,7 +453,13 @@ class InprocExecutor:
         return check_runner_output(step, await self._request(step))
 
     def submit_step(self, step: m.SchedulerOutput) -> StepAnswer:
+        if step.grammar_bitmask_follows:
+            self._submit(step)  # answered through its bitmask
+            return StepAnswer(step, None)
         return StepAnswer(step, self._submit(step))
+
+    def submit_bitmask(self, answer: StepAnswer, rows: dict[str, bytes]) -> None:
+        answer._bitmask_sent(self._submit(m.GrammarBitmask(answer.step.step_id, rows)))
 
     async def ping(self) -> float:
         sent = time.monotonic()

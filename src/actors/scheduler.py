@@ -444,8 +444,9 @@ class Scheduler:
     def _done_in_flight(self, req: Request) -> bool:
         """Whether the samples of steps in flight may already reach a length limit (or end
         the request: a pooling request is done once its prompt is computed). A request
-        with a grammar also waits: its next bitmask row needs the token in flight."""
-        if req.pooling_params is not None or req.grammar is not None:
+        with a grammar does not wait: its bitmask row is only needed at sampling time,
+        and the engine core sends it once the token in flight is known."""
+        if req.pooling_params is not None:
             return True
         placeholders = req.num_output_placeholders
         if len(req.all_token_ids) + placeholders >= self.max_model_len:

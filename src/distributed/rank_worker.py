@@ -56,7 +56,7 @@ STARTUP_TIMEOUT = 900.0  # seconds a rank waits at the store (others loading, a 
 IDLE_WAIT = 24 * 3600.0
 INIT_KEY = "legato/init"
 GO_KEY = "legato/go"
-_BROADCAST = (m.SchedulerOutput, m.UtilityCall, m.HealthPing)
+_BROADCAST = (m.SchedulerOutput, m.GrammarBitmask, m.UtilityCall, m.HealthPing)
 
 
 _W = TypeVar("_W", bound="RankWorker")

@@ -24,6 +24,7 @@ import logging
 import resource
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,26 @@ def build_metadata(
         block_size=block_size,
     )
     return meta, seq_of_token, positions
+
+
+def _no_rows() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class StepForward:
+    """A step ``ModelRunner.execute_model`` ran and ``sample_tokens`` has not sampled yet:
+    its answer so far (``out``) and what sampling needs (``hidden`` None: nothing computed)."""
+
+    out: ModelRunnerOutput
+    order: np.ndarray = field(default_factory=_no_rows)
+    rows: np.ndarray = field(default_factory=_no_rows)
+    starts: np.ndarray = field(default_factory=_no_rows)
+    ends: np.ndarray = field(default_factory=_no_rows)
+    query_start_loc: list[int] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+    sampling: np.ndarray = field(default_factory=_no_rows)  # indices into ``order`` that sample
+    logits: torch.Tensor | None = None  # of the ``sampling`` rows, in order
 
 
 class ModelRunner:
@@ -293,7 +314,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------- steps
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Apply ``step``'s deltas, compute its scheduled tokens, sample.
 
@@ -304,7 +324,16 @@ class ModelRunner:
         without the scheduler sending it back (so the scheduler can plan that
         step before this one's answer arrives). Raises ``RuntimeError`` while
         asleep and ``ValueError`` / ``KeyError`` on an inconsistent step.
+
+        The same as ``sample_tokens(execute_model(step), step.grammar_bitmask)``.
         """
+        return self.sample_tokens(self.execute_model(step), step.grammar_bitmask)
+
+    @torch.inference_mode()
+    def execute_model(self, step: SchedulerOutput) -> StepForward:
+        """``execute``'s first half: the deltas, the forward, pooling and the logits of the
+        rows that sample. ``sample_tokens`` must finish this step before any other runs
+        (the next step computes its samples). Raises as ``execute``."""
         if self.sleeping:
             raise RuntimeError("the model runner is asleep: call wake_up() first")
         batch = self.input_batch
@@ -322,7 +351,7 @@ class ModelRunner:
             step_id=step.step_id, req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]
         )
         if not req_ids:
-            return out
+            return StepForward(out)
         rows_all = np.fromiter((batch.row(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
         n_all = np.fromiter(step.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         if self.lora is not None:  # requests whose adapter cannot be read: not computed
@@ -332,7 +361,7 @@ class ModelRunner:
         order = np.flatnonzero(n_all == 1)
         order = np.concatenate((order, np.flatnonzero(n_all > 1)))
         if len(order) == 0:
-            return out
+            return StepForward(out)
         rows, q_lens = rows_all[order], n_all[order]
         starts = batch.num_computed[rows]
         ends = starts + q_lens
@@ -369,15 +398,37 @@ class ModelRunner:
             )
             sampling = sampling[~pooling[sampling]]
             self._pool(out, req_ids, order, starts, query_start_loc, hidden, pooling)
+        logits = None
         if len(sampling):
             last_rows = np.asarray(query_start_loc[1:], dtype=np.int64)[sampling] - 1
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
             )
+        return StepForward(
+            out, order, rows, starts, ends, query_start_loc, hidden, sampling, logits
+        )
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self, forward: StepForward, grammar_bitmask: dict[str, bytes]
+    ) -> ModelRunnerOutput:
+        """``execute``'s second half: sample the step ``execute_model`` ran, with its token
+        bitmask rows (``SchedulerOutput.grammar_bitmask``'s form; a request without a row
+        samples unconstrained), and the prompt logprobs. Returns ``execute``'s answer."""
+        out = forward.out
+        if forward.hidden is None:
+            return out
+        batch = self.input_batch
+        req_ids = out.req_ids
+        order, rows, starts, ends = forward.order, forward.rows, forward.starts, forward.ends
+        query_start_loc, hidden = forward.query_start_loc, forward.hidden
+        sampling = forward.sampling
+        if forward.logits is not None:
+            logits = forward.logits
             md: SamplingMetadata = batch.sampling_metadata(rows[sampling])
-            if step.grammar_bitmask:  # structured outputs: this step's token bitmask rows
+            if grammar_bitmask:  # structured outputs: this step's token bitmask rows
                 sampled_ids = [req_ids[int(order[i])] for i in sampling.tolist()]
-                masks = step_bitmask(step.grammar_bitmask, sampled_ids, self.device)
+                masks = step_bitmask(grammar_bitmask, sampled_ids, self.device)
                 if masks is not None:
                     md.token_bitmask, md.bitmask_rows = masks
             result = sample(logits, md)

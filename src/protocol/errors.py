@@ -54,6 +54,17 @@ class ValidationError(LegatoError, ValueError):
         return self.renamed(f"{parent}.{self.field}")
 
 
+class ConstraintFailedError(EngineGenerateError, ValidationError):
+    """One request failed because of its own input, found while generating: its output
+    constraint (a grammar past the grammar engine's limits, say). Names the field, as a
+    ValidationError; the engine is healthy and keeps serving others."""
+
+    def __init__(self, request_id: str, field: str, message: str) -> None:
+        LegatoError.__init__(self, f"request {request_id!r}: {field}: {message}")
+        self.request_id = request_id
+        self.field = field
+
+
 class PromptTooLongError(ValidationError):
     """prompt + max_tokens exceed max_model_len."""
 

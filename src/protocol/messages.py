@@ -129,10 +129,27 @@ class SchedulerOutput(Message):
     # Structured outputs: request id -> its token bitmask row for this step (int32 words,
     # little-endian bytes; bit t allows token t), for the constrained requests only.
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
+    # True: this step's rows come in a GrammarBitmask frame sent after it (the engine
+    # computes them while the forward runs); the worker samples once they arrive.
+    grammar_bitmask_follows: bool = False
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+class GrammarBitmask(Message):
+    """The token bitmask rows of a step sent with ``grammar_bitmask_follows``.
+
+    Sent right after the engine computed them, while the step's forward runs;
+    always the next step frame the worker gets after that step. ``rows`` has
+    ``SchedulerOutput.grammar_bitmask``'s form (a request with no row samples
+    unconstrained: its grammar failed and its token is discarded). The worker
+    answers this frame with the step's ModelRunnerOutput.
+    """
+
+    step_id: int
+    rows: dict[str, bytes] = field(default_factory=dict)
 
 
 # ------------------------------------------------------- runner -> scheduler
@@ -201,6 +218,8 @@ class EngineCoreOutput(Message):
     num_cached_tokens: int = 0
     error: str | None = None  # set with FinishReason.ERROR
     pooled: list[float] | None = None  # a pooling request's vector, with its finish
+    # With ERROR, when the request's own input caused it: the field (its output constraint).
+    error_field: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,7 +13,7 @@ Imports neither torch nor trio.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from .messages import ModelRunnerOutput, SchedulerOutput
 
@@ -42,6 +42,16 @@ class Runner(Protocol):
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's request deltas, compute its scheduled tokens, sample.
         Blocks; an exception is fatal to the worker."""
+        ...
+
+    def execute_model(self, step: SchedulerOutput) -> Any:
+        """``execute``'s first half (the deltas and the forward) for a step whose bitmask
+        rows come later: what ``sample_tokens`` needs, which must follow before any other
+        step. Blocks; an exception is fatal to the worker."""
+        ...
+
+    def sample_tokens(self, forward: Any, grammar_bitmask: dict[str, bytes]) -> ModelRunnerOutput:
+        """``execute``'s second half: sample ``execute_model``'s step with its bitmask rows."""
         ...
 
     def sleep(self, level: int = 1) -> None:

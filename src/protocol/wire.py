@@ -44,6 +44,7 @@ from .messages import (
     EngineCoreOutputs,
     EngineRequest,
     FinishReason,
+    GrammarBitmask,
     HealthPing,
     HealthPong,
     ModelRunnerOutput,
@@ -107,6 +108,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         27: EngineCoreOutput,
         28: EngineCoreOutputs,
         29: FinishReason,
+        30: GrammarBitmask,
         # control
         40: PauseMode,
         41: AbortRequests,

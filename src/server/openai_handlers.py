@@ -89,6 +89,8 @@ def error_event(exc: BaseException) -> dict[str, Any]:
     """The body of the SSE error event sent when a started stream fails."""
     if isinstance(exc, EngineDeadError):
         return HTTPError(503, f"the engine is dead: {exc}", code="engine_dead").body()
+    if isinstance(exc, ValidationError):  # the request's own input, found while generating
+        return HTTPError(400, str(exc), param=exc.field, code="invalid_value").body()
     return HTTPError(500, f"{type(exc).__name__}: {exc}", code="internal_error").body()
 
 

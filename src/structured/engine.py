@@ -8,11 +8,13 @@ row per constrained request each step, advance the grammars over the sampled tok
   raises ``ValidationError`` naming the request's field, and only that request fails. The
   grammar-engine tokenizer is built on the first such request (about 0.5 s for a 49k
   vocabulary), so engines that never see one never pay for it;
-- the scheduler loop calls :meth:`EngineGrammars.bitmasks` before each step (the rows travel
-  to the worker in ``SchedulerOutput.grammar_bitmask``; the sampler applies them before
-  anything else) and :meth:`EngineGrammars.accept` after it. Both return ``{request id:
-  message}`` for requests whose grammar failed; the loop fails those requests alone
-  (``Scheduler.fail``), the engine keeps serving.
+- the scheduler loop calls :meth:`EngineGrammars.bitmasks` for each step that
+  :meth:`EngineGrammars.constrains`, once every earlier step is applied (the rows travel
+  to the worker in ``SchedulerOutput.grammar_bitmask``, or in a ``GrammarBitmask`` frame
+  while the step's forward runs; the sampler applies them before anything else) and
+  :meth:`EngineGrammars.accept` after it. Both return ``{request id: GrammarFailure}``
+  for requests whose grammar failed; the loop fails those requests alone
+  (``Scheduler.fail``, the error naming the constraint's field), the engine keeps serving.
 
 A request's grammar state lives on its scheduler ``Request`` (``Request.grammar``) and dies
 with it, however the request ends (stop, length, stop string, abort, error). Preemption needs
@@ -26,10 +28,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..protocol.messages import EngineCoreOutput, EngineRequest, SchedulerOutput
 from .grammar import GrammarCompiler, GrammarError, GrammarState, TokenizerInfo, allocate_bitmask
+
+
+class GrammarFailure(NamedTuple):
+    """Why a request's grammar failed while generating: the constraint's field, the message."""
+
+    field: str
+    message: str
 
 
 class EngineGrammars:
@@ -63,9 +72,16 @@ class EngineGrammars:
         for request in requests:
             request.grammar = compiler.compile(params)
 
+    def constrains(self, plan: SchedulerOutput, requests: Mapping[str, Any]) -> bool:
+        """Whether ``plan`` schedules a request with a grammar (so it needs ``bitmasks``)."""
+        return any(
+            getattr(requests.get(request_id), "grammar", None) is not None
+            for request_id in plan.num_scheduled_tokens
+        )
+
     def bitmasks(
         self, plan: SchedulerOutput, requests: Mapping[str, Any]
-    ) -> tuple[dict[str, bytes], dict[str, str]]:
+    ) -> tuple[dict[str, bytes], dict[str, GrammarFailure]]:
         """This step's bitmask rows by request id, and the requests whose grammar failed.
 
         ``requests`` maps ids to scheduler ``Request`` objects (``.grammar``). A
@@ -90,15 +106,18 @@ class EngineGrammars:
             for row, (request_id, _) in enumerate(constrained)
             if row not in failed_rows
         }
-        failed = {constrained[row][0]: _message(text) for row, text in failed_rows.items()}
+        failed = {
+            constrained[row][0]: GrammarFailure(constrained[row][1].field, _message(text))
+            for row, text in failed_rows.items()
+        }
         return rows, failed
 
     def accept(
         self, outputs: Sequence[EngineCoreOutput], requests: Mapping[str, Any]
-    ) -> dict[str, str]:
-        """Advance each live constrained request over its new tokens; ``{id: message}`` of
+    ) -> dict[str, GrammarFailure]:
+        """Advance each live constrained request over its new tokens; ``{id: failure}`` of
         those whose grammar refused them (or failed). Finished requests are skipped."""
-        failed: dict[str, str] = {}
+        failed: dict[str, GrammarFailure] = {}
         for out in outputs:
             if not out.new_token_ids or out.finish_reason is not None:
                 continue
@@ -109,7 +128,7 @@ class EngineGrammars:
             try:
                 grammar.accept(out.new_token_ids)
             except GrammarError as exc:
-                failed[out.request_id] = _message(str(exc))
+                failed[out.request_id] = GrammarFailure(grammar.field, _message(str(exc)))
         return failed
 
 

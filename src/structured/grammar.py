@@ -275,7 +275,7 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)
         field = params.spec_name
         with _engine_errors(lambda m: ValidationError(field, m)):
-            return GrammarState(pristine.deep_copy(), self)
+            return GrammarState(pristine.deep_copy(), self, field)
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         text = grammar_text(params)
@@ -349,9 +349,12 @@ class GrammarState:
     matchers never leave an error state) and every call raises GrammarError.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, field: str = ""
+    ) -> None:
         self.matcher = matcher
         self.compiler = compiler
+        self.field = field  # how errors name the request's constraint (``spec_name``)
         self.error: str | None = None
         self.num_accepted = 0
 
@@ -430,6 +433,6 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         """An independent copy at the same position (n > 1 siblings, preemption snapshots)."""
-        state = GrammarState(self._call(self.matcher.deep_copy), self.compiler)
+        state = GrammarState(self._call(self.matcher.deep_copy), self.compiler, self.field)
         state.num_accepted = self.num_accepted
         return state

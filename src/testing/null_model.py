@@ -57,6 +57,14 @@ class NullModelRunner:
                 sampled.append([])
         return m.ModelRunnerOutput(step.step_id, req_ids, sampled)
 
+    def execute_model(self, step: m.SchedulerOutput) -> m.SchedulerOutput:
+        return step  # nothing to compute ahead: ``sample_tokens`` runs the whole step
+
+    def sample_tokens(
+        self, step: m.SchedulerOutput, grammar_bitmask: dict[str, bytes]
+    ) -> m.ModelRunnerOutput:
+        return self.execute(step)  # the null model ignores token bitmasks
+
     def sleep(self, level: int = 1) -> None:
         return None
 

@@ -11,6 +11,7 @@ Each test starts two-rank engines, a few seconds each on two cores.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,20 @@ PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
 
 def test_llm_two_ranks_match_one_worker(toy_model_dir: Path) -> None:
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # Structured outputs: every rank samples once the GrammarBitmask frame reaches it.
+    constrained = SamplingParams(
+        max_tokens=24, temperature=1.0, seed=2, structured_outputs={"regex": r"[a-d]{1,30}"}
+    )
     with LLM(str(toy_model_dir), executor="inproc", max_model_len=256, num_kv_blocks=64) as one:
         want = [out.outputs[0].token_ids for out in one.generate(PROMPTS, params)]
+        want_constrained = [out.outputs[0].text for out in one.generate(PROMPTS, constrained)]
     with LLM(str(toy_model_dir), **TP2) as llm:
         two = llm.generate(PROMPTS, params)
+        two_constrained = [out.outputs[0].text for out in llm.generate(PROMPTS, constrained)]
     assert [len(t) for t in want] == [16, 16, 16]
     assert [out.outputs[0].token_ids for out in two] == want
+    assert two_constrained == want_constrained
+    assert all(re.fullmatch(r"[a-d]{1,30}", text) for text in want_constrained)
 
 
 def _config(model: Path) -> ChaosConfig:

@@ -23,6 +23,7 @@ from legato.protocol.messages import (
     EngineCoreOutputs,
     EngineRequest,
     FinishReason,
+    GrammarBitmask,
     HealthPing,
     HealthPong,
     ModelRunnerOutput,
@@ -224,6 +225,7 @@ core_output = st.builds(
     stop_reason=optional(ints | text),
     num_cached_tokens=small,
     error=optional(text),
+    error_field=optional(text),
 )
 
 STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
@@ -278,6 +280,13 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         total_num_scheduled_tokens=small,
         finished_req_ids=st.lists(text, max_size=3),
         preempted_req_ids=st.lists(text, max_size=3),
+        grammar_bitmask=st.dictionaries(text, st.binary(max_size=16), max_size=2),
+        grammar_bitmask_follows=st.booleans(),
+    ),
+    GrammarBitmask: st.builds(
+        GrammarBitmask,
+        step_id=small,
+        rows=st.dictionaries(text, st.binary(max_size=16), max_size=3),
     ),
     TokenLogprobs: token_logprobs,
     ModelRunnerOutput: st.builds(
