@@ -522,7 +522,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        completions = self.completions
+        if len(completions) == 1:  # the common case, per output: no generator
+            return completions[0].finish_reason is not None
+        return all(c.finish_reason is not None for c in completions)
 
     def metrics(self, finished_time: float | None) -> RequestMetrics:
         if len(self.completions) == 1:  # the common case, once per output: no lists
@@ -770,7 +773,11 @@ class OutputProcessor:
         """Put this step's output for ``request`` into its slot; forget it once finished."""
         finished = request.finished
         kind = request.params.output_kind
-        news = [c for c in request.completions if c.has_news]
+        every = request.completions
+        if len(every) == 1:
+            news = every if every[0].has_news else []
+        else:
+            news = [c for c in every if c.has_news]
         completions: list[CompletionOutput] = []
         prompt_logprobs: PromptLogprobs | None = None
         if kind == RequestOutputKind.DELTA:
