@@ -14,6 +14,7 @@ Never imports trio or torch (the slot type is only named for type checking).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -211,11 +212,12 @@ class StreamDetokenizer:
     (a window of the tokens since the last complete character, decoded
     against the previous piece), with the same prompt context; this class
     adds what it lacks: skipped special tokens never enter the window, and
-    ``flush`` returns the text still held back. It keeps the ids of the last piece and of the tokens read since, so
-    where the stream would differ it hands over to ``IncrementalDetokenizer``
-    with the same state: after ``_MAX_UNSETTLED_TOKENS`` tokens that complete no
-    character, or a decode that does not extend the text before it
-    (tokenizers' "invalid prefix"). Both are rare (invalid bytes).
+    ``flush`` returns the text still held back. It keeps the ids of the last
+    piece and of the tokens read since, so where the stream would differ it
+    hands over to ``IncrementalDetokenizer`` with the same state: after
+    ``_MAX_UNSETTLED_TOKENS`` tokens that complete no character, or a decode
+    that does not extend the text before it (tokenizers' "invalid prefix").
+    Both are rare (invalid bytes).
 
     Needs a fast tokenizer (a ``tokenizers.Tokenizer`` backend); ValueError
     otherwise. ``update`` and ``flush`` raise ``DetokenizationError`` if the
@@ -253,8 +255,9 @@ class StreamDetokenizer:
 
     def update(self, new_token_ids: Iterable[int]) -> str:
         """Append tokens; return the text they completed (possibly "")."""
-        if self._fallback is not None:
-            return self._fallback.update(new_token_ids)
+        fallback = self._fallback
+        if fallback is not None:
+            return self._guarded(functools.partial(fallback.update, new_token_ids))
         pieces: list[str] = []
         ids = list(new_token_ids)
         for i, token_id in enumerate(ids):
@@ -273,13 +276,20 @@ class StreamDetokenizer:
                 self._fallback = IncrementalDetokenizer._resume(
                     self._decode, self._skipped, self._prefix, self._pending
                 )
-                pieces.append(self._fallback.update(ids[i:]))
+                pieces.append(self._guarded(functools.partial(self._fallback.update, ids[i:])))
                 break
             self._pending.append(token_id)
             if text is not None:
                 pieces.append(text)
                 self._prefix, self._pending = self._pending, []
         return "".join(pieces)
+
+    def _guarded(self, call: Callable[[], str]) -> str:
+        """``call()``, its tokenizer failures (panics included) as DetokenizationError."""
+        try:
+            return call()
+        except BaseException as exc:
+            raise self._error(exc) from None
 
     def _held_back_text(self) -> str:
         """The text of the tokens read since the last piece, as decoded."""
@@ -295,7 +305,7 @@ class StreamDetokenizer:
         Tokens given to ``update`` afterwards are decoded without context.
         """
         if self._fallback is not None:
-            return self._fallback.flush()
+            return self._guarded(self._fallback.flush)
         delta = self._held_back_text() if self._pending else ""
         if delta.endswith(_REPLACEMENT):
             delta = delta[:-1]
