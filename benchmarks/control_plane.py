@@ -8,6 +8,7 @@ and the memory one idle open stream costs (streams held by a paused engine).
 
     python benchmarks/control_plane.py --streams 256 --output-len 256
     python benchmarks/control_plane.py --streams 256 --no-async-scheduling
+    python benchmarks/control_plane.py --streams 256 --freeze-gc   # as `legato serve` runs
 """
 
 from __future__ import annotations
@@ -33,17 +34,22 @@ def engine_args(streams: int, output_len: int, executor: str, **extra: Any) -> d
     )
 
 
-async def run(streams: int, output_len: int, executor: str, **extra: Any) -> tuple[float, float]:
+async def run(
+    streams: int, output_len: int, executor: str, freeze_gc: bool = False, **extra: Any
+) -> tuple[float, float]:
     import trio
 
     from legato.engine import open_engine
     from legato.protocol.params import RequestOutputKind, SamplingParams
+    from legato.server.app import freeze_startup_heap
 
     params = SamplingParams(
         max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
     counts = [0] * streams
     async with open_engine(None, **engine_args(streams, output_len, executor, **extra)) as engine:
+        if freeze_gc:
+            freeze_startup_heap()
 
         async def one(i: int) -> None:
             async with engine.generate("The quick brown fox", params, f"r{i}") as stream:
@@ -115,17 +121,26 @@ def main() -> None:
     parser.add_argument(
         "--idle-memory", action="store_true", help="also measure memory per idle open stream"
     )
+    parser.add_argument(
+        "--freeze-gc",
+        action="store_true",
+        help="gc.freeze() the startup heap once the engine is up, as `legato serve` does",
+    )
     args = parser.parse_args()
     import torch
     import trio
 
     extra = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     rate, elapsed = trio.run(
-        functools.partial(run, args.streams, args.output_len, args.executor, **extra)
+        functools.partial(
+            run, args.streams, args.output_len, args.executor, args.freeze_gc, **extra
+        )
     )
     steps = args.output_len  # one token per stream per decode step (the first from prefill)
     us_per_req_step = elapsed / steps / args.streams * 1e6
     overlap = "default" if args.async_scheduling is None else str(args.async_scheduling)
+    if args.freeze_gc:
+        overlap += ",gc-frozen"
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
     print(
         f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'overlap':>8} {'seconds':>8} "

@@ -118,18 +118,21 @@ class LegatoDecode:
         for start in range(0, batch, group):  # prefill, a few requests per step
             part = new[start : start + group]
             sched = {r.request_id: args.context for r in part}
-            self._run(SchedulerOutput(self.step_id, part, [], sched, sum(sched.values())))
+            step = SchedulerOutput(
+                self.step_id, part, CachedRequestData(), sched, sum(sched.values())
+            )
+            self._run(step)
         self.computed = args.context
 
     def _run(self, step: SchedulerOutput) -> None:
         out = self.runner.execute(step)
         self.step_id += 1
-        self.last.update({r: t[0] for r, t in zip(out.req_ids, out.sampled_token_ids)})
+        self.last.update({r: t[0] for r, t in zip(out.req_ids, out.sampled_lists()) if t})
 
     def step(self) -> float:
         """Seconds for one decode step of every request."""
         # The runner appends its own samples: a decode step sends no tokens back.
-        cached = [CachedRequestData(r, [], [], self.computed) for r in self.last]
+        cached = CachedRequestData(list(self.last), [self.computed] * len(self.last))
         sched = dict.fromkeys(self.last, 1)
         step = SchedulerOutput(self.step_id, [], cached, sched, len(sched))
         began = time.perf_counter()

@@ -20,7 +20,7 @@ from decode_step import profiled
 
 from legato.config import EngineConfig
 from legato.models.runner import ModelRunner
-from legato.protocol.messages import NewRequestData, SchedulerOutput
+from legato.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from legato.protocol.params import SamplingParams
 
 
@@ -62,7 +62,7 @@ def main() -> None:
             for i in range(args.prompts)
         ]
         sched = {r.request_id: args.in_len for r in new}
-        plan = SchedulerOutput(step, new, [], sched, sum(sched.values()))
+        plan = SchedulerOutput(step, new, CachedRequestData(), sched, sum(sched.values()))
         began = time.perf_counter()
         with profiled(runner) as totals:
             runner.execute(plan)

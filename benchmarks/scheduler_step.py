@@ -89,7 +89,7 @@ class Load:
             req = requests[request_id]
             done = req.num_computed_tokens >= req.num_tokens
             sampled.append([self.rng.randrange(3, 30000)] if done else [])
-        return ModelRunnerOutput(plan.step_id, req_ids, sampled)
+        return ModelRunnerOutput.from_lists(plan.step_id, req_ids, sampled)
 
     def step(self) -> tuple[int, int, int, int]:
         """One step; returns (schedule ns, update ns, requests, tokens)."""

@@ -38,7 +38,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def _steps(args: argparse.Namespace) -> list[Any]:
     """The SchedulerOutputs: one prefill of every request, then decodes (tokens filled in later)."""
-    from legato.protocol.messages import NewRequestData, SchedulerOutput
+    from legato.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
     from legato.protocol.params import SamplingParams
 
     blocks = -(-(args.context + args.steps + 1) // 16)
@@ -48,7 +48,7 @@ def _steps(args: argparse.Namespace) -> list[Any]:
         block_ids = list(range(i * blocks, (i + 1) * blocks))
         new.append(NewRequestData(f"r{i}", prompt, SamplingParams(temperature=0.0), block_ids, 0))
     sched = {f"r{i}": args.context for i in range(args.batch)}
-    return [SchedulerOutput(0, new, [], sched, sum(sched.values()))]
+    return [SchedulerOutput(0, new, CachedRequestData(), sched, sum(sched.values()))]
 
 
 def measure(args: argparse.Namespace, rank: int | None) -> dict[str, Any]:
@@ -81,16 +81,18 @@ def measure(args: argparse.Namespace, rank: int | None) -> dict[str, Any]:
     runner = ModelRunner(config, parallel=parallel)
     first = _steps(args)[0]
     out = runner.execute(first)  # also the warm-up
-    tokens = [list(t) for t in out.sampled_token_ids]
+    tokens = out.sampled_lists()
     decode: list[float] = []
     shares: list[float] = []
     if group is not None:
         group.timed = True
     for step in range(1, args.steps + 1):
-        cached = [
-            CachedRequestData(f"r{i}", tokens[i][-1:], [], args.context + step - 1)
-            for i in range(args.batch)
-        ]
+        ids = [f"r{i}" for i in range(args.batch)]
+        cached = CachedRequestData(
+            ids,
+            [args.context + step - 1] * args.batch,
+            new_token_ids={ids[i]: tokens[i][-1:] for i in range(args.batch) if tokens[i]},
+        )
         sched = {f"r{i}": 1 for i in range(args.batch)}
         plan = SchedulerOutput(step, [], cached, sched, args.batch)
         if group is not None:
@@ -101,7 +103,7 @@ def measure(args: argparse.Namespace, rank: int | None) -> dict[str, Any]:
         decode.append(took)
         if group is not None:
             shares.append(group.collective_seconds / took)
-        for i, sampled in enumerate(out.sampled_token_ids):
+        for i, sampled in enumerate(out.sampled_lists()):
             tokens[i].extend(sampled)
     # The prefill, timed once warm: fresh requests on the finished ones' blocks.
     again = _steps(args)[0]

@@ -93,9 +93,14 @@ class _FaultPlan:
             raise RuntimeError(f"injected fault: model runner raised on step {self.steps}")
 
     def after_step(self, output: m.ModelRunnerOutput) -> m.ModelRunnerOutput:
-        """From step ``short_reply_on_step`` on, the answer leaves out its last sample."""
+        """From step ``short_reply_on_step`` on, the answer leaves out its last request."""
         if self.short_reply_on_step is not None and self.steps >= self.short_reply_on_step:
-            output.sampled_token_ids = output.sampled_token_ids[:-1]
+            if output.req_ids:
+                dropped = output.num_sampled[-1]
+                output.req_ids = output.req_ids[:-1]
+                output.num_sampled = output.num_sampled[:-1]
+                kept = len(output.sampled_token_ids) - dropped
+                output.sampled_token_ids = output.sampled_token_ids[:kept]
         return output
 
 

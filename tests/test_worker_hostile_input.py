@@ -152,7 +152,7 @@ def test_hostile_frames_after_start_up(tmp_path: Path) -> None:
 
 
 def test_a_step_naming_unknown_requests_is_a_fatal_worker_error() -> None:
-    step = m.SchedulerOutput(1, [], [], {"nobody": 3}, 3)
+    step = m.SchedulerOutput(1, [], m.CachedRequestData(), {"nobody": 3}, 3)
     done = run_worker(framed(NULL_INIT, step))
     assert done.returncode == 1
     error = frames_in(done.stdout)[-1]
@@ -240,8 +240,8 @@ frames_strategy = st.lists(
             m.UtilityCall(7, "sleep", [1], {}),
             m.UtilityCall(8, "_private", [], {}),
             m.AbortRequests(["r"]),
-            m.SchedulerOutput(1, [], [], {}, 0),
-            m.SchedulerOutput(1, [], [], {}, 0, grammar_bitmask_follows=True),
+            m.SchedulerOutput(1, [], m.CachedRequestData(), {}, 0),
+            m.SchedulerOutput(1, [], m.CachedRequestData(), {}, 0, grammar_bitmask_follows=True),
             m.GrammarBitmask(1, {"r": b"\xff" * 8}),
         ]
     ),

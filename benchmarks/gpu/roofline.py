@@ -595,7 +595,11 @@ class DecodeCase:
         """Seconds for one decode step of every request (the runner syncs when it samples)."""
         from legato.protocol.messages import CachedRequestData, SchedulerOutput
 
-        cached = [CachedRequestData(r, [self.last[r]], [], self.computed) for r in self.last]
+        cached = CachedRequestData(
+            list(self.last),
+            [self.computed] * len(self.last),
+            new_token_ids={r: [t] for r, t in self.last.items()},
+        )
         scheduled = dict.fromkeys(self.ids, 1)
         plan = SchedulerOutput(self.step_id, self.new, cached, scheduled, len(scheduled))
         began = time.perf_counter()
@@ -604,13 +608,16 @@ class DecodeCase:
         self.new = []
         self.step_id += 1
         self.computed += 1
-        self.last = {r: t[0] for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True)}
+        self.last = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
         return elapsed
 
     def finish(self) -> None:
-        from legato.protocol.messages import SchedulerOutput
+        from legato.protocol.messages import CachedRequestData, SchedulerOutput
 
-        self.runner.execute(SchedulerOutput(self.step_id, [], [], {}, 0, finished_req_ids=self.ids))
+        done = SchedulerOutput(
+            self.step_id, [], CachedRequestData(), {}, 0, finished_req_ids=self.ids
+        )
+        self.runner.execute(done)
 
 
 def _profiled(step: Callable[[], object], steps: int, label: str, device: str) -> None:

@@ -2,9 +2,11 @@
 
 The stage after the scheduler: ``OutputProcessor.process_outputs`` takes one
 step's ``EngineCoreOutputs`` and turns them into ``RequestOutput``s, put into
-each request's ``OutputSlot``. ``IncrementalDetokenizer`` turns one
-completion's token ids into text as they arrive; ``find_stop_string`` and
-``partial_stop_length`` are the stop-string rules.
+each request's ``OutputSlot``. ``make_detokenizer`` picks how one
+completion's token ids become text as they arrive: ``StreamDetokenizer`` (on
+tokenizers' ``DecodeStream``, in Rust) for a fast tokenizer, else
+``IncrementalDetokenizer`` (the same algorithm in Python, any tokenizer);
+``find_stop_string`` and ``partial_stop_length`` are the stop-string rules.
 
 Plain synchronous classes: the actor loop that feeds them lives elsewhere.
 Never imports trio or torch (the slot type is only named for type checking).
@@ -12,12 +14,14 @@ Never imports trio or torch (the slot type is only named for type checking).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from ..protocol.errors import ConstraintFailedError, EngineGenerateError
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, TokenLogprobs
@@ -130,18 +134,26 @@ class IncrementalDetokenizer:
         self._skipped = _special_token_ids(tokenizer) if skip_special_tokens else frozenset()
         # The window: tokens [0, _prefix_len) decode to _prefix_text, text already
         # emitted (or prompt context); the rest await a complete character.
-        self._window = self._context(prompt_token_ids)
+        self._window = _context(self._decode, prompt_token_ids)
         self._prefix_len = len(self._window)
         self._prefix_text = self._decode(self._window) if self._window else ""
 
-    def _context(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """The shortest prompt suffix of at least a few tokens that decodes cleanly, or []."""
-        n = len(prompt_token_ids)
-        for k in range(min(n, _CONTEXT_TOKENS), min(n, _CONTEXT_TOKENS + 20) + 1):
-            suffix = list(prompt_token_ids[n - k :])
-            if _REPLACEMENT not in self._decode(suffix):
-                return suffix
-        return []
+    @classmethod
+    def _resume(
+        cls,
+        decode: Callable[[list[int]], str],
+        skipped: frozenset[int],
+        prefix: list[int],
+        pending: list[int],
+    ) -> IncrementalDetokenizer:
+        """One that goes on where a ``StreamDetokenizer`` stopped: ``prefix`` is the
+        text already emitted (its tokens), ``pending`` the tokens read since."""
+        self = cls.__new__(cls)
+        self._decode, self._skipped = decode, skipped
+        self._window = [*prefix, *pending]
+        self._prefix_len = len(prefix)
+        self._prefix_text = decode(prefix) if prefix else ""
+        return self
 
     def update(self, new_token_ids: Iterable[int]) -> str:
         """Append tokens; return the text they completed (possibly "")."""
@@ -171,6 +183,163 @@ class IncrementalDetokenizer:
         delta = text[len(self._prefix_text) :]
         self._window, self._prefix_len, self._prefix_text = [], 0, ""
         return delta
+
+
+def _context(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int]) -> list[int]:
+    """The shortest prompt suffix of at least a few tokens that decodes cleanly, or []."""
+    n = len(prompt_token_ids)
+    for k in range(min(n, _CONTEXT_TOKENS), min(n, _CONTEXT_TOKENS + 20) + 1):
+        suffix = list(prompt_token_ids[n - k :])
+        if _REPLACEMENT not in decode(suffix):
+            return suffix
+    return []
+
+
+class DetokenizationError(ValueError):
+    """The tokenizer could not decode a completion's tokens (an odd token id, a
+    decoder that panics on it): that request fails, the engine goes on."""
+
+
+def _is_tokenizers_panic(exc: BaseException) -> bool:
+    """A Rust panic inside tokenizers: pyo3's PanicException, a BaseException."""
+    return type(exc).__name__ == "PanicException"
+
+
+class StreamDetokenizer:
+    """``IncrementalDetokenizer``'s contract, computed by tokenizers' ``DecodeStream``.
+
+    Same text, same pieces: ``DecodeStream`` runs the same algorithm in Rust
+    (a window of the tokens since the last complete character, decoded
+    against the previous piece), with the same prompt context; this class
+    adds what it lacks: skipped special tokens never enter the window, and
+    ``flush`` returns the text still held back. It keeps the ids of the last
+    piece and of the tokens read since, so where the stream would differ it
+    hands over to ``IncrementalDetokenizer`` with the same state: after
+    ``_MAX_UNSETTLED_TOKENS`` tokens that complete no character, or a decode
+    that does not extend the text before it (tokenizers' "invalid prefix").
+    Both are rare (invalid bytes).
+
+    Needs a fast tokenizer (a ``tokenizers.Tokenizer`` backend); ValueError
+    otherwise. ``update`` and ``flush`` raise ``DetokenizationError`` if the
+    tokenizer fails on a token, a Rust panic included.
+    """
+
+    def __init__(
+        self,
+        tokenizer: AnyTokenizer,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        backend = _backend(tokenizer)
+        if backend is None:
+            raise ValueError("tokenizer: DecodeStream needs a fast (tokenizers) tokenizer")
+        self._tokenizer = backend
+        self._skip_special_tokens = skip_special_tokens
+        self._decode = _make_decode(
+            backend, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=True
+        )
+        self._skipped = _special_token_ids(backend) if skip_special_tokens else frozenset()
+        self._fallback: IncrementalDetokenizer | None = None
+        try:
+            self._prefix = _context(self._decode, prompt_token_ids)  # the last piece's ids
+            self._stream = DecodeStream(self._prefix, skip_special_tokens)
+        except BaseException as exc:
+            raise self._error(exc) from None
+        self._pending: list[int] = []  # read since the last piece, no complete character yet
+
+    def _error(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, Exception) or _is_tokenizers_panic(exc):
+            return DetokenizationError(f"the tokenizer failed to decode: {exc}")
+        return exc  # KeyboardInterrupt and the like pass through
+
+    def update(self, new_token_ids: Iterable[int]) -> str:
+        """Append tokens; return the text they completed (possibly "")."""
+        fallback = self._fallback
+        if fallback is not None:
+            return self._guarded(functools.partial(fallback.update, new_token_ids))
+        pieces: list[str] = []
+        ids = list(new_token_ids)
+        for i, token_id in enumerate(ids):
+            if token_id in self._skipped:
+                continue
+            try:
+                text = self._stream.step(self._tokenizer, token_id)
+            except BaseException as exc:
+                if type(exc) is not Exception or "prefix" not in str(exc).lower():
+                    raise self._error(exc) from None
+                text = None  # not an extension of the text before it: Python goes on
+                stuck = True
+            else:
+                stuck = text is None and len(self._pending) >= _MAX_UNSETTLED_TOKENS
+            if stuck:  # (or garbage bytes, emitted as decoded): from the same state
+                self._fallback = IncrementalDetokenizer._resume(
+                    self._decode, self._skipped, self._prefix, self._pending
+                )
+                pieces.append(self._guarded(functools.partial(self._fallback.update, ids[i:])))
+                break
+            self._pending.append(token_id)
+            if text is not None:
+                pieces.append(text)
+                self._prefix, self._pending = self._pending, []
+        return "".join(pieces)
+
+    def _guarded(self, call: Callable[[], str]) -> str:
+        """``call()``, its tokenizer failures (panics included) as DetokenizationError."""
+        try:
+            return call()
+        except BaseException as exc:
+            raise self._error(exc) from None
+
+    def _held_back_text(self) -> str:
+        """The text of the tokens read since the last piece, as decoded."""
+        try:
+            prefix_text = self._decode(self._prefix) if self._prefix else ""
+            return self._decode([*self._prefix, *self._pending])[len(prefix_text) :]
+        except BaseException as exc:
+            raise self._error(exc) from None
+
+    def flush(self) -> str:
+        """At the end: the text still held back, minus a trailing incomplete character.
+
+        Tokens given to ``update`` afterwards are decoded without context.
+        """
+        if self._fallback is not None:
+            return self._guarded(self._fallback.flush)
+        delta = self._held_back_text() if self._pending else ""
+        if delta.endswith(_REPLACEMENT):
+            delta = delta[:-1]
+        self._prefix, self._pending = [], []
+        self._stream = DecodeStream(None, self._skip_special_tokens)
+        return delta
+
+
+Detokenizer = IncrementalDetokenizer | StreamDetokenizer
+
+
+def make_detokenizer(
+    tokenizer: AnyTokenizer,
+    prompt_token_ids: Sequence[int] = (),
+    *,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> Detokenizer:
+    """A ``StreamDetokenizer`` for a fast tokenizer, else an ``IncrementalDetokenizer``.
+
+    (``spaces_between_special_tokens`` matters to slow tokenizers only, as in
+    ``IncrementalDetokenizer``.) Raises ``DetokenizationError`` if the
+    tokenizer fails on the prompt's context tokens.
+    """
+    if _backend(tokenizer) is not None:
+        return StreamDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
+    return IncrementalDetokenizer(
+        tokenizer,
+        prompt_token_ids,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+    )
 
 
 def find_stop_string(text: str, new_from: int, stops: Sequence[str]) -> tuple[str, int] | None:
@@ -281,7 +450,7 @@ class _Completion:
     request_id: str
     index: int
     parent: _Request
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     released: int = 0  # characters of text made visible to the consumer
@@ -363,7 +532,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.completions)
+        completions = self.completions
+        if len(completions) == 1:  # the common case, per output: no generator
+            return completions[0].finish_reason is not None
+        return all(c.finish_reason is not None for c in completions)
 
     def metrics(self, finished_time: float | None) -> RequestMetrics:
         if len(self.completions) == 1:  # the common case, once per output: no lists
@@ -472,7 +644,7 @@ class OutputProcessor:
         for index, child_id in enumerate(ids):
             detokenizer = None
             if self.tokenizer is not None and params.detokenize:
-                detokenizer = IncrementalDetokenizer(
+                detokenizer = make_detokenizer(
                     self.tokenizer,
                     request.prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
@@ -501,8 +673,9 @@ class OutputProcessor:
 
         Outputs for unknown or already finished ids (e.g. a stop string fired
         before the scheduler's abort took effect) are ignored. A completion
-        with ``FinishReason.ERROR`` fails its whole request: the slot gets
-        ``EngineGenerateError`` and the siblings are aborted.
+        with ``FinishReason.ERROR``, or whose tokens the tokenizer cannot
+        decode (``DetokenizationError``), fails its whole request: the slot
+        gets ``EngineGenerateError`` and the siblings are aborted.
         """
         now = outputs.timestamp
         step = ProcessedStep()
@@ -522,7 +695,12 @@ class OutputProcessor:
                 self._fail(request, error, now, step, failed_id=core.request_id)
                 touched.pop(request.request_id, None)
                 continue
-            self._update(completion, core, now, step)
+            try:
+                self._update(completion, core, now, step)
+            except DetokenizationError as exc:
+                self._fail(request, EngineGenerateError(request.output_id, str(exc)), now, step)
+                touched.pop(request.request_id, None)
+                continue
             touched[request.request_id] = request
         for request in touched.values():
             self._emit(request, now, step)
@@ -610,7 +788,11 @@ class OutputProcessor:
         """Put this step's output for ``request`` into its slot; forget it once finished."""
         finished = request.finished
         kind = request.params.output_kind
-        news = [c for c in request.completions if c.has_news]
+        every = request.completions
+        if len(every) == 1:
+            news = every if every[0].has_news else []
+        else:
+            news = [c for c in every if c.has_news]
         completions: list[CompletionOutput] = []
         prompt_logprobs: PromptLogprobs | None = None
         if kind == RequestOutputKind.DELTA:

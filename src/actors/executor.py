@@ -76,12 +76,14 @@ def check_runner_output(step: m.SchedulerOutput, output: object) -> m.ModelRunne
         raise WorkerDiedError(
             f"the model worker answered step {step.step_id} with step {output.step_id}"
         )
-    if len(output.sampled_token_ids) != len(output.req_ids) or output.req_ids != list(
-        step.num_scheduled_tokens
+    if (
+        len(output.num_sampled) != len(output.req_ids)
+        or sum(output.num_sampled) != len(output.sampled_token_ids)
+        or output.req_ids != list(step.num_scheduled_tokens)
     ):
         raise WorkerDiedError(
             f"the model worker's answer to step {step.step_id} does not match its requests "
-            f"({len(output.req_ids)} ids and {len(output.sampled_token_ids)} samples "
+            f"({len(output.req_ids)} ids and {len(output.num_sampled)} sample counts "
             f"for {len(step.num_scheduled_tokens)} scheduled requests)"
         )
     return output

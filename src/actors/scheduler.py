@@ -388,7 +388,7 @@ class Scheduler:
         """
         self._step_id += 1
         if self._pause_mode is PauseMode.KEEP or not self.requests:
-            return SchedulerOutput(self._step_id, [], [], {}, 0)
+            return SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0)
         plan = _StepPlan(self.max_num_batched_tokens)
         preempted = self._schedule_running(plan)
         if not preempted and self.waiting and len(self.running) < self.max_num_seqs:
@@ -427,7 +427,7 @@ class Scheduler:
                 if victim.request_id in plan.num_scheduled:  # planned earlier this step
                     plan.budget += plan.num_scheduled.pop(victim.request_id)
                     plan.running.remove(victim)
-                    del plan.new_block_ids[victim.request_id]
+                    plan.new_block_ids.pop(victim.request_id, None)
                 self._preempt(victim)
                 if victim is req:
                     return True
@@ -436,7 +436,8 @@ class Scheduler:
                 new_ids = kv.allocate_slots(req, num_new)
             plan.running.append(req)
             plan.num_scheduled[req.request_id] = num_new
-            plan.new_block_ids[req.request_id] = new_ids
+            if new_ids:
+                plan.new_block_ids[req.request_id] = new_ids
             plan.budget -= num_new
             i += 1
         return preempted
@@ -530,21 +531,18 @@ class Scheduler:
         requests: list[Request] = []
         samples: list[bool] = []
         new_data: list[NewRequestData] = []
-        cached_data: list[CachedRequestData] = []
-        new_block_ids = plan.new_block_ids
+        cached_ids: list[str] = []
+        cached_computed: list[int] = []
+        cached_tokens: dict[str, list[int]] = {}
         for req in plan.running:
             request_id = req.request_id
             n = num_scheduled[request_id]
             sent = req.num_tokens_sent
             num_tokens = len(req.all_token_ids)
-            cached_data.append(
-                CachedRequestData(
-                    request_id,
-                    req.all_token_ids[sent:] if sent < num_tokens else [],
-                    new_block_ids[request_id],
-                    req.num_computed_tokens,
-                )
-            )
+            cached_ids.append(request_id)
+            cached_computed.append(req.num_computed_tokens)
+            if sent < num_tokens:
+                cached_tokens[request_id] = req.all_token_ids[sent:]
             req.num_tokens_sent = num_tokens
             computed = req.num_computed_tokens + n
             placeholders = req.num_output_placeholders
@@ -582,15 +580,14 @@ class Scheduler:
             samples.append(sampling)
         total = prefill + decode
         if total == 0:
-            return SchedulerOutput(step_id, [], [], {}, 0)
+            return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0)
         self._stat_prefill_tokens += prefill
         self._stat_decode_tokens += decode
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
         self._in_flight[step_id] = _InFlight(requests, samples)
-        return SchedulerOutput(
-            step_id, new_data, cached_data, num_scheduled, total, finished, preempted
-        )
+        cached = CachedRequestData(cached_ids, cached_computed, plan.new_block_ids, cached_tokens)
+        return SchedulerOutput(step_id, new_data, cached, num_scheduled, total, finished, preempted)
 
     # ----------------------------------------------------------- results
 
@@ -615,11 +612,15 @@ class Scheduler:
             if scheduler_output.is_empty:  # nothing was planned: nothing to accept
                 return EngineCoreOutputs([], time.monotonic(), self.make_stats())
             raise ValueError(f"step {step_id} was not planned, or was answered already")
+        num_sampled = runner_output.num_sampled
         sampled = runner_output.sampled_token_ids
-        if len(sampled) != len(in_flight.requests) or len(runner_output.req_ids) != len(sampled):
+        if len(num_sampled) != len(in_flight.requests) or len(runner_output.req_ids) != len(
+            num_sampled
+        ):
             raise ValueError(
-                f"model runner returned {len(sampled)} samples for {len(runner_output.req_ids)} "
-                f"ids; step {step_id} scheduled {len(in_flight.requests)} requests"
+                f"model runner returned {len(num_sampled)} sample counts for "
+                f"{len(runner_output.req_ids)} ids; step {step_id} scheduled "
+                f"{len(in_flight.requests)} requests"
             )
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
@@ -628,7 +629,10 @@ class Scheduler:
         running = RequestStatus.RUNNING
         outputs: list[EngineCoreOutput] = []
         any_finished = False
-        for req, sampling, tokens in zip(in_flight.requests, in_flight.samples, sampled):
+        end = 0  # the requests' tokens follow each other in ``sampled``
+        for req, sampling, count in zip(in_flight.requests, in_flight.samples, num_sampled):
+            start = end
+            end += count
             if step_id <= req.reset_step:
                 continue  # preempted since: its placeholders are gone already
             if sampling:
@@ -645,15 +649,15 @@ class Scheduler:
                 pooled = runner_output.pooled.get(request_id)
                 if pooled is None:
                     raise ValueError(f"model runner returned no pooled vector for {request_id!r}")
-            elif len(tokens) == 1:
-                token_id = tokens[0]
+            elif count == 1:
+                token_id = sampled[start]
                 req.output_token_ids.append(token_id)
                 req.all_token_ids.append(token_id)
                 req.num_tokens_sent += 1  # the runner appended its own sample
                 new_ids = [token_id]
                 reason = self._check_stop(req, token_id)
-            elif tokens:
-                new_ids, reason = self._append_tokens(req, tokens)
+            elif count:
+                new_ids, reason = self._append_tokens(req, sampled[start:end])
                 req.num_tokens_sent += len(new_ids)
             else:
                 raise ValueError(f"model runner returned no sampled token for {request_id!r}")

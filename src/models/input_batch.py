@@ -218,12 +218,16 @@ class InputBatch:
         self.req_rows[new.request_id] = row
 
     def update(self, cached: CachedRequestData) -> None:
-        """Append tokens and new blocks; take the scheduler's computed count."""
-        row = self.row(cached.request_id)
-        if cached.new_token_ids:
-            self.append_tokens(row, cached.new_token_ids)
-        self._append_blocks(row, cached.new_block_ids)
-        self.num_computed[row] = cached.num_computed_tokens
+        """One step's changes to held requests: append the tokens and blocks sent, and
+        take the scheduler's computed counts (one vectorised store for the whole batch).
+        Raises KeyError for a request the runner does not hold."""
+        for req_id, token_ids in cached.new_token_ids.items():
+            self.append_tokens(self.row(req_id), token_ids)
+        for req_id, block_ids in cached.new_block_ids.items():
+            self._append_blocks(self.row(req_id), block_ids)
+        if cached.req_ids:
+            rows = [self.row(r) for r in cached.req_ids]
+            self.num_computed[rows] = cached.num_computed_tokens
 
     def append_tokens(self, row: int, new: list[int]) -> None:
         """Append tokens to a request's known tokens (the runner's own samples, or a delta)."""

@@ -344,12 +344,9 @@ class ModelRunner:
                 self.lora.forget(req_id)
         for new in step.new_requests:
             self._admit(new)
-        for cached in step.cached_requests:
-            batch.update(cached)
+        batch.update(step.cached_requests)
         req_ids = list(step.num_scheduled_tokens)
-        out = ModelRunnerOutput(
-            step_id=step.step_id, req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids]
-        )
+        out = ModelRunnerOutput(step.step_id, req_ids, [0] * len(req_ids), [])
         if not req_ids:
             return StepForward(out)
         rows_all = np.fromiter((batch.row(r) for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -434,11 +431,16 @@ class ModelRunner:
             result = sample(logits, md)
             tokens = result.sampled.tolist()
             for j, i in enumerate(sampling.tolist()):
-                k = int(order[i])
-                out.sampled_token_ids[k] = [tokens[j]]
                 batch.append_tokens(int(rows[i]), [tokens[j]])
                 if j in result.logprobs:
-                    out.logprobs[req_ids[k]] = [result.logprobs[j]]
+                    out.logprobs[req_ids[int(order[i])]] = [result.logprobs[j]]
+            # One token per sampling request, flat in the step's request order.
+            ks = order[sampling]
+            by_k = np.argsort(ks, kind="stable")
+            out.sampled_token_ids = np.asarray(tokens, dtype=np.int64)[by_k].tolist()
+            counts = np.zeros(len(req_ids), dtype=np.int64)
+            counts[ks] = 1
+            out.num_sampled = counts.tolist()
         self._prompt_logprobs(out, req_ids, order, rows, starts, ends, query_start_loc, hidden)
         batch.num_computed[rows] = ends
         return out

@@ -96,17 +96,28 @@ class NewRequestData(Message):
 
 
 class CachedRequestData(Message):
-    """What changed for a request the runner already holds.
+    """What changed for the requests the runner already holds, one step, as parallel arrays.
 
-    ``new_token_ids`` are the sampled tokens the scheduler accepted since the
-    request was last scheduled (the runner appends them to its own copy);
-    ``new_block_ids`` are appended to its block table.
+    ``req_ids[i]`` resumes at ``num_computed_tokens[i]``. Only requests with
+    news appear in the maps: ``new_block_ids[id]`` are appended to its block
+    table (a request gets a block every ``block_size`` tokens, so most steps
+    carry few), ``new_token_ids[id]`` are sampled tokens the scheduler accepted
+    that the runner does not hold yet (the runner appends its own samples, so
+    this is empty in steady state). One message per step, whatever the batch
+    size: no per-request object is built, encoded or decoded.
     """
 
-    request_id: str
-    new_token_ids: list[int]
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.num_computed_tokens) != len(self.req_ids):
+            raise ValueError(
+                f"num_computed_tokens: {len(self.num_computed_tokens)} entries "
+                f"for {len(self.req_ids)} req_ids"
+            )
 
 
 class SchedulerOutput(Message):
@@ -121,7 +132,7 @@ class SchedulerOutput(Message):
 
     step_id: int
     new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
+    cached_requests: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = field(default_factory=list)
@@ -167,24 +178,58 @@ class TokenLogprobs(Message):
 
 
 class ModelRunnerOutput(Message):
-    """Sampled tokens per scheduled request for one step.
+    """Sampled tokens of one step, flat: one list for the whole batch.
 
-    ``sampled_token_ids[i]`` belongs to ``req_ids[i]``: one token, or none for a
-    partial prefill chunk. ``logprobs`` (requests that asked) holds one entry
-    per sampled token; ``prompt_logprobs`` holds one entry per prompt position
-    computed this step (None for the first prompt token). ``pooled`` holds
-    the pooled hidden state of each pooling request whose prompt finished this step.
+    ``req_ids`` are the scheduled requests in the step's order;
+    ``num_sampled[i]`` tokens of ``sampled_token_ids`` (taken in order) belong
+    to ``req_ids[i]``: one, or none for a partial prefill chunk.
+    ``logprobs`` (requests that asked) holds one entry per sampled token;
+    ``prompt_logprobs`` holds one entry per prompt position computed this step
+    (None for the first prompt token). ``pooled`` holds the pooled hidden
+    state of each pooling request whose prompt finished this step.
     ``failed`` names the requests the runner could not compute (their LoRA adapter
     could not be read again, say): each fails alone with that message.
     """
 
     step_id: int
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]
+    num_sampled: list[int]
+    sampled_token_ids: list[int]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # requests not computed: why
+
+    def __post_init__(self) -> None:
+        if len(self.num_sampled) != len(self.req_ids):
+            raise ValueError(
+                f"num_sampled: {len(self.num_sampled)} entries for {len(self.req_ids)} req_ids"
+            )
+        if (
+            sum(self.num_sampled) != len(self.sampled_token_ids)
+            or min(self.num_sampled, default=0) < 0
+        ):
+            raise ValueError(
+                f"num_sampled: counts must be >= 0 and add up to the "
+                f"{len(self.sampled_token_ids)} sampled_token_ids"
+            )
+
+    @classmethod
+    def from_lists(
+        cls, step_id: int, req_ids: list[str], sampled: list[list[int]], **fields: Any
+    ) -> ModelRunnerOutput:
+        """Build from each request's sampled tokens (for tests and tools)."""
+        flat = [t for tokens in sampled for t in tokens]
+        return cls(step_id, req_ids, [len(tokens) for tokens in sampled], flat, **fields)
+
+    def sampled_lists(self) -> list[list[int]]:
+        """Each request's sampled tokens, in ``req_ids`` order (for tests and tools)."""
+        out: list[list[int]] = []
+        pos = 0
+        for n in self.num_sampled:
+            out.append(self.sampled_token_ids[pos : pos + n])
+            pos += n
+        return out
 
 
 # ------------------------------------------------- scheduler -> detokenizer

@@ -34,28 +34,28 @@ class NullModelRunner:
         self._known: dict[str, int] = {}  # request id -> tokens known to the runner
 
     def execute(self, step: m.SchedulerOutput) -> m.ModelRunnerOutput:
+        known = self._known
         for rid in step.finished_req_ids + step.preempted_req_ids:
-            self._known.pop(rid, None)
+            known.pop(rid, None)
         computed: dict[str, int] = {}
         for new in step.new_requests:
-            self._known[new.request_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            known[new.request_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
             computed[new.request_id] = new.num_computed_tokens
-        for cached in step.cached_requests:
-            self._known[cached.request_id] = self._known.get(cached.request_id, 0) + len(
-                cached.new_token_ids
-            )
-            computed[cached.request_id] = cached.num_computed_tokens
-        req_ids = list(step.num_scheduled_tokens)
-        sampled = []
-        token = [self.token_id]
+        cached = step.cached_requests
+        for rid, tokens in cached.new_token_ids.items():
+            known[rid] = known.get(rid, 0) + len(tokens)
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        num_scheduled = step.num_scheduled_tokens
+        req_ids = list(num_scheduled)
+        num_sampled = []
         for rid in req_ids:
-            reaches_end = computed.get(rid, 0) + step.num_scheduled_tokens[rid] >= self._known[rid]
-            if reaches_end:
-                self._known[rid] += 1  # the sample is the request's next token, as in ModelRunner
-                sampled.append(token)
+            if computed.get(rid, 0) + num_scheduled[rid] >= known[rid]:
+                known[rid] += 1  # the sample is the request's next token, as in ModelRunner
+                num_sampled.append(1)
             else:
-                sampled.append([])
-        return m.ModelRunnerOutput(step.step_id, req_ids, sampled)
+                num_sampled.append(0)
+        sampled = [self.token_id] * sum(num_sampled)
+        return m.ModelRunnerOutput(step.step_id, req_ids, num_sampled, sampled)
 
     def execute_model(self, step: m.SchedulerOutput) -> m.SchedulerOutput:
         return step  # nothing to compute ahead: ``sample_tokens`` runs the whole step

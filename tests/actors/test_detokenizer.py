@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +14,9 @@ from legato.actors.detokenizer import (
     IncrementalDetokenizer,
     OutputProcessor,
     ProcessedStep,
+    StreamDetokenizer,
     find_stop_string,
+    make_detokenizer,
     partial_stop_length,
 )
 from legato.actors.output_slot import OutputSlot
@@ -116,14 +118,24 @@ def last_output(outputs: Sequence[RequestOutput | None]) -> RequestOutput:
     return final
 
 
-# ------------------------------------------------------ IncrementalDetokenizer
+# ------------------------------------- IncrementalDetokenizer, StreamDetokenizer
 
 
-def test_multibyte_characters_appear_once_when_complete(tok: PreTrainedTokenizerBase) -> None:
+@pytest.fixture(params=[IncrementalDetokenizer, StreamDetokenizer])
+def Detok(request: pytest.FixtureRequest) -> type[IncrementalDetokenizer | StreamDetokenizer]:
+    """Each test of the detokenizer's contract runs on both: the Python one and the one
+    on tokenizers' DecodeStream must give the same pieces."""
+    cls: type[IncrementalDetokenizer | StreamDetokenizer] = request.param
+    return cls
+
+
+def test_multibyte_characters_appear_once_when_complete(
+    Detok: Any, tok: PreTrainedTokenizerBase
+) -> None:
     text = "héllo 世界 🙂 naïve"
     ids = encode(tok, text)
     assert any(FFFD in tok.decode([i]) for i in ids), "no character is split across tokens"
-    detok = IncrementalDetokenizer(tok, [0, *encode(tok, "Hi")])
+    detok = Detok(tok, [0, *encode(tok, "Hi")])
     deltas = [detok.update([i]) for i in ids]
     assert all(FFFD not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == text
@@ -133,30 +145,30 @@ def test_multibyte_characters_appear_once_when_complete(tok: PreTrainedTokenizer
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_skip_special_tokens(tok: PreTrainedTokenizerBase, skip: bool) -> None:
+def test_skip_special_tokens(Detok: Any, tok: PreTrainedTokenizerBase, skip: bool) -> None:
     ids = [*encode(tok, "a"), EOS, 3, *encode(tok, " b"), 4]
-    detok = IncrementalDetokenizer(tok, [3, 0], skip_special_tokens=skip)
+    detok = Detok(tok, [3, 0], skip_special_tokens=skip)
     got = "".join(detok.update([i]) for i in ids) + detok.flush()
     assert got == ("a b" if skip else "a<|eos|><|im_start|> b<|im_end|>")
     assert got == tok.decode(ids, skip_special_tokens=skip)
 
 
-def test_prompt_context_spaces_the_first_token() -> None:
+def test_prompt_context_spaces_the_first_token(Detok: Any) -> None:
     # SentencePiece-style decoders drop the leading space of the first token
     # decoded; with the prompt as context, the first output token keeps it.
     metaspace = Tokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "<unk>": 2}, "<unk>"))
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
     metaspace.decoder = decoders.Metaspace()
     assert metaspace.decode([1]) == "world"
-    assert IncrementalDetokenizer(metaspace, [0]).update([1, 1]) == " world world"
+    assert Detok(metaspace, [0]).update([1, 1]) == " world world"
 
 
-def test_invalid_byte_runs_are_emitted_as_decoded(tok: PreTrainedTokenizerBase) -> None:
+def test_invalid_byte_runs_are_emitted_as_decoded(Detok: Any, tok: PreTrainedTokenizerBase) -> None:
     # Tokens that never complete a character (lone continuation bytes) must not
     # grow the window forever; their text comes out as U+FFFD, as decode says.
     lone = next(i for i in range(len(tok)) if tok.decode([i, i]) == FFFD * 2)
     ids = [lone] * 40 + encode(tok, " ok")
-    detok = IncrementalDetokenizer(tok)
+    detok = Detok(tok)
     deltas = [detok.update([i]) for i in ids]
     assert "".join(deltas) + detok.flush() == tok.decode(ids) == FFFD * 40 + " ok"
 
@@ -168,10 +180,10 @@ def test_invalid_byte_runs_are_emitted_as_decoded(tok: PreTrainedTokenizerBase) 
     chunk=st.integers(1, 3),
 )
 def test_deltas_concatenate_to_the_decoded_text(
-    tok: PreTrainedTokenizerBase, text: str, prompt: str, chunk: int
+    Detok: Any, tok: PreTrainedTokenizerBase, text: str, prompt: str, chunk: int
 ) -> None:
     ids = encode(tok, text)
-    detok = IncrementalDetokenizer(tok, encode(tok, prompt))
+    detok = Detok(tok, encode(tok, prompt))
     deltas = [detok.update(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     assert all(FFFD not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == text
@@ -184,12 +196,12 @@ def test_deltas_concatenate_to_the_decoded_text(
     chunk=st.integers(1, 4),
 )
 def test_random_token_ids_decode_like_the_tokenizer(
-    tok: PreTrainedTokenizerBase, data: st.DataObject, skip: bool, chunk: int
+    Detok: Any, tok: PreTrainedTokenizerBase, data: st.DataObject, skip: bool, chunk: int
 ) -> None:
     token = st.integers(0, len(tok) - 1)
     ids = data.draw(st.lists(token, max_size=40), label="ids")
     prompt = data.draw(st.lists(token, max_size=10), label="prompt")
-    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    detok = Detok(tok, prompt, skip_special_tokens=skip)
     deltas = [detok.update(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     full = tok.decode(ids, skip_special_tokens=skip)
     # Only a trailing incomplete character is never emitted.
@@ -197,6 +209,139 @@ def test_random_token_ids_decode_like_the_tokenizer(
     assert "".join(deltas) + detok.flush() == expected
     if FFFD not in full:
         assert all(FFFD not in d for d in deltas)
+
+
+@HYPOTHESIS
+@given(data=st.data(), skip=st.booleans())
+def test_decode_stream_gives_the_same_pieces_as_the_python_detokenizer(
+    tok: PreTrainedTokenizerBase, data: st.DataObject, skip: bool
+) -> None:
+    token = st.integers(0, len(tok) - 1)
+    ids = data.draw(st.lists(token, max_size=40), label="ids")
+    prompt = data.draw(st.lists(token, max_size=10), label="prompt")
+    python = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    stream = StreamDetokenizer(tok, prompt, skip_special_tokens=skip)
+    assert [stream.update([i]) for i in ids] == [python.update([i]) for i in ids]
+    assert stream.flush() == python.flush()
+
+
+def test_make_detokenizer_uses_decode_stream_for_fast_tokenizers(
+    tok: PreTrainedTokenizerBase,
+) -> None:
+    assert isinstance(make_detokenizer(tok, [0]), StreamDetokenizer)
+    slow = SlowTokenizer(tok)
+    detok = make_detokenizer(slow, [0], spaces_between_special_tokens=False)
+    assert isinstance(detok, IncrementalDetokenizer)
+    assert detok.update(encode(tok, "héllo")) == "héllo"
+
+
+class SlowTokenizer:
+    """A tokenizer without a fast backend (only ``decode``), as a slow one is."""
+
+    def __init__(self, tok: PreTrainedTokenizerBase) -> None:
+        self._tok = tok
+        self.all_special_ids = list(tok.all_special_ids)
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        kwargs.pop("spaces_between_special_tokens", None)
+        text: str = self._tok.decode(ids, **kwargs)
+        return text
+
+
+def test_a_run_of_invalid_bytes_hands_over_to_python(tok: PreTrainedTokenizerBase) -> None:
+    # 17 tokens that complete no character are emitted as decoded (U+FFFD); DecodeStream
+    # would hold them forever, so the rest is decoded in Python, from the same state
+    # (the byte after them completes a character with the last one, which the stream,
+    # restarted on them, would report as an invalid prefix).
+    lone = next(i for i in range(len(tok)) if tok.decode([i, i]) == FFFD * 2)
+    two_byte = [encode(tok, ch) for ch in "ŵĳŉŧ"]
+    lead, cont = next(ids for ids in two_byte if len(ids) == 2)
+    ids = [lone] * 16 + [lead, cont, *encode(tok, "xy z")]
+    python, stream = IncrementalDetokenizer(tok), StreamDetokenizer(tok)
+    expected = "".join(python.update([i]) for i in ids) + python.flush()
+    got = "".join(stream.update([i]) for i in ids) + stream.flush()
+    assert got == expected and stream._fallback is not None
+
+
+def strip_tokenizer() -> Tokenizer:
+    """A real tokenizer whose decoder panics (in Rust) on token 2, a lone space:
+    ``Strip`` takes one character from each side of a one-character token."""
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, " ": 2, "[UNK]": 3}, "[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Strip(" ", 1, 1)
+    return tokenizer
+
+
+def test_a_token_the_decoder_panics_on_fails_only_that_request() -> None:
+    engine = Engine(None)
+    engine.proc = OutputProcessor(strip_tokenizer())
+    for rid in ("odd", "fine"):
+        engine.slots[rid] = OutputSlot(DELTA)
+        params = SamplingParams(n=2 if rid == "odd" else 1, output_kind=DELTA)
+        engine.proc.add_request(rid, "a", [0], params, ARRIVAL, slot=engine.slots[rid])
+    step = engine.step(core("0_odd", [2]), core("1_odd", [0]), core("fine", [0]))
+    assert sorted(step.requests_to_abort) == ["0_odd", "1_odd"]  # the scheduler frees them
+    with pytest.raises(EngineGenerateError, match="the tokenizer failed to decode") as info:
+        engine.take("odd")
+    assert info.value.request_id == "odd"
+    fine = engine.take("fine")
+    assert fine is not None and fine.outputs[0].token_ids == [0]
+    engine.step(core("fine", [1], finish=FinishReason.LENGTH), core("0_odd", [0]))
+    fine = engine.take("fine")
+    assert fine is not None and fine.finished
+    assert engine.proc.get_num_unfinished_requests() == 0
+
+
+def test_smollm2_text_is_the_same_through_both_detokenizers(
+    smollm2_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real default model's tokenizer: emoji and accents split across tokens, stop
+    strings, skipped special tokens; the OutputProcessor gives the same outputs with
+    DecodeStream as with the Python detokenizer."""
+    from transformers import AutoTokenizer
+
+    import legato.actors.detokenizer as detokenizer
+
+    smol = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    texts = [
+        "Hello world! 🎉🙂 café naïve 世界 — done.",
+        "Emoji family 👨‍👩‍👧 and flags 🇫🇷🇯🇵, then Ελληνικά and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢.",
+        "Stop here: END and more text after END",
+    ]
+    prompt = smol.encode("Say something:", add_special_tokens=False)
+    im_end = smol.convert_tokens_to_ids("<|im_end|>")
+    for text in texts:
+        ids = [*smol.encode(text, add_special_tokens=False), im_end]
+        assert any("\ufffd" in smol.decode([i]) for i in ids[:-1]) or "END" in text
+        stream, python = StreamDetokenizer(smol, prompt), IncrementalDetokenizer(smol, prompt)
+        assert isinstance(make_detokenizer(smol, prompt), StreamDetokenizer)
+        assert [stream.update([i]) for i in ids] == [python.update([i]) for i in ids]
+        assert stream.flush() == python.flush()
+
+    def run() -> list[tuple[str, list[int], str | None]]:
+        proc = OutputProcessor(smol)
+        got: list[tuple[str, list[int], str | None]] = []
+        for k, text in enumerate(texts):
+            params = SamplingParams(output_kind=DELTA, stop=["END", "🙂"])
+            slot = OutputSlot(DELTA)
+            proc.add_request(f"r{k}", None, prompt, params, ARRIVAL, slot=slot)
+            for i in smol.encode(text, add_special_tokens=False):
+                proc.process_outputs(EngineCoreOutputs([core(f"r{k}", [i])], ARRIVAL + 1))
+                out = slot.get_nowait()
+                if out is not None:
+                    c = out.outputs[0]
+                    got.append((c.text, list(c.token_ids), c.finish_reason))
+                    if out.finished:
+                        break
+        return got
+
+    with_stream = run()
+    monkeypatch.setattr(detokenizer, "make_detokenizer", lambda tok, ids, **kw: (
+        IncrementalDetokenizer(tok, ids, **kw)))  # fmt: skip
+    assert with_stream == run()
+    text = "".join(t for t, _, _ in with_stream)
+    assert text.startswith("Hello world! 🎉Emoji family 👨‍👩‍👧") and text.endswith("Stop here: ")
+    assert [f for _, _, f in with_stream].count("stop") == 2
 
 
 # --------------------------------------------------------------- stop strings

@@ -41,7 +41,7 @@ def _run_step(
     ids = list(plan.num_scheduled_tokens)
     sampled = [[] if pooled and rid in pooled else [7] for rid in ids]
     out = sched.update_from_output(
-        plan, ModelRunnerOutput(plan.step_id, ids, sampled, pooled=pooled or {})
+        plan, ModelRunnerOutput.from_lists(plan.step_id, ids, sampled, pooled=pooled or {})
     )
     return [o.request_id for o in out.outputs if o.finished]
 
@@ -85,7 +85,7 @@ def test_pooling_request_ends_with_its_vector_and_skips_the_prefix_cache() -> No
     (new,) = plan.new_requests
     assert new.pooling_params == PoolingParams() and new.num_computed_tokens == 0
     out = sched.update_from_output(
-        plan, ModelRunnerOutput(plan.step_id, list(plan.num_scheduled_tokens),
+        plan, ModelRunnerOutput.from_lists(plan.step_id, list(plan.num_scheduled_tokens),
                                 [[7], []], pooled={"emb": [0.5, 0.5]})
     )  # fmt: skip
     (emb,) = [o for o in out.outputs if o.request_id == "emb"]

@@ -62,14 +62,14 @@ class FakeRunner:
                 new.num_computed_tokens,
                 list(new.block_ids),
             )
-        for cached in out.cached_requests:
-            mirror = self.reqs[cached.request_id]
-            assert mirror.num_computed == cached.num_computed_tokens
-            mirror.tokens += cached.new_token_ids
-            mirror.block_ids += cached.new_block_ids
-        sent = [n.request_id for n in out.new_requests] + [
-            c.request_id for c in out.cached_requests
-        ]
+        cached = out.cached_requests
+        assert set(cached.new_token_ids) | set(cached.new_block_ids) <= set(cached.req_ids)
+        for request_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            mirror = self.reqs[request_id]
+            assert mirror.num_computed == num_computed
+            mirror.tokens += cached.new_token_ids.get(request_id, [])
+            mirror.block_ids += cached.new_block_ids.get(request_id, [])
+        sent = [n.request_id for n in out.new_requests] + cached.req_ids
         assert sorted(sent) == sorted(out.num_scheduled_tokens)
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         req_ids: list[str] = []
@@ -87,7 +87,7 @@ class FakeRunner:
                 sampled.append([token])
             else:
                 sampled.append([])
-        return ModelRunnerOutput(out.step_id, req_ids, sampled)
+        return ModelRunnerOutput.from_lists(out.step_id, req_ids, sampled)
 
 
 def make_config(**kwargs: Any) -> EngineConfig:
@@ -237,7 +237,7 @@ def test_multi_token_output_is_truncated_at_the_stop_with_its_logprobs() -> None
     plan = sched.schedule()
     lp = [TokenLogprobs([t], [-0.5], [1]) for t in (10, 42, 12)]
     result = sched.update_from_output(
-        plan, ModelRunnerOutput(plan.step_id, ["r"], [[10, 42, 12]], logprobs={"r": lp})
+        plan, ModelRunnerOutput.from_lists(plan.step_id, ["r"], [[10, 42, 12]], logprobs={"r": lp})
     )
     (out,) = result.outputs
     assert out.new_token_ids == [10, 42] and out.new_logprobs == lp[:2]
@@ -255,9 +255,10 @@ def test_first_step_sends_new_request_then_cached_without_the_runners_own_sample
     assert new.num_computed_tokens == 0 and new.block_ids == [1, 2]
     assert new.output_token_ids == [] and first.num_scheduled_tokens == {"r": 20}
     second = h.step()
-    (cached,) = second.cached_requests
-    assert h.tokens["r"][:1] and cached.new_token_ids == []  # the runner has it already
-    assert cached.num_computed_tokens == 20 and cached.new_block_ids == []
+    cached = second.cached_requests
+    assert cached.req_ids == ["r"]
+    assert h.tokens["r"][:1] and cached.new_token_ids == {}  # the runner has it already
+    assert cached.num_computed_tokens == [20] and cached.new_block_ids == {}
     assert second.num_scheduled_tokens == {"r": 1}
     h.run()
     # Finished ids wait for the next step that computes tokens (an empty step
@@ -272,11 +273,11 @@ def test_runner_that_drops_a_request_is_an_error() -> None:
     sched = Scheduler(make_config())
     sched.add_request(make_request("r", 4))
     plan = sched.schedule()
-    with pytest.raises(ValueError, match="returned 0 samples for 0 ids; step 1 scheduled 1"):
-        sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, [], []))
+    with pytest.raises(ValueError, match="returned 0 sample counts for 0 ids; step 1 scheduled 1"):
+        sched.update_from_output(plan, ModelRunnerOutput.from_lists(plan.step_id, [], []))
     plan = sched.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
-        sched.update_from_output(plan, ModelRunnerOutput(plan.step_id, ["r"], [[]]))
+        sched.update_from_output(plan, ModelRunnerOutput.from_lists(plan.step_id, ["r"], [[]]))
 
 
 def test_logprobs_and_num_cached_tokens_pass_through() -> None:
@@ -309,7 +310,7 @@ def test_decodes_first_then_prefill_within_the_remaining_budget() -> None:
     h.add(make_request("b", 40, max_tokens=5))
     plan = h.step()
     assert plan.num_scheduled_tokens == {"a": 1, "b": 31}
-    assert [c.request_id for c in plan.cached_requests] == ["a"]
+    assert plan.cached_requests.req_ids == ["a"]
     assert [n.request_id for n in plan.new_requests] == ["b"]
     assert "b" not in h.tokens  # a partial chunk samples nothing
     plan = h.step()
@@ -324,7 +325,7 @@ def test_chunked_prefill_of_a_long_prompt() -> None:
     assert chunks == [32, 32, 32, 4]
     assert [len(r.outputs) for r in h.results] == [0, 0, 0, 1]
     assert all(p.total_num_scheduled_tokens <= 32 for p in h.plans)
-    assert h.plans[1].cached_requests[0].new_token_ids == []
+    assert h.plans[1].cached_requests.new_token_ids == {}
     h.run()
     assert len(h.tokens["r"]) == 2
 
@@ -414,7 +415,7 @@ def test_priority_preemption_takes_the_lowest_priority_even_if_scheduled_earlier
     # planned this step, is the lowest priority and gives way.
     plan = h.step()
     assert plan.num_scheduled_tokens == {"hi": 1}
-    assert plan.cached_requests[0].new_block_ids != []
+    assert plan.cached_requests.req_ids == ["hi"] and plan.cached_requests.new_block_ids["hi"]
     h.run()
     victims = [rid for p in h.plans for rid in p.preempted_req_ids]
     assert victims and set(victims) == {"lo"}

@@ -74,11 +74,13 @@ class FakeRunner:
                 new.num_computed_tokens,
                 list(new.block_ids),
             )
-        for cached in out.cached_requests:
-            mirror = self.reqs[cached.request_id]
-            assert mirror.num_computed == cached.num_computed_tokens
-            mirror.tokens += cached.new_token_ids
-            mirror.block_ids += cached.new_block_ids
+        cached = out.cached_requests
+        assert set(cached.new_token_ids) | set(cached.new_block_ids) <= set(cached.req_ids)
+        for request_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            mirror = self.reqs[request_id]
+            assert mirror.num_computed == num_computed
+            mirror.tokens += cached.new_token_ids.get(request_id, [])
+            mirror.block_ids += cached.new_block_ids.get(request_id, [])
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         for request_id, n in out.num_scheduled_tokens.items():
@@ -93,7 +95,7 @@ class FakeRunner:
                 sampled.append([token])
             else:
                 sampled.append([])
-        return ModelRunnerOutput(out.step_id, req_ids, sampled)
+        return ModelRunnerOutput.from_lists(out.step_id, req_ids, sampled)
 
 
 class SchedulerMachine(RuleBasedStateMachine):

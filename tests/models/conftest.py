@@ -226,7 +226,7 @@ class MiniScheduler:
 
     def step(self) -> None:
         new: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
+        cached = CachedRequestData()
         scheduled: dict[str, int] = {}
         for req in self.running.values():
             n = len(req.tokens) - req.num_computed
@@ -245,11 +245,12 @@ class MiniScheduler:
                 )  # fmt: skip
                 req.sent = True
             else:
-                cached.append(
-                    CachedRequestData(
-                        req.req_id, req.pending_tokens, req.pending_blocks, req.num_computed
-                    )
-                )
+                cached.req_ids.append(req.req_id)
+                cached.num_computed_tokens.append(req.num_computed)
+                if req.pending_tokens:
+                    cached.new_token_ids[req.req_id] = req.pending_tokens
+                if req.pending_blocks:
+                    cached.new_block_ids[req.req_id] = req.pending_blocks
             req.pending_tokens, req.pending_blocks = [], []
             scheduled[req.req_id] = n
         out = self.runner.execute(
@@ -266,7 +267,7 @@ class MiniScheduler:
         self.step_id += 1
         self.finished_ids, self.preempted_ids = [], []
         assert out.req_ids == list(scheduled)
-        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+        for req_id, sampled in zip(out.req_ids, out.sampled_lists()):
             req = self.running[req_id]
             req.num_computed += scheduled[req_id]
             req.prompt_logprobs.extend(out.prompt_logprobs.get(req_id, []))

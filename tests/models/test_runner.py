@@ -20,7 +20,8 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _step(step_id: int, new: list[NewRequestData], cached: list[CachedRequestData], sched: dict[str, int], **kw: Any) -> SchedulerOutput:  # fmt: skip
+def _step(step_id: int, new: list[NewRequestData], cached: CachedRequestData | None, sched: dict[str, int], **kw: Any) -> SchedulerOutput:  # fmt: skip
+    cached = CachedRequestData() if cached is None else cached
     return SchedulerOutput(step_id, new, cached, sched, sum(sched.values()), **kw)
 
 
@@ -61,22 +62,22 @@ def test_partial_prefill_samples_nothing(llama: Any, make_runner: Callable[..., 
     runner = make_runner(llama)
     prompt = _prompt(20)
     new = NewRequestData("a", prompt, GREEDY, [0, 1], 0)
-    out = runner.execute(_step(0, [new], [], {"a": 12}))
-    assert out.req_ids == ["a"] and out.sampled_token_ids == [[]]
-    out = runner.execute(_step(1, [], [CachedRequestData("a", [], [], 12)], {"a": 8}))
-    assert len(out.sampled_token_ids[0]) == 1
+    out = runner.execute(_step(0, [new], None, {"a": 12}))
+    assert out.req_ids == ["a"] and out.num_sampled == [0] and out.sampled_token_ids == []
+    out = runner.execute(_step(1, [], CachedRequestData(["a"], [12]), {"a": 8}))
+    assert out.num_sampled == [1] and len(out.sampled_token_ids) == 1
 
 
 def test_inconsistent_steps_are_clear_errors(llama: Any, make_runner: Callable[..., Any]) -> None:
     runner = make_runner(llama)
     new = NewRequestData("a", _prompt(20), GREEDY, [0], 0)
     with pytest.raises(ValueError, match="blocks hold 16 tokens, 20 scheduled"):
-        runner.execute(_step(0, [new], [], {"a": 20}))
+        runner.execute(_step(0, [new], None, {"a": 20}))
     new = NewRequestData("b", _prompt(5), GREEDY, [1], 0)
     with pytest.raises(ValueError, match="only 5 tokens are known"):
-        runner.execute(_step(1, [new], [], {"b": 6}))
+        runner.execute(_step(1, [new], None, {"b": 6}))
     with pytest.raises(KeyError, match="nope"):
-        runner.execute(_step(2, [], [], {"nope": 1}))
+        runner.execute(_step(2, [], None, {"nope": 1}))
 
 
 def test_finished_and_preempted_state_is_dropped(
@@ -91,7 +92,7 @@ def test_finished_and_preempted_state_is_dropped(
     assert sorted(runner.held_requests()) == ["a", "b"]
     sched.step()  # tells the runner that "a" finished
     assert runner.held_requests() == ["b"]
-    runner.execute(_step(9, [], [], {}, preempted_req_ids=["b"]))
+    runner.execute(_step(9, [], None, {}, preempted_req_ids=["b"]))
     assert runner.held_requests() == []
 
 
@@ -159,7 +160,7 @@ def test_sleep_wake_round_trip(
     runner.sleep(level)
     assert runner.sleeping and runner.kv_caches == []
     with pytest.raises(RuntimeError, match="asleep"):
-        runner.execute(_step(0, [], [], {}))
+        runner.execute(_step(0, [], None, {}))
     if level == 2:
         assert all(p.numel() == 0 for p in runner.model.parameters())
         runner.wake_up(["kv_cache"])

@@ -92,9 +92,9 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])
     batch, rows = _batch([params])
     assert sample(logits[None].clone(), batch.sampling_metadata(rows)).sampled.tolist() == [0]
-    batch.update(CachedRequestData("r0", [1], [], 1))
+    batch.update(CachedRequestData(["r0"], [1], new_token_ids={"r0": [1]}))
     assert sample(logits[None].clone(), batch.sampling_metadata(rows)).sampled.tolist() == [0]
-    batch.update(CachedRequestData("r0", [1], [], 2))
+    batch.update(CachedRequestData(["r0"], [2], new_token_ids={"r0": [1]}))
     assert sample(logits[None].clone(), batch.sampling_metadata(rows)).sampled.tolist() == [EOS]
 
 
@@ -115,7 +115,7 @@ def test_penalties_match_hand_computed_logits() -> None:
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.3, frequency_penalty=0.5)
     # prompt has tokens 1 and 2; outputs so far: 2, 4, 4 (and 4 arrives later as a delta)
     batch, rows = _batch([params], prompts=[[1, 2, 1]], outputs=[[2, 4]])
-    batch.update(CachedRequestData("r0", [4], [], 5))
+    batch.update(CachedRequestData(["r0"], [5], new_token_ids={"r0": [4]}))
     md = batch.sampling_metadata(rows)
     assert md.penalties is not None
     got = logits.clone()
@@ -152,7 +152,8 @@ def test_seeded_requests_reproducible_whatever_the_batch() -> None:
             token = sample(step_logits, batch.sampling_metadata(rows)).sampled[position].item()
             drawn.append(int(token))
             for i in range(len(params)):
-                batch.update(CachedRequestData(f"r{i}", [int(token)], [], step + 1))
+                news = {f"r{i}": [int(token)]}
+                batch.update(CachedRequestData([f"r{i}"], [step + 1], new_token_ids=news))
         runs.append(drawn)
     assert runs[0] == runs[1] == runs[2]
 
@@ -176,7 +177,8 @@ def test_seeded_draws_depend_on_seed_and_output_position() -> None:
         tokens = sample(flat.clone(), batch.sampling_metadata(rows)).sampled.tolist()
         for i in range(2):
             seqs[i].append(tokens[i])
-            batch.update(CachedRequestData(f"r{i}", [tokens[i]], [], step + 1))
+            news = {f"r{i}": [tokens[i]]}
+            batch.update(CachedRequestData([f"r{i}"], [step + 1], new_token_ids=news))
     assert seqs[0] != seqs[1]
     assert len(set(seqs[0])) > 1  # later positions draw afresh
 

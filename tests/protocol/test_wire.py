@@ -194,12 +194,14 @@ new_request = st.builds(
     lora_request=optional(lora_request),
     pooling_params=optional(pooling_params),
 )
-cached_request = st.builds(
-    CachedRequestData,
-    request_id=text,
-    new_token_ids=token_ids,
-    new_block_ids=token_ids,
-    num_computed_tokens=small,
+cached_request = st.lists(st.tuples(text, small), max_size=4).flatmap(
+    lambda rows: st.builds(
+        CachedRequestData,
+        req_ids=st.just([r for r, _ in rows]),
+        num_computed_tokens=st.just([n for _, n in rows]),
+        new_block_ids=st.dictionaries(text, token_ids, max_size=2),
+        new_token_ids=st.dictionaries(text, token_ids, max_size=2),
+    )
 )
 scheduler_stats = st.builds(
     SchedulerStats,
@@ -275,7 +277,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         SchedulerOutput,
         step_id=small,
         new_requests=st.lists(new_request, max_size=3),
-        cached_requests=st.lists(cached_request, max_size=3),
+        cached_requests=cached_request,
         num_scheduled_tokens=st.dictionaries(text, small, max_size=4),
         total_num_scheduled_tokens=small,
         finished_req_ids=st.lists(text, max_size=3),
@@ -290,10 +292,11 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     ),
     TokenLogprobs: token_logprobs,
     ModelRunnerOutput: st.builds(
-        ModelRunnerOutput,
+        lambda step_id, samples, **fields: ModelRunnerOutput.from_lists(
+            step_id, [r for r, _ in samples], [t for _, t in samples], **fields
+        ),
         step_id=small,
-        req_ids=st.lists(text, max_size=4),
-        sampled_token_ids=st.lists(token_ids, max_size=4),
+        samples=st.lists(st.tuples(text, token_ids), max_size=4),
         logprobs=st.dictionaries(text, st.lists(token_logprobs, max_size=2), max_size=2),
         prompt_logprobs=st.dictionaries(
             text, st.lists(optional(token_logprobs), max_size=2), max_size=2
@@ -473,7 +476,8 @@ def test_mutated_frames_raise_only_wire_error(obj: object, data: st.DataObject) 
 
 
 def test_every_truncation_is_rejected() -> None:
-    frame = encode(SchedulerOutput(1, [], [CachedRequestData("r", [1], [2], 3)], {"r": 1}, 1))
+    cached = CachedRequestData(["r"], [3], {"r": [2]}, {"r": [1]})
+    frame = encode(SchedulerOutput(1, [], cached, {"r": 1}, 1))
     for end in range(len(frame)):
         with pytest.raises(WireError, match="malformed frame"):
             decode(frame[:end])
@@ -566,7 +570,7 @@ def test_nested_error_names_the_path() -> None:
     requests = [
         NewRequestData(f"r{i}", [1, 2], SamplingParams(top_p=0.5), [0], 0) for i in range(3)
     ]
-    payload = _payload(SchedulerOutput(1, requests, [], {}, 0))
+    payload = _payload(SchedulerOutput(1, requests, CachedRequestData(), {}, 0))
     payload[1][2][2]["top_p"] = "high"
     with pytest.raises(WireError) as caught:
         decode(_frame(_tag(SchedulerOutput), payload))
@@ -576,9 +580,10 @@ def test_nested_error_names_the_path() -> None:
 
 
 def test_error_path_through_dicts_and_optionals() -> None:
-    payload = _payload(ModelRunnerOutput(1, ["a"], [[1]], {"a": [TokenLogprobs([1], [-0.5], [1])]}))
-    payload[3]["a"][0][1][0] = "x"
-    with pytest.raises(WireError, match=r"Expected `float`, got `str` - at `\$\[3\]\[\.\.\.\]"):
+    logprobs = {"a": [TokenLogprobs([1], [-0.5], [1])]}
+    payload = _payload(ModelRunnerOutput(1, ["a"], [1], [1], logprobs))
+    payload[4]["a"][0][1][0] = "x"
+    with pytest.raises(WireError, match=r"Expected `float`, got `str` - at `\$\[4\]\[\.\.\.\]"):
         decode(_frame(_tag(ModelRunnerOutput), payload))
     payload = _payload(CompletionOutput(0, "", [], logprobs=[{5: Logprob(-1.0)}]))
     payload["logprobs"][0] = {"5": payload["logprobs"][0][5]}
@@ -731,3 +736,28 @@ def test_frame_header_limits() -> None:
     for bad_id in (-1, 2**64):
         with pytest.raises(WireError, match="frame id must be in 0 .. 2\\*\\*64-1"):
             frame_header(1, bad_id)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        (2, [1, 1], "num_sampled: 2 entries for 1 req_ids"),  # a count per request
+        (2, [2], "add up to the 1 sampled_token_ids"),  # counts past the flat list
+        (2, [-1], "add up to the 1 sampled_token_ids"),
+        (3, [], "add up to the 0 sampled_token_ids"),  # tokens missing
+    ],
+)
+def test_runner_output_whose_counts_do_not_match_its_tokens_is_rejected(
+    field: int, value: list[int], reason: str
+) -> None:
+    payload = _payload(ModelRunnerOutput(1, ["a"], [1], [7]))
+    payload[field] = value
+    with pytest.raises(WireError, match=reason):
+        decode(_frame(_tag(ModelRunnerOutput), payload))
+
+
+def test_cached_requests_need_one_computed_count_per_id() -> None:
+    payload = _payload(CachedRequestData(["a", "b"], [3, 4]))
+    payload[1] = [3]
+    with pytest.raises(WireError, match="num_computed_tokens: 1 entries for 2 req_ids"):
+        decode(_frame(_tag(CachedRequestData), payload))
