@@ -170,7 +170,7 @@ def test_end_of_input_is_a_clean_exit() -> None:
 
 def _step(step_id: int, *, follows: bool) -> m.SchedulerOutput:
     new = [m.NewRequestData("r", [1, 2], SamplingParams(), [1], 0)] if step_id == 1 else []
-    cached = [] if step_id == 1 else [m.CachedRequestData("r", [], [], 2)]
+    cached = m.CachedRequestData() if step_id == 1 else m.CachedRequestData(["r"], [2])
     tokens = {"r": 2 if step_id == 1 else 1}
     return m.SchedulerOutput(
         step_id, new, cached, tokens, sum(tokens.values()), grammar_bitmask_follows=follows
@@ -201,7 +201,7 @@ def test_a_step_whose_bitmask_follows_is_answered_through_its_bitmask() -> None:
     assert answers[1][1] == m.HealthPong(7, 1.0)
     first, second = answers[2][1], answers[3][1]
     assert isinstance(first, m.ModelRunnerOutput) and first.step_id == 1
-    assert first.req_ids == ["r"] and len(first.sampled_token_ids[0]) == 1
+    assert first.req_ids == ["r"] and first.num_sampled == [1]
     assert isinstance(second, m.ModelRunnerOutput) and second.step_id == 2
 
 
