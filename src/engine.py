@@ -360,6 +360,33 @@ class AsyncEngine(EngineClient):
             **stream._render_options,
         )
 
+    async def render_chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Chat messages as a ready prompt ``{"prompt", "prompt_token_ids"}`` for
+        ``generate``, rendered with the chat template (``chat_template``, else the
+        tokenizer's); ``tools`` and ``template_kwargs`` reach the template.
+
+        A checkpoint. A large chat renders in a worker thread, so it never
+        stalls other streams; cancelling the caller then drops the render (see
+        ``Frontend.render_chat_prompt``). Bad messages or a failing template
+        raise ValidationError naming the field. Works on a dead engine too: it
+        is the tokenizer's work only.
+        """
+        return await self.frontend.render_chat_prompt(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+
     def _release(self, request_id: str, engine_id: str) -> None:
         """Forget a request whose stream has ended (only this one: not a later namesake)."""
         self.frontend.release(request_id, engine_id)

@@ -270,6 +270,43 @@ def gate_steps() -> Any:
     return StepGate
 
 
+# -- holding a render in its worker thread (a test double around the real tokenizer) ----
+
+import copy  # noqa: E402
+import threading  # noqa: E402
+
+
+class HeldTokenizer:
+    """Test double: a real tokenizer whose ``encode`` first tells the test it has
+    started (from a worker thread, into trio: ``entered``) and then waits until the
+    test sets ``release``. On the event-loop thread it raises (``trio.from_thread``
+    refuses it), so a render that should have gone to a thread fails."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.entered = trio.Event()
+        self.release = threading.Event()
+        self.finished = threading.Event()
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        # Raises RuntimeError on the event-loop thread: only a worker thread may get here.
+        trio.from_thread.run_sync(self.entered.set)
+        try:
+            assert self.release.wait(timeout=30), "never released"
+            return self._inner.encode(text, **kwargs)
+        finally:
+            self.finished.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@pytest.fixture
+def held_tokenizer(toy_tokenizer: PreTrainedTokenizerBase) -> HeldTokenizer:
+    """A copy of the toy tokenizer whose ``encode`` holds (``HeldTokenizer``)."""
+    return HeldTokenizer(copy.deepcopy(toy_tokenizer))
+
+
 # -- LoRA adapters on the toy model (made by peft, the fidelity reference) ---------------
 
 

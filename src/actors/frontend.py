@@ -13,6 +13,10 @@ output slot. Two paths go through it:
   and hands the finishes it decides (stop strings, a failed sibling) back to
   the engine core.
 
+``render_chat_prompt`` renders a chat template the same way (inline when the
+chat is small, in the worker thread when it is large) for the server, which
+then gives the rendered prompt to ``add_request``.
+
 A request is known to the caller by its own id and below the front end by an
 engine id (``f"{request_id}-{n}"``, unique for the engine's life), so a
 caller's id is free again the moment its stream ends, whatever is still in
@@ -28,7 +32,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -40,6 +44,8 @@ from .engine_core import AddRequests, CoreMessage, FinishRequests
 from .output_slot import OutputSlot
 from .renderer import PromptType, RenderedPrompt, Renderer
 from .stats import StepStats
+
+_T = TypeVar("_T")
 
 INLINE_MAX_PROMPT_CHARS = 4096
 """A text prompt longer than this is tokenized in a worker thread. Tokenizing
@@ -65,6 +71,36 @@ def renders_inline(prompt: PromptType) -> bool:
         text = prompt.get("prompt")
         return not isinstance(text, str) or len(text) <= INLINE_MAX_PROMPT_CHARS
     return not isinstance(prompt, Sequence) or len(prompt) <= INLINE_MAX_PROMPT_TOKENS
+
+
+def chat_renders_inline(messages: object) -> bool:
+    """Whether a chat is small enough to render on the event-loop thread.
+
+    The measure is the characters of its messages' roles and contents (a
+    string, or the text of each text part) against ``INLINE_MAX_PROMPT_CHARS``:
+    the template's output is about that long and is tokenized whole. Counting
+    the roles makes many empty messages count too. Not counted: the
+    template's own text, ``tools`` and tool calls (bounded by the request
+    body's size). Messages that are not a list of mappings render inline
+    (an error to report: cheap).
+    """
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+        return True
+    total = 0
+    for message in messages:
+        if not isinstance(message, Mapping):
+            return True
+        role, content = message.get("role"), message.get("content")
+        total += len(role) if isinstance(role, str) else 0
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, Mapping) else None
+                total += len(text) if isinstance(text, str) else 0
+        if total > INLINE_MAX_PROMPT_CHARS:
+            return False
+    return True
 
 
 def thread_renderer(renderer: Renderer) -> Renderer:
@@ -101,8 +137,8 @@ class Frontend:
     ``offload_renderer`` (default: ``thread_renderer(renderer)``, built on
     first use).
 
-    All methods but ``add_request`` and ``deliver`` are synchronous and never
-    block. Once ``fail_all`` has run (the engine died or shut down), nothing is
+    All methods but ``add_request``, ``render_chat_prompt`` and ``deliver``
+    are synchronous and never block. Once ``fail_all`` has run (the engine died or shut down), nothing is
     sent to the engine core any more and ``add_request`` raises that error.
     """
 
@@ -239,9 +275,50 @@ class Frontend:
             return None
         return rendered, requests
 
-    def _render_offloaded(
-        self, render: Callable[[Renderer], tuple[RenderedPrompt, list[m.EngineRequest]]]
-    ) -> tuple[RenderedPrompt, list[m.EngineRequest]]:
+    async def render_chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """``Renderer.render_chat_prompt`` in the caller's task: the chat as a ready
+        prompt ``{"prompt", "prompt_token_ids"}``. A checkpoint.
+
+        A chat too large for the event-loop thread (``chat_renders_inline``)
+        renders in a worker thread with the thread renderer, under the limiter
+        of ``add_request``'s large prompts. Raises what the renderer raises
+        (ValidationError naming the field: a bad message, a failing template);
+        ``Cancelled`` if the caller is cancelled while the chat renders in its
+        thread (the thread's result is dropped; it reads ``messages`` until it
+        ends). Registers nothing, and works after ``fail_all`` too: it is the
+        tokenizer's work only.
+        """
+
+        def render(renderer: Renderer) -> dict[str, Any]:
+            return renderer.render_chat_prompt(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
+
+        if not chat_renders_inline(messages):
+            return await trio.to_thread.run_sync(
+                self._render_offloaded,
+                render,
+                abandon_on_cancel=True,
+                limiter=self._offload_limiter,
+            )
+        await trio.lowlevel.checkpoint_if_cancelled()
+        prompt = render(self.renderer)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return prompt
+
+    def _render_offloaded(self, render: Callable[[Renderer], _T]) -> _T:
         """``render`` with the thread's own renderer. Runs in a worker thread, one at a time."""
         if self.offload_renderer is None:
             self.offload_renderer = thread_renderer(self.renderer)

@@ -432,9 +432,8 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
         constraint = tools.constraint
     if constraint is not None:
         parsed.params = parsed.params.clone(structured_outputs=constraint)
-    renderer = state.engine.renderer
     prompt = schemas.with_cache_salt(
-        renderer.render_chat_prompt(
+        await state.engine.render_chat_prompt(
             [message.for_template() for message in typed.messages],
             add_generation_prompt=parsed.add_generation_prompt,
             chat_template=typed.chat_template or settings.chat_template,
@@ -577,12 +576,11 @@ async def tokenize(request: Request, state: ServingState) -> None:
     """``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` -> tokens, count, max_model_len."""
     body = await request.json(state.settings.max_body_bytes)
     check_model(state, schemas.check_str("model", body["model"]) if body.get("model") else None)
-    renderer = state.engine.renderer
     if body.get("messages") is not None:
         messages = schemas.parse_messages(body["messages"])
         add_generation_prompt = body.get("add_generation_prompt", True)
         schemas.check_bool("add_generation_prompt", add_generation_prompt)
-        rendered = renderer.render_chat_prompt(
+        rendered = await state.engine.render_chat_prompt(
             messages, add_generation_prompt=add_generation_prompt
         )
         tokens = rendered["prompt_token_ids"]
@@ -590,7 +588,7 @@ async def tokenize(request: Request, state: ServingState) -> None:
         text = schemas.check_str("prompt", body["prompt"])
         add_special_tokens = body.get("add_special_tokens", True)
         schemas.check_bool("add_special_tokens", add_special_tokens)
-        tokens = renderer.encode(text, add_special_tokens=add_special_tokens)
+        tokens = state.engine.renderer.encode(text, add_special_tokens=add_special_tokens)
     else:
         raise ValidationError("prompt", "give 'prompt' or 'messages'")
     result = {

@@ -142,6 +142,9 @@ class GenerateRequest:
     priority: int
     encoding: Encoding
     lora_request: LoRARequest | None = None  # the adapter the frame's ``model`` names
+    messages: list[dict[str, Any]] | None = None
+    """A chat, rendered by the request's own task (a large one takes a while); ``prompt``
+    then holds the fields the rendered chat is completed with (``cache_salt``)."""
 
 
 def parse_generate(
@@ -165,6 +168,7 @@ def parse_generate(
     if len(given) != 1:
         raise invalid("prompt", "give exactly one of 'prompt', 'prompt_token_ids', 'messages'")
     prompt: str | dict[str, Any]
+    messages = None
     try:
         if given[0] == "prompt":
             if not isinstance(frame["prompt"], str):
@@ -173,7 +177,7 @@ def parse_generate(
         elif given[0] == "prompt_token_ids":
             prompt = {"prompt_token_ids": frame["prompt_token_ids"]}
         else:
-            prompt = state.engine.renderer.render_chat_prompt(parse_messages(frame["messages"]))
+            messages, prompt = parse_messages(frame["messages"]), {}
     except ValidationError as exc:
         raise FrameError.invalid(exc, request_id) from None
     salt = frame.get("cache_salt")
@@ -222,7 +226,7 @@ def parse_generate(
         raise FrameError(
             "model_not_found", exc.message, request_id=request_id, param="model"
         ) from None
-    return GenerateRequest(request_id, prompt, params, priority, encoding, lora)
+    return GenerateRequest(request_id, prompt, params, priority, encoding, lora, messages)
 
 
 def embed_request_id(frame: Mapping[str, Any]) -> str:
@@ -363,6 +367,7 @@ class Connection:
         self.authed = authed
         self._live: dict[str, str] = {}  # client request id -> engine request id
         self._embeds: dict[str, trio.CancelScope] = {}  # live embed requests: abort cancels
+        self._rendering: dict[str, bool] = {}  # chats being rendered -> abort asked meanwhile
 
     async def run(self) -> None:
         """Read frames until the connection closes; then cancel (abort) every request."""
@@ -456,13 +461,27 @@ class Connection:
         embed = self._embeds.get(rid) if isinstance(rid, str) else None
         if embed is not None:  # its task aborts its engine requests and answers
             embed.cancel()
-        if engine_id is None or embed is not None:
-            await trio.lowlevel.checkpoint()
+        elif isinstance(rid, str) and rid in self._rendering:  # its task aborts once submitted
+            self._rendering[rid] = True
+        elif engine_id is not None:
+            try:
+                await self.state.engine.abort(engine_id)
+            except EngineDeadError:
+                pass  # the request's own task reports the death
             return
+        await trio.lowlevel.checkpoint()
+
+    async def _render_chat(
+        self, rid: str, messages: list[dict[str, Any]], fields: dict[str, Any]
+    ) -> tuple[dict[str, Any], bool]:
+        """The chat rendered as a prompt with ``fields`` added, and whether an ``abort``
+        came meanwhile. Raises what ``AsyncEngine.render_chat_prompt`` raises."""
+        self._rendering[rid] = False
         try:
-            await self.state.engine.abort(engine_id)
-        except EngineDeadError:
-            pass  # the request's own task reports the death
+            rendered = await self.state.engine.render_chat_prompt(messages)
+        finally:
+            abort_asked = self._rendering.pop(rid)
+        return {**rendered, **fields}, abort_asked
 
     async def _serve(self, request: GenerateRequest) -> None:
         rid, encoding = request.request_id, request.encoding
@@ -473,14 +492,20 @@ class Connection:
         error: FrameError | None = None
         try:
             with self.state.track(engine_id, [engine_id]) as live:
+                prompt, abort_asked = request.prompt, False
+                if request.messages is not None:
+                    assert isinstance(prompt, dict)
+                    prompt, abort_asked = await self._render_chat(rid, request.messages, prompt)
                 stream = self.state.engine.generate(
-                    request.prompt,
+                    prompt,
                     request.params,
                     engine_id,
                     priority=request.priority,
                     lora_request=request.lora_request,
                 )
                 async with stream:
+                    if abort_asked:
+                        await self.state.engine.abort(engine_id)
                     async for output in stream:
                         prompt_tokens = len(output.prompt_token_ids or ())
                         completion_tokens += sum(len(c.token_ids) for c in output.outputs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from legato.actors.frontend import (
     INLINE_MAX_PROMPT_CHARS,
     INLINE_MAX_PROMPT_TOKENS,
     Frontend,
+    chat_renders_inline,
     renders_inline,
     thread_renderer,
 )
@@ -41,6 +41,8 @@ from legato.protocol.params import RequestOutputKind, SamplingParams
 DELTA = RequestOutputKind.DELTA
 BIG_PROMPT = "the " * 1100  # 4,400 characters (rendered in a thread), 1,102 toy tokens
 assert len(BIG_PROMPT) > INLINE_MAX_PROMPT_CHARS
+BIG_CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": BIG_PROMPT}]
+SMALL_CHAT = [{"role": "user", "content": "hello there"}]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -50,29 +52,6 @@ def greedy(max_tokens: int) -> SamplingParams:
         ignore_eos=True,
         output_kind=DELTA,
     )
-
-
-class HeldTokenizer:
-    """Test double: the real tokenizer, whose ``encode`` first tells the test it has
-    started (from the worker thread, into trio) and then waits until released."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.entered = trio.Event()
-        self.release = threading.Event()
-        self.finished = threading.Event()
-
-    def encode(self, text: str, **kwargs: Any) -> Any:
-        # Raises RuntimeError on the event-loop thread: only a worker thread may get here.
-        trio.from_thread.run_sync(self.entered.set)
-        try:
-            assert self.release.wait(timeout=30), "never released"
-            return self._inner.encode(text, **kwargs)
-        finally:
-            self.finished.set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 @dataclass
@@ -179,13 +158,13 @@ async def test_a_request_is_registered_in_the_callers_task_when_add_request_retu
 
 
 async def test_a_large_prompt_renders_in_a_thread_while_other_streams_run(
-    toy_model_dir: Path, toy_tokenizer: Any
+    toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
 ) -> None:
     """While a big prompt is held mid-render (in its thread), another request is
     rendered, run and finished; the big one then completes with the right tokens.
     Rendered on the event-loop thread, the held tokenizer raises (no trio thread)
     and the big request fails instead."""
-    held = HeldTokenizer(copy.deepcopy(toy_tokenizer))
+    held = held_tokenizer
     async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held) as rig:
         frontend = rig.frontend
         big_slot = OutputSlot(DELTA)
@@ -209,9 +188,9 @@ async def test_a_large_prompt_renders_in_a_thread_while_other_streams_run(
 
 
 async def test_a_caller_cancelled_while_its_prompt_renders_registers_nothing(
-    toy_model_dir: Path, toy_tokenizer: Any
+    toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
 ) -> None:
-    held = HeldTokenizer(copy.deepcopy(toy_tokenizer))
+    held = held_tokenizer
     async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held) as rig:
         frontend = rig.frontend
         with trio.CancelScope() as scope:
@@ -240,9 +219,9 @@ async def test_a_caller_cancelled_while_its_prompt_renders_registers_nothing(
 
 
 async def test_an_abort_while_the_prompt_renders_ends_the_request_as_abort(
-    toy_model_dir: Path, toy_tokenizer: Any
+    toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
 ) -> None:
-    held = HeldTokenizer(copy.deepcopy(toy_tokenizer))
+    held = held_tokenizer
     async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held) as rig:
         frontend = rig.frontend
         slot = OutputSlot(DELTA)
@@ -286,9 +265,9 @@ async def test_a_prompt_that_fails_to_render_fails_that_request_alone(
 
 
 async def test_after_fail_all_streams_and_new_requests_get_the_error(
-    toy_model_dir: Path, toy_tokenizer: Any
+    toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
 ) -> None:
-    held = HeldTokenizer(copy.deepcopy(toy_tokenizer))
+    held = held_tokenizer
     async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held) as rig:
         frontend = rig.frontend
         open_slot = OutputSlot(DELTA)
@@ -320,6 +299,91 @@ async def test_after_fail_all_streams_and_new_requests_get_the_error(
         assert len(rig.sent) == sent  # nothing reaches a dead core
 
 
+# ------------------------------------------------------------------ chat templates
+
+
+async def test_a_large_chat_renders_in_a_thread_while_other_streams_run(
+    toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
+) -> None:
+    """While a big chat is held mid-render (in its thread), another request is rendered,
+    run and finished; the chat then renders as the renderer renders it. Rendered on the
+    event-loop thread, the held tokenizer raises and the chat fails instead."""
+    async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held_tokenizer) as rig:
+        frontend = rig.frontend
+        rendered: list[dict[str, Any]] = []
+
+        async def render_big() -> None:
+            rendered.append(await frontend.render_chat_prompt(BIG_CHAT))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(render_big)
+            with trio.fail_after(30):
+                await held_tokenizer.entered.wait()
+            other = await run_one(frontend, "other", "a small prompt", greedy(8))
+            assert len(tokens(other)) == 8 and other[-1].finished
+            assert not rendered  # still rendering
+            held_tokenizer.release.set()
+        assert rendered == [frontend.renderer.render_chat_prompt(BIG_CHAT)]
+        assert BIG_PROMPT in rendered[0]["prompt"] and len(rendered[0]["prompt_token_ids"]) > 1100
+        assert rig.added() == ["other-1"]  # rendering a chat registers nothing
+
+
+async def test_a_small_chat_renders_inline(
+    toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
+) -> None:
+    async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held_tokenizer) as rig:
+        frontend = rig.frontend
+        with trio.fail_after(10):  # in the thread, the held tokenizer would wait here
+            prompt = await frontend.render_chat_prompt(SMALL_CHAT, add_generation_prompt=False)
+        assert prompt == frontend.renderer.render_chat_prompt(
+            SMALL_CHAT, add_generation_prompt=False
+        )
+        assert not held_tokenizer.entered.is_set() and not held_tokenizer.finished.is_set()
+
+
+async def test_a_caller_cancelled_while_its_chat_renders_gets_cancelled_at_once(
+    toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
+) -> None:
+    async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held_tokenizer) as rig:
+        frontend = rig.frontend
+        with trio.CancelScope() as scope:
+
+            async def cancel_once_rendering() -> None:
+                await held_tokenizer.entered.wait()
+                scope.cancel()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_once_rendering)
+                await frontend.render_chat_prompt(BIG_CHAT)
+                pytest.fail("render_chat_prompt returned although its caller was cancelled")
+        assert scope.cancelled_caught
+        assert not held_tokenizer.finished.is_set()  # the abandoned thread is still held
+        # Small chats and prompts go on meanwhile.
+        small = await frontend.render_chat_prompt(SMALL_CHAT)
+        assert small == frontend.renderer.render_chat_prompt(SMALL_CHAT)
+        assert (await run_one(frontend, "after", "short", greedy(2)))[-1].finished
+        held_tokenizer.release.set()
+        await trio.to_thread.run_sync(held_tokenizer.finished.wait)
+        # The thread is free again (the limiter's token came back): the next big chat renders.
+        with trio.fail_after(30):
+            again = await frontend.render_chat_prompt(BIG_CHAT)
+        assert again == frontend.renderer.render_chat_prompt(BIG_CHAT)
+
+
+async def test_a_large_chat_whose_template_fails_raises_the_field_as_inline(
+    toy_model_dir: Path, toy_tokenizer: Any
+) -> None:
+    bad = "{{ raise_exception('no chats here') }}"
+    async with open_rig(toy_model_dir, toy_tokenizer) as rig:
+        for chat in (SMALL_CHAT, BIG_CHAT):
+            with pytest.raises(ValidationError, match="messages: chat template failed") as caught:
+                await rig.frontend.render_chat_prompt(chat, chat_template=bad)
+            assert caught.value.field == "messages"
+        with pytest.raises(ValidationError) as caught:
+            await rig.frontend.render_chat_prompt([*BIG_CHAT, {"content": "no role"}])
+        assert caught.value.field == "messages[2]"
+
+
 # ------------------------------------------------------------------ the threshold
 
 
@@ -332,6 +396,20 @@ def test_renders_inline_by_size() -> None:
     assert renders_inline({"prompt_token_ids": ids, "prompt": over})  # the ids are what is checked
     assert not renders_inline({"prompt_token_ids": more_ids})
     assert renders_inline({"neither": 1})  # an error to report: cheap
+
+
+def test_chat_renders_inline_by_the_characters_of_roles_and_contents() -> None:
+    room = INLINE_MAX_PROMPT_CHARS - len("user")
+    at, over = (
+        [{"role": "user", "content": "x" * room}],
+        [{"role": "user", "content": "x" * (room + 1)}],
+    )
+    assert chat_renders_inline(at) and not chat_renders_inline(over)
+    parts = [{"type": "text", "text": "x" * (room // 2 + 1)}] * 2  # the text of each part
+    assert not chat_renders_inline([{"role": "user", "content": parts}])
+    many_empty = [{"role": "user", "content": ""}] * (INLINE_MAX_PROMPT_CHARS // 4 + 1)
+    assert not chat_renders_inline(many_empty)
+    assert chat_renders_inline("not a list") and chat_renders_inline([1, 2])  # errors: cheap
 
 
 def test_the_thread_renderer_has_a_tokenizer_of_its_own(toy_tokenizer: Any) -> None:

@@ -15,10 +15,11 @@ import trio
 import trio.testing
 
 from legato import __version__
-from legato.engine import AsyncEngine
+from legato.actors.frontend import INLINE_MAX_PROMPT_CHARS
+from legato.engine import AsyncEngine, open_engine
 from legato.server import Server
 
-from .conftest import MODEL, metric, serving, wait_kv_used, wait_until
+from .conftest import ENGINE_ARGS, MODEL, metric, serving, wait_kv_used, wait_until
 
 
 @pytest.fixture
@@ -235,6 +236,57 @@ async def test_chat_with_the_openai_client(oai: openai.AsyncOpenAI) -> None:
     assert usage is not None and usage.completion_tokens == result.usage.completion_tokens
 
 
+async def test_a_large_chat_renders_off_the_event_loop_and_answers_as_its_prompt(
+    toy_model_dir: Any, held_tokenizer: Any
+) -> None:
+    """A chat too large to render inline goes through the engine's chat path, in its
+    thread (held there, a plain request is served end to end meanwhile), and answers as
+    the same conversation given as prompt token ids; a failing template is still a 400
+    naming ``messages``. Rendered by the server on the event loop, the held tokenizer is
+    never reached and the wait for it fails."""
+    chat = [{"role": "user", "content": "the " * 1100}]
+    assert len(chat[0]["content"]) > INLINE_MAX_PROMPT_CHARS
+    args = {**ENGINE_ARGS, "max_model_len": 2048}
+    async with (
+        open_engine(str(toy_model_dir), executor="inproc", **args) as engine,
+        serving(engine) as server,
+        httpx.AsyncClient(base_url=server.http_url, timeout=30) as client,
+    ):
+        assert engine.frontend.offload_renderer is not None
+        engine.frontend.offload_renderer.tokenizer = held_tokenizer
+        greedy = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(
+                await client.post("/v1/chat/completions", json={**greedy, "messages": chat})
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            with trio.fail_after(30):
+                await held_tokenizer.entered.wait()
+            small = await client.post("/v1/completions", json={**greedy, "prompt": "hello"})
+            assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 8
+            assert not answers  # still rendering in its thread
+            held_tokenizer.release.set()
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text
+        ids = engine.renderer.render_chat_prompt(chat)["prompt_token_ids"]
+        plain = await client.post("/v1/completions", json={**greedy, "prompt": ids})
+        assert plain.status_code == 200, plain.text
+        assert answer.json()["usage"]["prompt_tokens"] == len(ids) > 1100
+        assert (
+            answer.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["text"]
+        )
+
+        bad = {**greedy, "messages": chat, "chat_template": "{{ raise_exception('no') }}"}
+        refused = await client.post("/v1/chat/completions", json=bad)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "messages"
+        assert "chat template failed" in refused.json()["error"]["message"]
+
+
 async def test_chat_logprobs_and_max_completion_tokens(oai: openai.AsyncOpenAI) -> None:
     result = await oai.chat.completions.create(
         model=MODEL,
@@ -278,9 +330,7 @@ async def test_models_version_tokenize_detokenize_metrics(client: httpx.AsyncCli
     assert "legato:kv_cache_blocks_total" in response.text
 
 
-async def assert_freed_and_reported(
-    server: Server, client: httpx.AsyncClient, gate: Any
-) -> None:
+async def assert_freed_and_reported(server: Server, client: httpx.AsyncClient, gate: Any) -> None:
     """Once the server has let go of the request, one engine step at most frees its blocks
     (the request had hundreds of tokens to go), and /metrics says so at once."""
     with trio.fail_after(10):

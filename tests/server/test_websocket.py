@@ -19,10 +19,10 @@ from trio_websocket import (
     wrap_client_stream,
 )
 
-from legato.engine import AsyncEngine
+from legato.engine import AsyncEngine, open_engine
 from legato.server import Server
 
-from .conftest import metric, serving, wait_kv_used
+from .conftest import ENGINE_ARGS, metric, serving, wait_kv_used
 
 
 @asynccontextmanager
@@ -110,6 +110,39 @@ async def test_prompt_forms_n_and_logprobs(server: Server) -> None:
     assert sum(len(f["token_ids"]) for f in frames["ids"]) == 6
     assert all(len(pos) >= 1 for f in frames["ids"] for pos in f["logprobs"])
     assert frames["chat"][-1]["usage"]["prompt_tokens"] > 3
+
+
+async def test_a_large_chat_renders_in_its_own_task_and_an_abort_meanwhile_holds(
+    toy_model_dir: Any, held_tokenizer: Any
+) -> None:
+    """A chat too large to render inline renders in its request's task, in the engine's
+    thread (held there, the connection serves other requests); an abort that comes
+    meanwhile ends it with finish_reason "abort" once it is submitted."""
+    chat = [{"role": "user", "content": "the " * 1100}]
+    args = {**ENGINE_ARGS, "max_model_len": 2048}
+    async with (
+        open_engine(str(toy_model_dir), executor="inproc", **args) as engine,
+        serving(engine) as server,
+        connect(server) as ws,
+    ):
+        assert engine.frontend.offload_renderer is not None
+        engine.frontend.offload_renderer.tokenizer = held_tokenizer
+        params = {"max_tokens": 400, "ignore_eos": True}
+        await send(
+            ws, {"type": "generate", "request_id": "big", "messages": chat, "params": params}
+        )
+        with trio.fail_after(30):
+            await held_tokenizer.entered.wait()
+        await send(ws, generate("small", max_tokens=4, ignore_eos=True))
+        frames = await collect(ws, {"small"})
+        assert frames["small"][-1]["finish_reason"] == "length" and "big" not in frames
+        await send(ws, {"type": "abort", "request_id": "big"})
+        await send(ws, generate("after-abort", max_tokens=1))  # answered: the abort was read
+        assert "big" not in await collect(ws, {"after-abort"})
+        held_tokenizer.release.set()
+        frames = await collect(ws, {"big"})
+    assert frames["big"][-1]["finish_reason"] == "abort"
+    assert sum(len(f["token_ids"]) for f in frames["big"]) < 400
 
 
 async def test_concurrent_requests_on_one_connection(server: Server) -> None:
