@@ -138,8 +138,9 @@ class Frontend:
     first use).
 
     All methods but ``add_request``, ``render_chat_prompt`` and ``deliver``
-    are synchronous and never block. Once ``fail_all`` has run (the engine died or shut down), nothing is
-    sent to the engine core any more and ``add_request`` raises that error.
+    are synchronous and never block. Once ``fail_all`` has run (the engine
+    died or shut down), nothing is sent to the engine core any more and
+    ``add_request`` raises that error.
     """
 
     def __init__(
