@@ -20,6 +20,7 @@ from .protocol import (
     RequestOutputKind,
     SamplingParams,
 )
+from .protocol.errors import ValidationError
 from .render_only import RenderOnlyClient
 from .supervise import open_supervised_engine
 
@@ -44,6 +45,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "ValidationError",
     "__version__",
     "open_engine",
     "open_supervised_engine",

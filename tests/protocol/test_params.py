@@ -300,3 +300,12 @@ def test_validation_error_renamed_keeps_type_and_reason() -> None:
         "params.structured_outputs.json",
         "params.structured_outputs.json: bad",
     )
+
+
+def test_validation_error_is_public_and_a_value_error() -> None:
+    import legato
+
+    with pytest.raises(legato.ValidationError) as info:
+        legato.SamplingParams(top_p=1.5)
+    assert isinstance(info.value, ValueError)
+    assert (info.value.field, str(info.value).split(":")[0]) == ("top_p", "top_p")
