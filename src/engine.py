@@ -314,8 +314,8 @@ class AsyncEngine(EngineClient):
                 "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
             )
         if data_parallel_rank not in (None, 0):
-            raise ValueError(
-                f"data_parallel_rank: this engine has one core, got {data_parallel_rank}"
+            raise ValidationError(
+                "data_parallel_rank", f"this engine has one core, got {data_parallel_rank}"
             )
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):

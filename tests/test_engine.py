@@ -332,8 +332,9 @@ async def test_duplicate_live_request_id_is_refused(engine: AsyncEngine) -> None
 
         nursery.start_soon(long)
         await started.wait()
-        with pytest.raises(ValueError, match="already running"):
+        with pytest.raises(ValidationError, match="already running") as info:
             await run_one(engine, "dup", greedy(2), "same")
+        assert info.value.field == "request_id"
         await engine.abort("same")
     assert (await run_one(engine, "dup", greedy(2), "same"))[-1].finished
 

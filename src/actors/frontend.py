@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import trio
 
 from ..protocol import messages as m
-from ..protocol.errors import EngineDeadError, EngineGenerateError
+from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .detokenizer import OutputProcessor, ProcessedStep
 from .engine_core import AddRequests, CoreMessage, FinishRequests
@@ -195,7 +195,7 @@ class Frontend:
         if self._failed is not None:
             raise self._failed
         if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+            raise ValidationError("request_id", f"{request_id!r} is already running")
         engine_id = f"{request_id}-{next(self._engine_ids)}"
         live = self._live[request_id] = LiveRequest(engine_id, slot)
         try:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..engine import AsyncEngine
+from ..protocol.errors import ValidationError
 from ..protocol.params import LoRARequest
 from ..supervise import SupervisedEngine
 from .cors import CORSPolicy
@@ -195,13 +196,14 @@ class ServingState:
         """Admit one request for the ``with`` body, inside a cancel scope the drain may cancel.
 
         Raises ``Unavailable`` (before the body runs) while draining or once
-        the engine is dead, and ``ValueError`` for a request id already live.
+        the engine is dead, and ``ValidationError`` (a ValueError) naming
+        ``request_id`` for a request id already live.
         If the drain cancels the scope, the body sees ``trio.Cancelled`` and
         the ``with`` ends quietly after it: the caller ends its response.
         """
         self.check_available()
         if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+            raise ValidationError("request_id", f"{request_id!r} is already running")
         with trio.CancelScope() as scope:
             live = LiveRequest(request_id, scope, list(engine_ids))
             if not self._live:

@@ -595,10 +595,8 @@ class Connection:
                 answer = {"type": "embedding", "request_id": rid, "data": [], "finished": True,
                           "finish_reason": "abort", "usage": {"prompt_tokens": 0}}  # fmt: skip
         except ValidationError as exc:
-            field = "input" if exc.field in ("prompt", "prompt_token_ids") else exc.field
-            error = FrameError(
-                "invalid_request", f"{field}: {str(exc).partition(': ')[2]}", param=field
-            )
+            prompt_field = exc.field in ("prompt", "prompt_token_ids")
+            error = FrameError.invalid(exc.renamed("input") if prompt_field else exc)
         except HTTPError as exc:  # select_model: no such model
             error = FrameError("model_not_found", exc.message, param="model")
         except Unavailable as exc:
