@@ -28,7 +28,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import msgpack
@@ -250,6 +250,29 @@ def in_frame_terms(exc: ValidationError) -> ValidationError:
     if exc.field.partition(".")[0] in _PARAM_FIELDS:
         return exc.under("params")
     return exc
+
+
+def in_embed_terms(exc: ValidationError) -> ValidationError:
+    """An engine error's field as the ``embed`` frame names it: the prompt is ``input``."""
+    return exc.renamed("input") if exc.field in ("prompt", "prompt_token_ids") else exc
+
+
+def request_error(
+    exc: Exception, engine_id: str, in_terms: Callable[[ValidationError], ValidationError]
+) -> FrameError:
+    """The ``error`` frame for what ended a request's task (call it in the ``except``
+    block: an unexpected error is logged with its traceback). ``in_terms`` names a
+    bad field as the request's frame does."""
+    if isinstance(exc, Unavailable):
+        return FrameError(exc.code, exc.message)
+    if isinstance(exc, ValidationError):
+        return FrameError.invalid(in_terms(exc))
+    if isinstance(exc, EngineDeadError):
+        return FrameError("engine_dead", f"the engine is dead: {exc}")
+    if isinstance(exc, EngineGenerateError | ValueError):
+        return FrameError("invalid_request", str(exc))
+    logger.exception("request %s failed", engine_id)
+    return FrameError("internal_error", f"{type(exc).__name__}: {exc}")
 
 
 def output_frames(
@@ -524,17 +547,8 @@ class Connection:
                 error = FrameError(
                     "shutting_down", "the server shut down before the request finished"
                 )
-        except Unavailable as exc:
-            error = FrameError(exc.code, exc.message)
-        except ValidationError as exc:
-            error = FrameError.invalid(in_frame_terms(exc))
-        except EngineDeadError as exc:
-            error = FrameError("engine_dead", f"the engine is dead: {exc}")
-        except (EngineGenerateError, ValueError) as exc:
-            error = FrameError("invalid_request", str(exc))
         except Exception as exc:
-            logger.exception("request %s failed", engine_id)
-            error = FrameError("internal_error", f"{type(exc).__name__}: {exc}")
+            error = request_error(exc, engine_id, in_frame_terms)
         finally:
             del self._live[rid]
             if error is not None:
@@ -594,20 +608,10 @@ class Connection:
                 outcome = "abort"
                 answer = {"type": "embedding", "request_id": rid, "data": [], "finished": True,
                           "finish_reason": "abort", "usage": {"prompt_tokens": 0}}  # fmt: skip
-        except ValidationError as exc:
-            prompt_field = exc.field in ("prompt", "prompt_token_ids")
-            error = FrameError.invalid(exc.renamed("input") if prompt_field else exc)
         except HTTPError as exc:  # select_model: no such model
             error = FrameError("model_not_found", exc.message, param="model")
-        except Unavailable as exc:
-            error = FrameError(exc.code, exc.message)
-        except EngineDeadError as exc:
-            error = FrameError("engine_dead", f"the engine is dead: {exc}")
-        except (EngineGenerateError, ValueError) as exc:
-            error = FrameError("invalid_request", str(exc))
         except Exception as exc:
-            logger.exception("request %s failed", engine_id)
-            error = FrameError("internal_error", f"{type(exc).__name__}: {exc}")
+            error = request_error(exc, engine_id, in_embed_terms)
         finally:
             del self._live[rid], self._embeds[rid]
             self.state.log_request(
