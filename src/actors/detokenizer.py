@@ -292,12 +292,9 @@ class StreamDetokenizer:
             raise self._error(exc) from None
 
     def _held_back_text(self) -> str:
-        """The text of the tokens read since the last piece, as decoded."""
-        try:
-            prefix_text = self._decode(self._prefix) if self._prefix else ""
-            return self._decode([*self._prefix, *self._pending])[len(prefix_text) :]
-        except BaseException as exc:
-            raise self._error(exc) from None
+        """The text of the tokens read since the last piece, as decoded (unguarded)."""
+        prefix_text = self._decode(self._prefix) if self._prefix else ""
+        return self._decode([*self._prefix, *self._pending])[len(prefix_text) :]
 
     def flush(self) -> str:
         """At the end: the text still held back, minus a trailing incomplete character.
@@ -306,7 +303,7 @@ class StreamDetokenizer:
         """
         if self._fallback is not None:
             return self._guarded(self._fallback.flush)
-        delta = self._held_back_text() if self._pending else ""
+        delta = self._guarded(self._held_back_text) if self._pending else ""
         if delta.endswith(_REPLACEMENT):
             delta = delta[:-1]
         self._prefix, self._pending = [], []
