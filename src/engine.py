@@ -457,16 +457,9 @@ class AsyncEngine(EngineClient):
             raise ValidationError(
                 "pooling_params", f"must be PoolingParams, got {type(params).__name__}"
             )
-        if params.task != "embed":
-            raise ValidationError(
-                "task", f"this engine serves the 'embed' pooling task, got {params.task!r}"
-            )
-        if params.dimensions is not None and params.dimensions != await self.embedding_size():
-            raise ValidationError(
-                "dimensions",
-                f"this model gives {self._embedding_size}-dimensional embeddings and was "
-                "not trained to be shortened (Matryoshka)",
-            )
+        params.check_servable(
+            await self.embedding_size() if params.dimensions is not None else None
+        )
         return params
 
     async def embedding_size(self) -> int:

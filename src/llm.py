@@ -408,17 +408,7 @@ class LLMEngine:
 
     def _check_pooling(self, params: PoolingParams) -> PoolingParams:
         """``params`` if this engine can serve them; ValidationError naming the field."""
-        if params.task != "embed":
-            raise ValidationError(
-                "task", f"this engine serves the 'embed' pooling task, got {params.task!r}"
-            )
-        size = self.runner.embedding_size()
-        if params.dimensions is not None and params.dimensions != size:
-            raise ValidationError(
-                "dimensions",
-                f"this model gives {size}-dimensional embeddings and was not trained to "
-                "be shortened (Matryoshka)",
-            )
+        params.check_servable(self.runner.embedding_size())
         return params
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

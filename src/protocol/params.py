@@ -249,6 +249,20 @@ class PoolingParams:
             _int("dimensions", self.dimensions, minimum=1)
         _bool("normalize", self.normalize)
 
+    def check_servable(self, embedding_size: int | None) -> None:
+        """Whether an engine that serves the "embed" task of a model giving
+        ``embedding_size``-long vectors (not trained to be shortened) can serve these;
+        ValidationError naming the field. ``embedding_size`` may be None when
+        ``dimensions`` is not set (it is then not needed)."""
+        if self.task != "embed":
+            raise _fail("task", f"this engine serves the 'embed' pooling task, got {self.task!r}")
+        if self.dimensions is not None and self.dimensions != embedding_size:
+            raise _fail(
+                "dimensions",
+                f"this model gives {embedding_size}-dimensional embeddings and was not "
+                "trained to be shortened (Matryoshka)",
+            )
+
 
 @dataclass(frozen=True)
 class LoRARequest:
