@@ -176,9 +176,10 @@ class GrammarThatBreaks(GrammarState):
         super().accept(token_ids)
 
 
-async def test_a_grammar_failing_mid_request_fails_that_request_alone(
-    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+def break_grammars(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, grammar_class: type[Any]
 ) -> None:
+    """Requests whose id starts with "breaks" compile to a ``grammar_class`` grammar."""
     grammars = engine.renderer.grammars
     assert grammars is not None
     compile_real = grammars.compile
@@ -187,9 +188,15 @@ async def test_a_grammar_failing_mid_request_fails_that_request_alone(
         compile_real(requests)
         for request in requests:
             if request.request_id.startswith("breaks"):
-                request.grammar.__class__ = GrammarThatBreaks
+                request.grammar.__class__ = grammar_class
 
     monkeypatch.setattr(grammars, "compile", compile_breaking)
+
+
+async def test_a_grammar_failing_mid_request_fails_that_request_alone(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    break_grammars(engine, monkeypatch, GrammarThatBreaks)
     constrained = SamplingParams(
         temperature=1.0, max_tokens=120, structured_outputs={"json": SCHEMA}
     )
@@ -340,17 +347,7 @@ async def test_a_row_failing_under_overlap_fails_that_request_alone_and_drops_it
     engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert engine.config.async_scheduling
-    grammars = engine.renderer.grammars
-    assert grammars is not None
-    compile_real = grammars.compile
-
-    def compile_breaking(requests: Any) -> None:
-        compile_real(requests)
-        for request in requests:
-            if request.request_id.startswith("breaks"):
-                request.grammar.__class__ = GrammarFailingItsRow
-
-    monkeypatch.setattr(grammars, "compile", compile_breaking)
+    break_grammars(engine, monkeypatch, GrammarFailingItsRow)
     watch = StepWatch(engine, monkeypatch)
     params = SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"regex": LONG})
     # Its last token is the one sampled without a row: the step that samples it also
