@@ -259,12 +259,13 @@ class StreamDetokenizer:
         if fallback is not None:
             return self._guarded(functools.partial(fallback.update, new_token_ids))
         pieces: list[str] = []
-        ids = list(new_token_ids)
+        ids = new_token_ids if isinstance(new_token_ids, list) else list(new_token_ids)
+        stream, tokenizer, skipped = self._stream, self._tokenizer, self._skipped
         for i, token_id in enumerate(ids):
-            if token_id in self._skipped:
+            if token_id in skipped:
                 continue
             try:
-                text = self._stream.step(self._tokenizer, token_id)
+                text = stream.step(tokenizer, token_id)
             except BaseException as exc:
                 if type(exc) is not Exception or "prefix" not in str(exc).lower():
                     raise self._error(exc) from None
@@ -282,7 +283,7 @@ class StreamDetokenizer:
             if text is not None:
                 pieces.append(text)
                 self._prefix, self._pending = self._pending, []
-        return "".join(pieces)
+        return pieces[0] if len(pieces) == 1 else "".join(pieces)
 
     def _guarded(self, call: Callable[[], str]) -> str:
         """``call()``, its tokenizer failures (panics included) as DetokenizationError."""
@@ -458,6 +459,9 @@ class _Completion:
     num_cached_tokens: int | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # DELTA without stop strings: each piece of text goes straight to ``new_text``;
+    # ``text`` stays "" (nothing is held back, and no output needs all of it).
+    streams_text: bool = False
     # This step's news, set by the processor and consumed when outputs are built.
     has_news: bool = False  # new tokens, or finished, this step
     new_text: str = ""
@@ -473,7 +477,9 @@ class _Completion:
         return self.parent.params.logprobs is not None
 
     def release(self) -> None:
-        """Make the settled text visible: all of it once finished, else all but a partial stop."""
+        """Make the settled text visible: all of it once finished, else all but a partial stop.
+
+        (Nothing to do where ``streams_text``: its text is visible as it comes.)"""
         params = self.parent.params
         visible = len(self.text)
         if not self.finished and params.stop and not params.include_stop_str_in_output:
@@ -486,14 +492,19 @@ class _Completion:
         self.has_news, self.new_text, self.new_token_ids, self.new_logprobs = False, "", [], None
 
     def delta_output(self) -> CompletionOutput:
+        # Positional arguments: this runs per stream per step, and keywords cost double.
+        finish_reason = self.finish_reason
+        new_logprobs = self.new_logprobs
+        if new_logprobs is None and self.parent.params.logprobs is not None:
+            new_logprobs = []
         return CompletionOutput(
-            index=self.index,
-            text=self.new_text,
-            token_ids=self.new_token_ids,
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.new_logprobs if self.new_logprobs or not self.wants_logprobs else [],
-            finish_reason=None if self.finish_reason is None else str(self.finish_reason),
-            stop_reason=self.stop_reason,
+            self.index,
+            self.new_text,
+            self.new_token_ids,
+            self.cumulative_logprob,
+            new_logprobs,
+            None if finish_reason is None else str(finish_reason),
+            self.stop_reason,
         )
 
     def cumulative_output(self) -> CompletionOutput:
@@ -538,10 +549,7 @@ class _Request:
         if len(self.completions) == 1:  # the common case, once per output: no lists
             (c,) = self.completions
             return RequestMetrics(
-                arrival_time=self.arrival_time,
-                first_token_time=c.first_token_time,
-                last_token_time=c.last_token_time,
-                finished_time=finished_time,
+                self.arrival_time, None, c.first_token_time, c.last_token_time, finished_time
             )
         first = [c.first_token_time for c in self.completions if c.first_token_time is not None]
         last = [c.last_token_time for c in self.completions if c.last_token_time is not None]
@@ -648,6 +656,9 @@ class OutputProcessor:
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                 )
             completion = _Completion(child_id, index, request, detokenizer)
+            completion.streams_text = (
+                params.output_kind == RequestOutputKind.DELTA and not params.stop
+            )
             if params.logprobs is not None:
                 completion.cumulative_logprob = 0.0
                 if params.output_kind != RequestOutputKind.DELTA:
@@ -677,9 +688,10 @@ class OutputProcessor:
         now = outputs.timestamp
         step = ProcessedStep()
         touched: dict[str, _Request] = {}
+        completions = self._completions
         for core in outputs.outputs:
-            completion = self._completions.get(core.request_id)
-            if completion is None or completion.finished:
+            completion = completions.get(core.request_id)
+            if completion is None or completion.finish_reason is not None:
                 continue
             request = completion.parent
             if core.finish_reason == FinishReason.ERROR:
@@ -706,22 +718,25 @@ class OutputProcessor:
     def _update(
         self, completion: _Completion, core: EngineCoreOutput, now: float, step: ProcessedStep
     ) -> None:
-        request, params = completion.parent, completion.parent.params
+        request = completion.parent
+        params = request.params
         new_ids = core.new_token_ids
         if completion.num_cached_tokens is None:
             completion.num_cached_tokens = core.num_cached_tokens
         if new_ids:
-            if completion.first_token_time is None:
+            last = completion.last_token_time
+            if last is None:
                 completion.first_token_time = now
                 step.time_to_first_token.append(now - request.arrival_time)
             else:
-                assert completion.last_token_time is not None
-                step.inter_token_latency.append(now - completion.last_token_time)
+                step.inter_token_latency.append(now - last)
             completion.last_token_time = now
             step.num_generation_tokens += len(new_ids)
-        completion.token_ids.extend(new_ids)
-        completion.new_token_ids.extend(new_ids)
-        self._add_logprobs(completion, core.new_logprobs)
+            completion.token_ids += new_ids
+            completion.new_token_ids += new_ids
+            completion.has_news = True
+        if core.new_logprobs:
+            self._add_logprobs(completion, core.new_logprobs)
         if core.new_prompt_logprobs is not None and completion.index == 0:
             self._add_prompt_logprobs(request, core.new_prompt_logprobs)
         finish_reason, stop_reason = core.finish_reason, core.stop_reason
@@ -735,25 +750,28 @@ class OutputProcessor:
                 and not params.include_stop_str_in_output
             ):
                 text_ids = new_ids[:-1]  # the EOS / stop token's own text is not output
-            searched_from = len(completion.text)
-            completion.text += detokenizer.update(text_ids)
+            piece = detokenizer.update(text_ids) if text_ids else ""
             if finish_reason is not None:
-                completion.text += detokenizer.flush()
-            # As for stop token ids, min_tokens tokens come before the one that may stop.
-            if params.stop and len(completion.token_ids) > params.min_tokens:
-                match = find_stop_string(completion.text, searched_from, params.stop)
-                if match is not None:
-                    stop, start = match
-                    end = start + len(stop) if params.include_stop_str_in_output else start
-                    completion.text = completion.text[:end]
-                    if finish_reason is None:
-                        step.requests_to_stop.append(completion.request_id)
-                    finish_reason, stop_reason = FinishReason.STOP, stop
+                piece += detokenizer.flush()
+            if completion.streams_text:
+                completion.new_text += piece
+            else:
+                searched_from = len(completion.text)
+                completion.text += piece
+                # As for stop token ids, min_tokens tokens come before the one that may stop.
+                if params.stop and len(completion.token_ids) > params.min_tokens:
+                    match = find_stop_string(completion.text, searched_from, params.stop)
+                    if match is not None:
+                        stop, start = match
+                        end = start + len(stop) if params.include_stop_str_in_output else start
+                        completion.text = completion.text[:end]
+                        if finish_reason is None:
+                            step.requests_to_stop.append(completion.request_id)
+                        finish_reason, stop_reason = FinishReason.STOP, stop
         if finish_reason is not None:
             self._finish(completion, finish_reason, stop_reason, now, step)
-        if new_ids:
-            completion.has_news = True
-        completion.release()
+        if not completion.streams_text:
+            completion.release()
 
     def _finish(
         self,
@@ -783,13 +801,15 @@ class OutputProcessor:
 
     def _emit(self, request: _Request, now: float, step: ProcessedStep) -> None:
         """Put this step's output for ``request`` into its slot; forget it once finished."""
-        finished = request.finished
-        kind = request.params.output_kind
         every = request.completions
-        if len(every) == 1:
-            news = every if every[0].has_news else []
+        if len(every) == 1:  # the common case: no generators
+            (only,) = every
+            finished = only.finish_reason is not None
+            news = every if only.has_news else []
         else:
+            finished = request.finished
             news = [c for c in every if c.has_news]
+        kind = request.params.output_kind
         completions: list[CompletionOutput] = []
         prompt_logprobs: PromptLogprobs | None = None
         if kind == RequestOutputKind.DELTA:
@@ -797,21 +817,21 @@ class OutputProcessor:
             if news and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         elif news and (kind == RequestOutputKind.CUMULATIVE or finished):
-            completions = [c.cumulative_output() for c in request.completions]
+            completions = [c.cumulative_output() for c in every]
             prompt_logprobs = request.prompt_logprobs
         for c in news:
             c.clear_news()
         if completions:
             request.slot.put(
-                RequestOutput(
-                    request_id=request.output_id,
-                    prompt=request.prompt,
-                    prompt_token_ids=request.prompt_token_ids,
-                    prompt_logprobs=None if prompt_logprobs is None else list(prompt_logprobs),
-                    outputs=completions,
-                    finished=finished,
-                    num_cached_tokens=request.completions[0].num_cached_tokens,
-                    metrics=request.metrics(now if finished else None),
+                RequestOutput(  # positional: see delta_output
+                    request.output_id,
+                    request.prompt,
+                    request.prompt_token_ids,
+                    None if prompt_logprobs is None else list(prompt_logprobs),
+                    completions,
+                    finished,
+                    request.completions[0].num_cached_tokens,
+                    request.metrics(now if finished else None),
                 )
             )
         if finished:

@@ -45,7 +45,7 @@ class OutputSlot:
         self.output_kind = output_kind
         self._pending: list[RequestOutput] = []
         self._error: BaseException | None = None
-        self._lot = trio.lowlevel.ParkingLot()
+        self._waiter: trio.lowlevel.Task | None = None  # the consumer, parked in get
         self._getting = False
 
     def put(self, output: RequestOutput) -> None:
@@ -56,7 +56,7 @@ class OutputSlot:
             self._pending.append(output)  # merged lazily, by the consumer's get
         else:
             self._pending = [output]
-        self._lot.unpark_all()
+        self._wake()
 
     def put_error(self, exc: BaseException) -> None:
         """Fail the consumer's next ``get`` (and every one after) with ``exc``. Never blocks."""
@@ -64,7 +64,16 @@ class OutputSlot:
             return
         self._error = exc
         self._pending.clear()
-        self._lot.unpark_all()
+        self._wake()
+
+    @trio.lowlevel.enable_ki_protection
+    def _wake(self) -> None:
+        """Reschedule the parked consumer, if any. One consumer at most, so this is
+        a ParkingLot's ``unpark_all`` without its per-call bookkeeping: the
+        detokenizer calls it for every stream on every step."""
+        task, self._waiter = self._waiter, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
 
     @property
     def ready(self) -> bool:
@@ -94,12 +103,22 @@ class OutputSlot:
             if self.ready:
                 await trio.lowlevel.checkpoint()
             while not self.ready:
-                await self._lot.park()
+                await self._park()
         finally:
             self._getting = False
         output = self.get_nowait()
         assert output is not None
         return output
+
+    async def _park(self) -> None:
+        """Sleep until ``_wake`` (a checkpoint). If cancelled, the slot forgets this waiter."""
+        self._waiter = trio.lowlevel.current_task()
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            self._waiter = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 def merge_delta_outputs(outputs: list[RequestOutput]) -> RequestOutput:
