@@ -3,8 +3,10 @@
 Drives N concurrent streams through renderer -> scheduler -> executor frames ->
 detokenizer -> output slots, with ``runner="null"`` (a fixed token, instantly),
 and prints output tokens per second (the ceiling the engine's own machinery
-puts on any model), the control plane's microseconds per request per step,
-and the memory one idle open stream costs (streams held by a paused engine).
+puts on any model), the control plane's microseconds per request per step
+(wall clock, and CPU time of the engine's process: the second is steadier on a
+busy machine), and the memory one idle open stream costs (streams held by a
+paused engine).
 
     python benchmarks/control_plane.py --streams 256 --output-len 256
     python benchmarks/control_plane.py --streams 256 --no-async-scheduling
@@ -36,7 +38,8 @@ def engine_args(streams: int, output_len: int, executor: str, **extra: Any) -> d
 
 async def run(
     streams: int, output_len: int, executor: str, freeze_gc: bool = False, **extra: Any
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
+    """Output tok/s, wall seconds, and CPU seconds of this process, of the streaming part."""
     import trio
 
     from legato.engine import open_engine
@@ -56,14 +59,14 @@ async def run(
                 async for out in stream:
                     counts[i] += len(out.outputs[0].token_ids)
 
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as nursery:
             for i in range(streams):
                 nursery.start_soon(one, i)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     total = sum(counts)
     assert total == streams * output_len, total
-    return total / elapsed, elapsed
+    return total / elapsed, elapsed, cpu
 
 
 async def idle_stream_bytes(streams: int, executor: str) -> float:
@@ -131,24 +134,25 @@ def main() -> None:
     import trio
 
     extra = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
-    rate, elapsed = trio.run(
+    rate, elapsed, cpu = trio.run(
         functools.partial(
             run, args.streams, args.output_len, args.executor, args.freeze_gc, **extra
         )
     )
     steps = args.output_len  # one token per stream per decode step (the first from prefill)
     us_per_req_step = elapsed / steps / args.streams * 1e6
+    cpu_us_per_req_step = cpu / steps / args.streams * 1e6
     overlap = "default" if args.async_scheduling is None else str(args.async_scheduling)
     if args.freeze_gc:
         overlap += ",gc-frozen"
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
     print(
         f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'overlap':>8} {'seconds':>8} "
-        f"{'output tok/s':>13} {'us/req/step':>12}"
+        f"{'output tok/s':>13} {'us/req/step':>12} {'cpu us/req/step':>16}"
     )
     print(
         f"{args.streams:>8} {args.output_len:>14} {args.executor:>9} {overlap:>8} "
-        f"{elapsed:>8.2f} {rate:>13.0f} {us_per_req_step:>12.2f}"
+        f"{elapsed:>8.2f} {rate:>13.0f} {us_per_req_step:>12.2f} {cpu_us_per_req_step:>16.2f}"
     )
     if args.idle_memory:
         per_stream = trio.run(idle_stream_bytes, args.streams, args.executor)
