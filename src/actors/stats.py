@@ -7,6 +7,8 @@ built-in loggers, and the collector that feeds them.
 - ``PrometheusStatLogger``: series in a registry of the engine's own, named by
   Prometheus conventions under ``legato:`` with units in the names, and, with
   ``vllm_metric_names``, the same figures under vLLM's names (``vllm:``) too.
+- ``BatchHistogram``: the histograms of those series, fed a whole engine step's samples
+  at once and exposed exactly as prometheus_client's ``Histogram``.
 - ``LoggingStatLogger``: the periodic line (throughput, queues, KV usage).
 - ``StatsCollector``: the loggers of one engine. Synchronous: the engine-core
   and detokenizer actors record into it as they go; ``run_stats`` is the actor
