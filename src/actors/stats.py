@@ -7,6 +7,8 @@ built-in loggers, and the collector that feeds them.
 - ``PrometheusStatLogger``: series in a registry of the engine's own, named by
   Prometheus conventions under ``legato:`` with units in the names, and, with
   ``vllm_metric_names``, the same figures under vLLM's names (``vllm:``) too.
+- ``BatchHistogram``: the histograms of those series, fed a whole engine step's samples
+  at once and exposed exactly as prometheus_client's ``Histogram``.
 - ``LoggingStatLogger``: the periodic line (throughput, queues, KV usage).
 - ``StatsCollector``: the loggers of one engine. Synchronous: the engine-core
   and detokenizer actors record into it as they go; ``run_stats`` is the actor
@@ -18,15 +20,22 @@ Never imports torch.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
+from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import trio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from ..protocol.messages import SchedulerStats
 
@@ -97,9 +106,105 @@ StatLoggerFactory = Callable[["EngineConfig", int], StatLoggerBase]
 """vLLM's shape: ``(config, engine_index) -> logger``; a StatLoggerBase subclass is one."""
 
 
+_SORT_FROM = 8
+"""Batches this large are sorted and cut at the bounds; smaller ones are placed one by one
+(one ``bisect`` each). Sorting wins from between 4 and 16 samples on; at 256 it is about
+3x faster than placing them one by one, and numpy's searchsorted only catches up near 1024."""
+
+
+class BatchHistogram(Collector):
+    """A Prometheus histogram with one label (``model_name``) that takes a whole step's
+    samples at once: ``observe_many(values)``. Registered in ``registry`` as a custom
+    collector; it is exposed exactly as a prometheus_client ``Histogram`` child with the
+    same name, help, label and buckets (``le`` inclusive, ``+Inf`` appended, ``_count``
+    equal to the ``+Inf`` bucket, ``_sum``, and ``_created`` unless prometheus_client's
+    created series are disabled).
+
+    The bucket counts are plain Python ints. A batch takes the lock once: call
+    ``observe_many`` from one thread (the engine's event loop); ``collect()`` (a scrape)
+    may run on any thread and sees whole batches only, so its buckets are cumulative and
+    monotone and its ``_count`` and ``_sum`` cover the same samples.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        model_name: str,
+        buckets: Sequence[float],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(bounds):
+            raise ValueError(f"{name}: buckets not in sorted order")
+        if not bounds or bounds[-1] != float("inf"):
+            bounds.append(float("inf"))
+        if len(bounds) < 2:
+            raise ValueError(f"{name}: must have at least two buckets")
+        self.name = name
+        self.documentation = documentation
+        self._model_name = model_name
+        self._bounds = bounds
+        self._le: list[str] = [floatToGoString(b) for b in bounds]  # type: ignore[no-untyped-call]
+        self._counts = [0] * len(bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+        self._created = time.time()
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """Observe every sample of ``values`` (any sequence of floats; may be empty)."""
+        n = len(values)
+        if not n:
+            return
+        total = sum(values)
+        if total != total:  # a NaN (or +inf with -inf): NaNs go in the sum only
+            values = [v for v in values if v == v]
+            n = len(values)
+        bounds, counts = self._bounds, self._counts
+        with self._lock:
+            self._sum += total
+            if n < _SORT_FROM:
+                for value in values:
+                    counts[bisect_left(bounds, value)] += 1
+                return
+            ordered = sorted(values)  # C-speed float compares: cheaper than min() + max()
+            low = bisect_left(bounds, ordered[0])
+            high = bisect_left(bounds, ordered[-1])
+            placed = 0  # samples in the buckets before bucket i
+            for i in range(low, high):  # often none: a step's latencies share a bucket
+                upto = bisect_right(ordered, bounds[i], placed)
+                counts[i] += upto - placed
+                placed = upto
+            counts[high] += n - placed
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts = list(self._counts)
+            total = self._sum
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for le, count in zip(self._le, counts, strict=True):
+            cumulative += count
+            buckets.append((le, float(cumulative)))
+        family.add_metric([self._model_name], buckets, total)
+        # Read at each scrape, as prometheus_client's own metrics do.
+        if getattr(prometheus_metrics, "_use_created", True):
+            family.samples.append(
+                Sample(self.name + "_created", {"model_name": self._model_name}, self._created)
+            )
+        yield family
+
+
 class _Series:
     """The engine's series under one prefix, with their ``model_name`` children cached:
-    ``labels()`` is a locked dict lookup, too slow to call per series per step."""
+    ``labels()`` is a locked dict lookup, too slow to call per series per step. The
+    histograms are ``BatchHistogram`` s, fed a whole step at a time."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str, model: str, full: bool) -> None:
         def gauge(name: str, doc: str) -> Any:
@@ -108,10 +213,10 @@ class _Series:
         def counter(name: str, doc: str) -> Any:
             return Counter(prefix + name, doc, ["model_name"], registry=registry).labels(model)
 
-        def histogram(name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS) -> Any:
-            return Histogram(
-                prefix + name, doc, ["model_name"], buckets=buckets, registry=registry
-            ).labels(model)
+        def histogram(
+            name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
+        ) -> BatchHistogram:
+            return BatchHistogram(prefix + name, doc, model, buckets, registry)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -158,6 +263,9 @@ class _Series:
         return child
 
     def record(self, step: StepStats) -> None:
+        """One step's figures. A counter is touched only when its amount is not zero
+        (``inc(0)`` would take its lock for nothing); gauges only when the step carries
+        the scheduler's figures."""
         s = step.scheduler
         if s is not None:
             self.running.set(s.num_running)
@@ -166,23 +274,26 @@ class _Series:
             if self.kv_blocks is not None:
                 self.kv_blocks[0].set(s.num_blocks_used)
                 self.kv_blocks[1].set(s.num_blocks_total)
-            self.prefix_queries.inc(s.prefix_cache_queries)
-            self.prefix_hits.inc(s.prefix_cache_hits)
-            self.preemptions.inc(s.num_preempted)
-        self.prompt_tokens.inc(step.num_prompt_tokens)
-        self.generation_tokens.inc(step.num_generation_tokens)
-        for child, values in (
-            (self.ttft, step.time_to_first_token),
-            (self.itl, step.inter_token_latency),
-            (self.queue, step.queue_time),
-        ):
-            for value in values:
-                child.observe(value)
-        for done in step.finished:
-            self.success(done.finish_reason).inc()
-            self.e2e.observe(done.e2e_latency)
-            self.request_prompt.observe(done.num_prompt_tokens)
-            self.request_generation.observe(done.num_generation_tokens)
+            if s.prefix_cache_queries:
+                self.prefix_queries.inc(s.prefix_cache_queries)
+            if s.prefix_cache_hits:
+                self.prefix_hits.inc(s.prefix_cache_hits)
+            if s.num_preempted:
+                self.preemptions.inc(s.num_preempted)
+        if step.num_prompt_tokens:
+            self.prompt_tokens.inc(step.num_prompt_tokens)
+        if step.num_generation_tokens:
+            self.generation_tokens.inc(step.num_generation_tokens)
+        self.ttft.observe_many(step.time_to_first_token)
+        self.itl.observe_many(step.inter_token_latency)
+        self.queue.observe_many(step.queue_time)
+        finished = step.finished
+        if finished:
+            for done in finished:
+                self.success(done.finish_reason).inc()
+            self.e2e.observe_many([done.e2e_latency for done in finished])
+            self.request_prompt.observe_many([done.num_prompt_tokens for done in finished])
+            self.request_generation.observe_many([done.num_generation_tokens for done in finished])
 
 
 class PrometheusStatLogger(StatLoggerBase):

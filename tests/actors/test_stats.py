@@ -4,13 +4,23 @@ that feeds custom loggers and drops one that raises."""
 from __future__ import annotations
 
 import logging
+import math
+import random
+import re
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from legato.actors import stats
 from legato.actors.stats import (
+    BatchHistogram,
     FinishedRequest,
     LoggingStatLogger,
     PrometheusStatLogger,
@@ -230,3 +240,204 @@ def test_stat_loggers_take_vllm_style_factories() -> None:
         samples(collector.exposition())[("vllm:num_requests_running", (("model_name", "served"),))]
         == 3
     )
+
+
+# --- BatchHistogram: exposed exactly as prometheus_client's Histogram ---------------------
+
+
+class ReferenceHistogram:
+    """BatchHistogram's constructor over a real prometheus_client Histogram child fed one
+    ``observe`` per sample: what the exposition must equal."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        model_name: str,
+        buckets: Sequence[float],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.child = Histogram(
+            name, documentation, ["model_name"], buckets=buckets, registry=registry
+        ).labels(model_name)
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        for value in values:
+            self.child.observe(value)
+
+
+SUM_OR_CREATED = re.compile(r"^(\S+_(?:sum|created)\{[^}]*\}) (\S+)$", re.MULTILINE)
+
+
+def assert_same_exposition(ours: bytes, reference: bytes) -> None:
+    """Line for line the same text, but for the values of ``_created`` (a clock reading)
+    and ``_sum`` (ours adds a batch's sum at once; equal to 1e-12)."""
+    mine, theirs = ours.decode(), reference.decode()
+    assert SUM_OR_CREATED.sub(r"\1 X", mine) == SUM_OR_CREATED.sub(r"\1 X", theirs)
+    mine_values = {m[0]: float(m[1]) for m in SUM_OR_CREATED.findall(mine)}
+    their_values = {m[0]: float(m[1]) for m in SUM_OR_CREATED.findall(theirs)}
+    assert mine_values.keys() == their_values.keys()
+    for key, value in mine_values.items():
+        tolerance = 60.0 if key.split("{")[0].endswith("_created") else 0
+        assert value == pytest.approx(their_values[key], rel=1e-12, abs=tolerance), key
+    # and what a Prometheus server parses from it
+    assert [
+        (f.name, f.documentation, f.type, [(s.name, s.labels) for s in f.samples])
+        for f in text_string_to_metric_families(mine)
+    ] == [
+        (f.name, f.documentation, f.type, [(s.name, s.labels) for s in f.samples])
+        for f in text_string_to_metric_families(theirs)
+    ]
+
+
+def reference_logger(monkeypatch: pytest.MonkeyPatch) -> PrometheusStatLogger:
+    """PrometheusStatLogger("m", vllm_names=True) with prometheus_client Histograms."""
+    with monkeypatch.context() as patch:
+        patch.setattr(stats, "BatchHistogram", ReferenceHistogram)
+        return PrometheusStatLogger("m", vllm_names=True)
+
+
+def edge_values(bounds: Sequence[float]) -> list[float]:
+    """Every bound, the floats either side of it, zero and a negative."""
+    out = [0.0, -1.0]
+    for bound in bounds:
+        out += [bound, math.nextafter(bound, -math.inf), math.nextafter(bound, math.inf)]
+    return out
+
+
+def random_step(rng: random.Random, t: float) -> StepStats:
+    latency_edges = edge_values(stats._LATENCY_BUCKETS)
+
+    def latencies(n: int) -> list[float]:
+        return [
+            rng.choice(latency_edges) if rng.random() < 0.3 else rng.lognormvariate(-4, 2)
+            for _ in range(n)
+        ]
+
+    n = rng.choice([0, 1, 3, 7, 8, 9, 64, 256, 1024])
+    tokens = [int(b) for b in stats._TOKEN_BUCKETS] + [0, 3, 7_000_000]
+    return StepStats(
+        timestamp=t,
+        num_generation_tokens=n,
+        time_to_first_token=latencies(rng.choice([0, 1, 9])),
+        inter_token_latency=latencies(n),
+        queue_time=latencies(rng.choice([0, 2, 20])),
+        finished=[
+            FinishedRequest("stop", *latencies(1), rng.choice(tokens), rng.choice(tokens))
+            for _ in range(rng.choice([0, 1, 12]))
+        ],
+    )
+
+
+@pytest.mark.parametrize("created", [True, False])
+def test_exposition_is_prometheus_clients_for_every_histogram(
+    monkeypatch: pytest.MonkeyPatch, created: bool
+) -> None:
+    """Every histogram of both prefixes, fed steps of 0 to 1024 samples (bounds, the
+    floats either side of them, one-bucket and spread batches) reads exactly as
+    prometheus_client's Histogram fed the same samples one by one: names, HELP/TYPE,
+    labels, ``le`` bounds, cumulative counts, ``_count``, ``_sum`` and ``_created``."""
+    monkeypatch.setattr(prometheus_metrics, "_use_created", created)
+    ours, reference = PrometheusStatLogger("m", vllm_names=True), reference_logger(monkeypatch)
+    rng = random.Random(13)
+    for i in range(60):
+        one = random_step(rng, float(i))
+        ours.record(one)
+        reference.record(one)
+    one_bucket = StepStats(timestamp=61.0, inter_token_latency=[0.007] * 300 + [0.01, 0.005])
+    for logger_ in (ours, reference):
+        logger_.record(one_bucket)
+    text = ours.exposition()
+    assert_same_exposition(text, reference.exposition())
+    assert (b"inter_token_latency_seconds_created" in text) == created
+    got = samples(text)
+    le_01 = (("le", "0.01"), ("model_name", "m"))
+    assert got[("vllm:inter_token_latency_seconds_bucket", le_01)] > 300
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 8, 9, 256, 1024])
+@pytest.mark.parametrize("spread", ["one bucket", "on the bounds", "all buckets"])
+def test_a_batch_counts_as_its_samples_one_by_one(size: int, spread: str) -> None:
+    bounds = (0.001, 0.01, 0.1, 1.0)
+    rng = random.Random(size)
+    pick = {
+        "one bucket": lambda: rng.uniform(0.0011, 0.01),
+        "on the bounds": lambda: rng.choice(bounds),
+        "all buckets": lambda: rng.choice(edge_values(bounds) + [5.0]),
+    }[spread]
+    ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
+    ours = BatchHistogram("h_seconds", "H.", "m", bounds, ours_registry)
+    reference = ReferenceHistogram("h_seconds", "H.", "m", bounds, reference_registry)
+    for _ in range(3):
+        batch = [pick() for _ in range(size)]
+        ours.observe_many(batch)
+        reference.observe_many(batch)
+    ours.observe_many([])
+    assert_same_exposition(generate_latest(ours_registry), generate_latest(reference_registry))
+
+
+def test_nan_and_infinite_samples_count_as_in_prometheus_client() -> None:
+    """NaN goes in ``_sum`` only; +-inf land in the +Inf and first buckets."""
+    bounds = (0.5, 1.0)
+    for batch in ([math.nan, 0.7], [math.inf, -math.inf, 0.2] * 4, [math.nan, 2.0] * 5):
+        ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
+        BatchHistogram("h", "H.", "m", bounds, ours_registry).observe_many(batch)
+        ReferenceHistogram("h", "H.", "m", bounds, reference_registry).observe_many(batch)
+        ours, reference = (
+            {k: v for k, v in samples(generate_latest(r)).items() if not k[0].endswith("created")}
+            for r in (ours_registry, reference_registry)
+        )
+        assert ours.keys() == reference.keys()
+        for key, value in ours.items():
+            assert value == reference[key] or (math.isnan(value) and math.isnan(reference[key]))
+
+
+def histogram_samples(exposition: str) -> Iterator[tuple[list[float], float, float]]:
+    """(cumulative bucket counts, _count, _sum) of each histogram family."""
+    for family in text_string_to_metric_families(exposition):
+        if family.type != "histogram":
+            continue  # _created, which the text format puts in a gauge of its own
+        values = {s.name: s.value for s in family.samples if not s.name.endswith("_bucket")}
+        buckets = [s.value for s in family.samples if s.name.endswith("_bucket")]
+        yield buckets, values[family.name + "_count"], values[family.name + "_sum"]
+
+
+def test_a_scrape_from_another_thread_sees_whole_batches() -> None:
+    """Recording on one thread, scraping on another: every scrape shows cumulative,
+    monotone buckets, ``_count`` equal to the +Inf bucket, and whole batches only
+    (bucket counts, count and sum all a whole number of batches)."""
+    registry = CollectorRegistry()
+    histogram = BatchHistogram("t_seconds", "T.", "m", stats._LATENCY_BUCKETS, registry)
+    batch = [k / 1024 for k in range(1, 129)]  # exact sums; spread over 13 buckets
+    per_batch = [sum(v <= b for v in batch) for b in (*stats._LATENCY_BUCKETS, math.inf)]
+    scrapes: list[float] = []
+    broken: list[str] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        try:
+            while not done.is_set():
+                [(buckets, count, total)] = histogram_samples(generate_latest(registry).decode())
+                batches = count / len(batch)
+                if buckets != sorted(buckets) or count != buckets[-1]:
+                    broken.append(f"not cumulative: {buckets} count {count}")
+                elif buckets != [n * batches for n in per_batch] or total != sum(batch) * batches:
+                    broken.append(f"part of a batch: {buckets} count {count} sum {total}")
+                scrapes.append(count)
+        except Exception as error:
+            broken.append(repr(error))
+            raise
+
+    thread = threading.Thread(target=scrape)
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over as often as it can
+    try:
+        thread.start()
+        while len(scrapes) < 300 and not broken and thread.is_alive():
+            histogram.observe_many(batch)
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(switch_interval)
+    assert broken == []
+    assert len(set(scrapes)) > 10  # the scrapes did land between batches
