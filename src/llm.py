@@ -457,10 +457,9 @@ class LLMEngine:
             core_out = self.core.apply(planned, self.runner.execute(planned.plan))
             if core_out.scheduler_stats is not None:
                 self._stats = core_out.scheduler_stats
-            for core in core_out.outputs:
-                if core.pooled is not None:
-                    self._pooled[core.request_id] = core.pooled
-            self._pass_on(self.processor.process_outputs(core_out))
+            processed = self.processor.process_outputs(core_out)
+            self._pooled.update(processed.pooled)
+            self._pass_on(processed)
         results: list[RequestOutput | PoolingRequestOutput] = []
         for rid, (engine_id, slot) in list(self._live.items()):
             out = slot.get_nowait()

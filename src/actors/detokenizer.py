@@ -407,12 +407,14 @@ class ProcessedStep:
     ``requests_to_stop`` / ``requests_to_abort``: scheduler-level ids
     (children for n>1) that are finished here but still live in the
     scheduler: finish them there as STOP (a stop string) / ABORT (an abort, a
-    sibling's error). The rest is for the metrics.
+    sibling's error). ``pooled``: the vectors of pooling requests that ended
+    in this step. The rest is for the metrics.
     """
 
     requests_to_stop: list[str] = field(default_factory=list)
     requests_to_abort: list[str] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # by scheduler-level id
     num_generation_tokens: int = 0
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
@@ -491,13 +493,14 @@ class _Completion:
     def clear_news(self) -> None:
         self.has_news, self.new_text, self.new_token_ids, self.new_logprobs = False, "", [], None
 
-    def delta_output(self) -> CompletionOutput:
+    def take_delta(self) -> CompletionOutput:
+        """This step's news as a DELTA output; the news is cleared."""
         # Positional arguments: this runs per stream per step, and keywords cost double.
         finish_reason = self.finish_reason
         new_logprobs = self.new_logprobs
         if new_logprobs is None and self.parent.params.logprobs is not None:
             new_logprobs = []
-        return CompletionOutput(
+        output = CompletionOutput(
             self.index,
             self.new_text,
             self.new_token_ids,
@@ -506,6 +509,8 @@ class _Completion:
             None if finish_reason is None else str(finish_reason),
             self.stop_reason,
         )
+        self.has_news, self.new_text, self.new_token_ids, self.new_logprobs = False, "", [], None
+        return output
 
     def cumulative_output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -690,6 +695,8 @@ class OutputProcessor:
         touched: dict[str, _Request] = {}
         completions = self._completions
         for core in outputs.outputs:
+            if core.pooled is not None:  # read by encode() when the request ends
+                step.pooled[core.request_id] = core.pooled
             completion = completions.get(core.request_id)
             if completion is None or completion.finish_reason is not None:
                 continue
@@ -710,7 +717,10 @@ class OutputProcessor:
                 self._fail(request, EngineGenerateError(request.output_id, str(exc)), now, step)
                 touched.pop(request.request_id, None)
                 continue
-            touched[request.request_id] = request
+            if len(request.completions) == 1:
+                self._emit(request, now, step)
+            else:  # once all of this step's news of its completions is in
+                touched[request.request_id] = request
         for request in touched.values():
             self._emit(request, now, step)
         return step
@@ -812,15 +822,17 @@ class OutputProcessor:
         kind = request.params.output_kind
         completions: list[CompletionOutput] = []
         prompt_logprobs: PromptLogprobs | None = None
+        # map(), not a comprehension: no function frame per call on Python 3.11.
         if kind == RequestOutputKind.DELTA:
-            completions = [c.delta_output() for c in news]
+            completions = list(map(_Completion.take_delta, news))
             if news and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
-        elif news and (kind == RequestOutputKind.CUMULATIVE or finished):
-            completions = [c.cumulative_output() for c in every]
-            prompt_logprobs = request.prompt_logprobs
-        for c in news:
-            c.clear_news()
+        else:
+            if news and (kind == RequestOutputKind.CUMULATIVE or finished):
+                completions = list(map(_Completion.cumulative_output, every))
+                prompt_logprobs = request.prompt_logprobs
+            for c in news:
+                c.clear_news()
         if completions:
             request.slot.put(
                 RequestOutput(  # positional: see delta_output

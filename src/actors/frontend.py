@@ -411,10 +411,10 @@ class Frontend:
         finishes and aborts it decides go back to the engine core.
         """
         async for outputs in inbox:
-            for out in outputs.outputs:
-                if out.pooled is not None:  # read by encode() when the request ends
-                    self._pooled[out.request_id] = out.pooled
-            self._pass_on(self.processor.process_outputs(outputs))
+            step = self.processor.process_outputs(outputs)
+            if step.pooled:  # read by encode() when the request ends
+                self._pooled.update(step.pooled)
+            self._pass_on(step)
             await trio.lowlevel.checkpoint()
 
     def _pass_on(self, step: ProcessedStep) -> None:

@@ -103,22 +103,19 @@ class OutputSlot:
             if self.ready:
                 await trio.lowlevel.checkpoint()
             while not self.ready:
-                await self._park()
+                # Park until _wake (inline, not a helper coroutine: once per stream per step).
+                self._waiter = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
         finally:
             self._getting = False
         output = self.get_nowait()
         assert output is not None
         return output
 
-    async def _park(self) -> None:
-        """Sleep until ``_wake`` (a checkpoint). If cancelled, the slot forgets this waiter."""
-        self._waiter = trio.lowlevel.current_task()
-
-        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
-            self._waiter = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
+    def _abort_wait(self, _: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+        """The parked consumer was cancelled: forget it (nothing is taken)."""
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 def merge_delta_outputs(outputs: list[RequestOutput]) -> RequestOutput:
