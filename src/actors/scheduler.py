@@ -56,6 +56,7 @@ Pure Python, driven synchronously: never imports torch or trio.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -169,9 +170,9 @@ class _StepPlan:
         self.new_block_ids: dict[str, list[int]] = {}
         self.new_token_ids: dict[str, list[int]] = {}
 
-    def drop(self, req: Request) -> None:
+    def drop(self, req: Request) -> int:
         """Take back a running request planned earlier this step (it is being preempted,
-        its state not reset yet): its tokens return to the budget."""
+        its state not reset yet); returns its tokens, for the budget."""
         request_id = req.request_id
         k = self.running.index(req)
         n = self.num_scheduled.pop(request_id)
@@ -179,9 +180,9 @@ class _StepPlan:
         if n == 1 and self.samples[k] and (req.num_output_placeholders > 1 or req.output_token_ids):
             self.num_decode -= 1
         del self.running[k], self.computed[k], self.samples[k]
-        self.budget += n
         self.new_block_ids.pop(request_id, None)
         self.new_token_ids.pop(request_id, None)
+        return n
 
 
 class _InFlight:
@@ -452,9 +453,11 @@ class Scheduler:
         chunked_prefill = self.chunked_prefill
         planned, computed_at, samples = plan.running, plan.computed, plan.samples
         num_scheduled = plan.num_scheduled
+        budget = plan.budget
+        num_decode = 0
         preempted = False
         i = 0
-        while i < len(running) and plan.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
             i += 1
             placeholders = req.num_output_placeholders
@@ -468,10 +471,10 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             num_new = num_known - computed
-            if num_new > plan.budget:
+            if num_new > budget:
                 if not chunked_prefill:
                     continue
-                num_new = plan.budget
+                num_new = budget
             if num_new <= 0:
                 continue
             if computed + num_new > req.num_kv_slots:  # its blocks are full: it needs more
@@ -481,18 +484,20 @@ class Scheduler:
                     victim = running.pop(j)
                     preempted = True
                     if victim.request_id in num_scheduled:  # planned earlier this step
-                        plan.drop(victim)
+                        budget += plan.drop(victim)
                     self._preempt(victim)
                     if victim is req:
-                        return True
+                        break
                     if j < i:
                         i -= 1
                     new_ids = kv.allocate_slots(req, num_new)
+                if new_ids is None:
+                    break  # it was preempted itself
                 if new_ids:
                     plan.new_block_ids[req.request_id] = new_ids
             planned.append(req)
             num_scheduled[req.request_id] = num_new
-            plan.budget -= num_new
+            budget -= num_new
             computed_at.append(computed)
             sent = req.num_tokens_sent
             if sent < num_tokens:
@@ -503,8 +508,10 @@ class Scheduler:
             if sampling:
                 req.num_output_placeholders = placeholders + 1
                 if num_new == 1 and (placeholders or req.output_token_ids):
-                    plan.num_decode += 1
+                    num_decode += 1
             samples.append(sampling)
+        plan.budget = budget
+        plan.num_decode += num_decode  # less those dropped since
         return preempted
 
     def _victim_index(self) -> int:
@@ -657,10 +664,12 @@ class Scheduler:
         running = RequestStatus.RUNNING
         outputs: list[EngineCoreOutput] = []
         any_finished = False
-        end = 0  # the requests' tokens follow each other in ``sampled``
-        for req, sampling, count in zip(in_flight.requests, in_flight.samples, num_sampled):
-            start = end
-            end += count
+        append_output = outputs.append
+        # The requests' tokens follow each other in ``sampled``: each one's start.
+        starts = itertools.accumulate(num_sampled, initial=0)
+        for req, sampling, count, start in zip(
+            in_flight.requests, in_flight.samples, num_sampled, starts
+        ):
             if step_id <= req.reset_step:
                 continue  # preempted since: its placeholders are gone already
             if sampling:
@@ -681,7 +690,7 @@ class Scheduler:
                     reason = self._check_stop(req, token_id)
             else:
                 new_ids, reason, pooled = self._accept_other(
-                    req, sampling, sampled[start:end], runner_output
+                    req, sampling, sampled[start : start + count], runner_output
                 )
             # Publish the blocks whose KV is computed (or being computed), if a block filled.
             if (
@@ -694,7 +703,7 @@ class Scheduler:
                 lp = logprobs.get(request_id) if logprobs else None
                 if lp is not None and len(lp) > len(new_ids):
                     lp = lp[: len(new_ids)]
-                outputs.append(
+                append_output(
                     EngineCoreOutput(
                         request_id,
                         new_ids,
