@@ -167,17 +167,23 @@ class CoreSteps:
         ``bitmask_follows``: the plan is marked ``grammar_bitmask_follows`` instead, and
         the caller sends ``bitmask(step)`` once every earlier step is applied.
         """
-        plan = self.scheduler.schedule()
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0:
             return None
-        now = time.monotonic()
         queue_times = []
-        for new in plan.new_requests:  # also requests resumed after preemption: not queued
-            arrival = self._arrivals.pop(new.request_id, None)
-            if arrival is not None:
-                queue_times.append(now - arrival)
+        if plan.new_requests:
+            now = time.monotonic()
+            for new in plan.new_requests:  # also requests resumed after preemption: not queued
+                arrival = self._arrivals.pop(new.request_id, None)
+                if arrival is not None:
+                    queue_times.append(now - arrival)
         planned = PlannedStep(plan, queue_times)
-        if self.grammars is not None and self.grammars.constrains(plan, self.scheduler.requests):
+        if (
+            self.grammars is not None
+            and scheduler.has_constrained_requests
+            and self.grammars.constrains(plan, scheduler.requests)
+        ):
             if bitmask_follows:
                 plan.grammar_bitmask_follows = True
             else:
@@ -203,7 +209,7 @@ class CoreSteps:
         core_out = self.scheduler.update_from_output(step.plan, runner_output)
         core_out.outputs += not_computed
         failed = step.grammar_failures
-        if self.grammars is not None:
+        if self.grammars is not None and self.scheduler.has_constrained_requests:
             failed.update(self.grammars.accept(core_out.outputs, self.scheduler.requests))
         if failed:  # those requests alone
             core_out.outputs += self.scheduler.fail({i: f.message for i, f in failed.items()})
@@ -227,6 +233,9 @@ class CoreSteps:
             )
 
     def forget_finished(self, outputs: list[m.EngineCoreOutput]) -> None:
+        """Drop the arrival times of requests that finished before they were scheduled."""
+        if not self._arrivals:
+            return  # every live request has been scheduled: nothing to forget
         for out in outputs:
             if out.finish_reason is not None:
                 self._arrivals.pop(out.request_id, None)

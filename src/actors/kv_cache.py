@@ -85,6 +85,11 @@ class KVCacheManager:
     request calls :meth:`allocate_slots` alone each step. After a step's KV is
     computed the scheduler calls :meth:`cache_full_blocks`; a finished or
     preempted request calls :meth:`free`. Requests are keyed by ``request_id``.
+
+    It keeps ``request.num_kv_slots`` (tokens the request's blocks have room for)
+    and ``request.num_cached_blocks`` (its leading blocks published) up to date,
+    so the scheduler can skip :meth:`allocate_slots` and :meth:`cache_full_blocks`
+    on the steps where they would do nothing.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -104,7 +109,6 @@ class KVCacheManager:
         self._cached_free: OrderedDict[int, KVBlock] = OrderedDict()
         self._hash_to_block: dict[bytes, KVBlock] = {}
         self._req_blocks: dict[str, list[KVBlock]] = {}
-        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already published
         # Cumulative prefix-cache figures, in tokens (the scheduler takes deltas).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -216,7 +220,7 @@ class KVCacheManager:
             return None
         if held is None:
             held = self._req_blocks[request.request_id] = []
-            self._num_cached_blocks[request.request_id] = len(computed_blocks)
+            request.num_cached_blocks = len(computed_blocks)
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(computed_blocks) * self.block_size
@@ -231,6 +235,7 @@ class KVCacheManager:
             block.ref_cnt = 1
             held.append(block)
             new_ids.append(block.block_id)
+        request.num_kv_slots = len(held) * self.block_size
         return new_ids
 
     def _pop_free(self) -> KVBlock:
@@ -252,12 +257,13 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        request_id = request.request_id
-        start = self._num_cached_blocks.get(request_id)
+        start = request.num_cached_blocks
         end = request.num_computed_tokens // self.block_size
-        if start is None or end <= start:
+        if end <= start:
             return
-        blocks = self._req_blocks[request_id]
+        blocks = self._req_blocks.get(request.request_id)
+        if blocks is None:
+            return
         hash_map = self._hash_to_block
         for i in range(start, end):
             block = blocks[i]
@@ -266,7 +272,7 @@ class KVCacheManager:
                 if block_hash not in hash_map:
                     block.block_hash = block_hash
                     hash_map[block_hash] = block
-        self._num_cached_blocks[request_id] = end
+        request.num_cached_blocks = end
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (idempotent); unheld blocks join the free queues.
@@ -275,7 +281,7 @@ class KVCacheManager:
         evicted before its head.
         """
         blocks = self._req_blocks.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
+        request.num_kv_slots = request.num_cached_blocks = 0
         if blocks is None:
             return
         for block in reversed(blocks):

@@ -9,6 +9,7 @@ torch or trio.
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Any
 
 from ..protocol.messages import EngineRequest, FinishReason
@@ -37,6 +38,17 @@ class Request:
     tokens to compute, and the runner fills them in with its own samples.
     ``reset_step`` is the last step planned when a preemption restarted the
     request: answers of that step and earlier ones are stale for it.
+
+    Figures fixed at admission that keep the per-step checks cheap:
+    ``token_limit`` is the length of ``all_token_ids`` at which the request
+    reaches a length limit (the prompt plus ``max_tokens``, or ``max_model_len``;
+    0 for a pooling request, which samples nothing), and ``stopping_token_ids``
+    the tokens that may stop it (EOS unless ``ignore_eos``, and ``stop_token_ids``).
+
+    The KV-cache manager keeps two figures here for the scheduler's per-step
+    checks: ``num_kv_slots``, the tokens the blocks it holds have room for (0
+    when it holds none), and ``num_cached_blocks``, its leading full blocks
+    already published in the prefix cache.
     """
 
     __slots__ = (
@@ -50,6 +62,8 @@ class Request:
         "min_tokens",
         "max_tokens",
         "stop_token_ids",
+        "stopping_token_ids",
+        "token_limit",
         "lora_request",
         "pooling_params",
         "cache_extra_keys",
@@ -61,6 +75,8 @@ class Request:
         "num_tokens_sent",
         "num_preemptions",
         "block_hashes",
+        "num_kv_slots",
+        "num_cached_blocks",
         "status",
         "finish_reason",
         "stop_reason",
@@ -70,8 +86,11 @@ class Request:
         "grammar",
     )
 
-    def __init__(self, request: EngineRequest, seq: int) -> None:
-        """Wrap an admitted request; ``seq`` breaks ties between equal arrival times."""
+    def __init__(self, request: EngineRequest, seq: int, max_model_len: int | None = None) -> None:
+        """Wrap an admitted request; ``seq`` breaks ties between equal arrival times.
+
+        ``max_model_len`` (prompt and output tokens) bounds ``token_limit``; None: no bound.
+        """
         params: SamplingParams = request.sampling_params
         self.request_id: str = request.request_id
         self.prompt_token_ids: list[int] = list(request.prompt_token_ids)
@@ -83,6 +102,11 @@ class Request:
         self.min_tokens: int = params.min_tokens
         self.max_tokens: int | None = params.max_tokens  # None: up to max_model_len
         self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids or ())
+        self.stopping_token_ids: frozenset[int] = (
+            self.stop_token_ids
+            if self.ignore_eos or self.eos_token_id is None
+            else self.stop_token_ids | {self.eos_token_id}
+        )
         self.lora_request: LoRARequest | None = request.lora_request
         self.pooling_params: PoolingParams | None = request.pooling_params
         # Anything besides the tokens that decides whether cached KV may be reused.
@@ -94,11 +118,17 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens: int = len(self.prompt_token_ids)
+        limit = sys.maxsize if self.max_tokens is None else self.num_prompt_tokens + self.max_tokens
+        if max_model_len is not None:
+            limit = min(limit, max_model_len)
+        self.token_limit: int = 0 if self.pooling_params is not None else limit
         self.num_computed_tokens: int = 0
         self.num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 before
         self.num_tokens_sent: int = 0
         self.num_preemptions: int = 0
         self.block_hashes: list[bytes] = []
+        self.num_kv_slots: int = 0
+        self.num_cached_blocks: int = 0
         self.status: RequestStatus = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

@@ -56,6 +56,7 @@ Pure Python, driven synchronously: never imports torch or trio.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -136,16 +137,52 @@ class RequestQueue:
 
 
 class _StepPlan:
-    """What one ``schedule()`` call has decided so far."""
+    """What one ``schedule()`` call has decided so far.
 
-    __slots__ = ("budget", "new", "running", "num_scheduled", "new_block_ids")
+    Running requests are advanced as they are planned (``_schedule_running``):
+    ``running[i]`` resumes at ``computed[i]`` and samples if ``samples[i]``;
+    ``new_token_ids`` holds the tokens the runner does not know yet. A request
+    planned and then preempted in the same step is taken back with :meth:`drop`.
+    ``num_scheduled`` holds the running requests first, in ``running``'s order,
+    then the ones admitted (``new``).
+    """
+
+    __slots__ = (
+        "budget",
+        "new",
+        "running",
+        "computed",
+        "samples",
+        "num_decode",
+        "num_scheduled",
+        "new_block_ids",
+        "new_token_ids",
+    )
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.new: list[Request] = []
         self.running: list[Request] = []
+        self.computed: list[int] = []
+        self.samples: list[bool] = []
+        self.num_decode = 0  # running requests' one-token steps past their prefill
         self.num_scheduled: dict[str, int] = {}
         self.new_block_ids: dict[str, list[int]] = {}
+        self.new_token_ids: dict[str, list[int]] = {}
+
+    def drop(self, req: Request) -> int:
+        """Take back a running request planned earlier this step (it is being preempted,
+        its state not reset yet); returns its tokens, for the budget."""
+        request_id = req.request_id
+        k = self.running.index(req)
+        n = self.num_scheduled.pop(request_id)
+        # As counted when planned: a placeholder was added if it samples.
+        if n == 1 and self.samples[k] and (req.num_output_placeholders > 1 or req.output_token_ids):
+            self.num_decode -= 1
+        del self.running[k], self.computed[k], self.samples[k]
+        self.new_block_ids.pop(request_id, None)
+        self.new_token_ids.pop(request_id, None)
+        return n
 
 
 class _InFlight:
@@ -196,6 +233,7 @@ class Scheduler:
         self._step_id = 0
         self._seq = 0
         self._in_flight: dict[int, _InFlight] = {}  # planned steps not answered yet
+        self._num_constrained = 0  # unfinished requests with a grammar (structured outputs)
         # Figures since the last make_stats().
         self._stat_preempted = 0
         self._stat_prefill_tokens = 0
@@ -219,8 +257,10 @@ class Scheduler:
                 f"prompt_token_ids: {num_prompt} tokens exceed max_model_len={self.max_model_len}"
             )
         self._seq += 1
-        req = Request(request, self._seq)
+        req = Request(request, self._seq, self.max_model_len)
         self.requests[request_id] = req
+        if req.grammar is not None:
+            self._num_constrained += 1
         self.waiting.push(req)
         if self._pause_mode is not None:
             self._num_held += 1
@@ -231,6 +271,12 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_constrained_requests(self) -> bool:
+        """Whether any unfinished request has a grammar (structured outputs): when none
+        does, the engine core skips the per-step grammar hooks."""
+        return self._num_constrained > 0
 
     def has_in_flight_requests(self) -> bool:
         """Whether any unfinished request is not held by a pause.
@@ -319,6 +365,8 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         del self.requests[req.request_id]
+        if req.grammar is not None:
+            self._num_constrained -= 1
 
     # ---------------------------------------------------------- pausing
 
@@ -396,65 +444,75 @@ class Scheduler:
         return self._emit(plan)
 
     def _schedule_running(self, plan: _StepPlan) -> bool:
-        """Give each running request its next tokens; preempt when blocks run out.
-
-        Returns whether anything was preempted.
+        """Give each running request its next tokens, advancing its computed tokens (and
+        placeholders) at once; preempt when blocks run out. Returns whether anything
+        was preempted.
         """
         running = self.running
         kv = self.kv
+        chunked_prefill = self.chunked_prefill
+        planned, computed_at, samples = plan.running, plan.computed, plan.samples
+        num_scheduled = plan.num_scheduled
+        budget = plan.budget
+        num_decode = 0
         preempted = False
         i = 0
-        while i < len(running) and plan.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
-            placeholders = req.num_output_placeholders
-            if placeholders and self._done_in_flight(req):
-                i += 1  # the samples already on their way may finish it
-                continue
-            num_new = len(req.all_token_ids) + placeholders - req.num_computed_tokens
-            if num_new > plan.budget:
-                if not self.chunked_prefill:
-                    i += 1
-                    continue
-                num_new = plan.budget
-            if num_new <= 0:
-                i += 1
-                continue
-            new_ids = kv.allocate_slots(req, num_new)
-            while new_ids is None:
-                j = self._victim_index()
-                victim = running.pop(j)
-                preempted = True
-                if victim.request_id in plan.num_scheduled:  # planned earlier this step
-                    plan.budget += plan.num_scheduled.pop(victim.request_id)
-                    plan.running.remove(victim)
-                    plan.new_block_ids.pop(victim.request_id, None)
-                self._preempt(victim)
-                if victim is req:
-                    return True
-                if j < i:
-                    i -= 1
-                new_ids = kv.allocate_slots(req, num_new)
-            plan.running.append(req)
-            plan.num_scheduled[req.request_id] = num_new
-            if new_ids:
-                plan.new_block_ids[req.request_id] = new_ids
-            plan.budget -= num_new
             i += 1
+            placeholders = req.num_output_placeholders
+            num_tokens = len(req.all_token_ids)
+            num_known = num_tokens + placeholders  # with the samples in flight
+            if placeholders and num_known >= req.token_limit:
+                # The samples already on their way may reach its length limit (a pooling
+                # request is done once its prompt is computed). A request with a grammar
+                # does not wait: its bitmask row is only needed at sampling time, and the
+                # engine core sends it once the token in flight is known.
+                continue
+            computed = req.num_computed_tokens
+            num_new = num_known - computed
+            if num_new > budget:
+                if not chunked_prefill:
+                    continue
+                num_new = budget
+            if num_new <= 0:
+                continue
+            if computed + num_new > req.num_kv_slots:  # its blocks are full: it needs more
+                new_ids = kv.allocate_slots(req, num_new)
+                while new_ids is None:
+                    j = self._victim_index()
+                    victim = running.pop(j)
+                    preempted = True
+                    if victim.request_id in num_scheduled:  # planned earlier this step
+                        budget += plan.drop(victim)
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                    if j < i:
+                        i -= 1
+                    new_ids = kv.allocate_slots(req, num_new)
+                if new_ids is None:
+                    break  # it was preempted itself
+                if new_ids:
+                    plan.new_block_ids[req.request_id] = new_ids
+            planned.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            computed_at.append(computed)
+            sent = req.num_tokens_sent
+            if sent < num_tokens:
+                plan.new_token_ids[req.request_id] = req.all_token_ids[sent:]
+                req.num_tokens_sent = num_tokens
+            req.num_computed_tokens = computed + num_new
+            sampling = computed + num_new >= num_known
+            if sampling:
+                req.num_output_placeholders = placeholders + 1
+                if num_new == 1 and (placeholders or req.output_token_ids):
+                    num_decode += 1
+            samples.append(sampling)
+        plan.budget = budget
+        plan.num_decode += num_decode  # less those dropped since
         return preempted
-
-    def _done_in_flight(self, req: Request) -> bool:
-        """Whether the samples of steps in flight may already reach a length limit (or end
-        the request: a pooling request is done once its prompt is computed). A request
-        with a grammar does not wait: its bitmask row is only needed at sampling time,
-        and the engine core sends it once the token in flight is known."""
-        if req.pooling_params is not None:
-            return True
-        placeholders = req.num_output_placeholders
-        if len(req.all_token_ids) + placeholders >= self.max_model_len:
-            return True
-        return req.max_tokens is not None and (
-            len(req.output_token_ids) + placeholders >= req.max_tokens
-        )
 
     def _victim_index(self) -> int:
         """Index in ``running`` of the request to preempt: the lowest priority."""
@@ -524,38 +582,17 @@ class Scheduler:
         return True
 
     def _emit(self, plan: _StepPlan) -> SchedulerOutput:
-        """Turn the plan into the runner's message and advance computed tokens."""
+        """Turn the plan into the runner's message; advance the admitted requests' computed
+        tokens (the running ones were advanced as they were planned)."""
         step_id = self._step_id
         num_scheduled = plan.num_scheduled
-        prefill = decode = 0
-        requests: list[Request] = []
-        samples: list[bool] = []
+        total = sum(num_scheduled.values())
+        if total == 0:
+            return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0)
+        samples = plan.samples
         new_data: list[NewRequestData] = []
-        cached_ids: list[str] = []
-        cached_computed: list[int] = []
-        cached_tokens: dict[str, list[int]] = {}
-        for req in plan.running:
-            request_id = req.request_id
-            n = num_scheduled[request_id]
-            sent = req.num_tokens_sent
-            num_tokens = len(req.all_token_ids)
-            cached_ids.append(request_id)
-            cached_computed.append(req.num_computed_tokens)
-            if sent < num_tokens:
-                cached_tokens[request_id] = req.all_token_ids[sent:]
-            req.num_tokens_sent = num_tokens
-            computed = req.num_computed_tokens + n
-            placeholders = req.num_output_placeholders
-            sampling = computed >= num_tokens + placeholders
-            if n == 1 and sampling and (placeholders or req.output_token_ids):
-                decode += 1
-            else:
-                prefill += n
-            if sampling:
-                req.num_output_placeholders = placeholders + 1
-            req.num_computed_tokens = computed
-            requests.append(req)
-            samples.append(sampling)
+        running = plan.running
+        cached_ids = [req.request_id for req in running]
         for req in plan.new:  # admitted (or resumed) this step: after the running ones
             n = num_scheduled[req.request_id]
             new_data.append(
@@ -575,18 +612,15 @@ class Scheduler:
             sampling = req.num_computed_tokens >= req.num_tokens
             if sampling:
                 req.num_output_placeholders = 1
-            prefill += n
-            requests.append(req)
             samples.append(sampling)
-        total = prefill + decode
-        if total == 0:
-            return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0)
-        self._stat_prefill_tokens += prefill
-        self._stat_decode_tokens += decode
+        self._stat_prefill_tokens += total - plan.num_decode
+        self._stat_decode_tokens += plan.num_decode
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
-        self._in_flight[step_id] = _InFlight(requests, samples)
-        cached = CachedRequestData(cached_ids, cached_computed, plan.new_block_ids, cached_tokens)
+        self._in_flight[step_id] = _InFlight(running + plan.new, samples)
+        cached = CachedRequestData(
+            cached_ids, plan.computed, plan.new_block_ids, plan.new_token_ids
+        )
         return SchedulerOutput(step_id, new_data, cached, num_scheduled, total, finished, preempted)
 
     # ----------------------------------------------------------- results
@@ -626,13 +660,16 @@ class Scheduler:
         prompt_logprobs = runner_output.prompt_logprobs
         kv = self.kv
         prefix_caching = kv.enable_prefix_caching
+        block_size = kv.block_size
         running = RequestStatus.RUNNING
         outputs: list[EngineCoreOutput] = []
         any_finished = False
-        end = 0  # the requests' tokens follow each other in ``sampled``
-        for req, sampling, count in zip(in_flight.requests, in_flight.samples, num_sampled):
-            start = end
-            end += count
+        append_output = outputs.append
+        # The requests' tokens follow each other in ``sampled``: each one's start.
+        starts = itertools.accumulate(num_sampled, initial=0)
+        for req, sampling, count, start in zip(
+            in_flight.requests, in_flight.samples, num_sampled, starts
+        ):
             if step_id <= req.reset_step:
                 continue  # preempted since: its placeholders are gone already
             if sampling:
@@ -642,33 +679,31 @@ class Scheduler:
             request_id = req.request_id
             reason: FinishReason | None = None
             pooled: list[float] | None = None
-            if not sampling:
-                new_ids: list[int] = []  # a partial prefill chunk samples nothing
-            elif req.pooling_params is not None:
-                new_ids, reason = [], FinishReason.STOP
-                pooled = runner_output.pooled.get(request_id)
-                if pooled is None:
-                    raise ValueError(f"model runner returned no pooled vector for {request_id!r}")
-            elif count == 1:
+            if count == 1 and sampling and req.pooling_params is None:  # the common case
                 token_id = sampled[start]
+                all_ids = req.all_token_ids
+                all_ids.append(token_id)
                 req.output_token_ids.append(token_id)
-                req.all_token_ids.append(token_id)
                 req.num_tokens_sent += 1  # the runner appended its own sample
                 new_ids = [token_id]
-                reason = self._check_stop(req, token_id)
-            elif count:
-                new_ids, reason = self._append_tokens(req, sampled[start:end])
-                req.num_tokens_sent += len(new_ids)
+                if token_id in req.stopping_token_ids or len(all_ids) >= req.token_limit:
+                    reason = self._check_stop(req, token_id)
             else:
-                raise ValueError(f"model runner returned no sampled token for {request_id!r}")
-            if prefix_caching:
-                kv.cache_full_blocks(req)  # blocks whose KV is computed (or being computed)
+                new_ids, reason, pooled = self._accept_other(
+                    req, sampling, sampled[start : start + count], runner_output
+                )
+            # Publish the blocks whose KV is computed (or being computed), if a block filled.
+            if (
+                prefix_caching
+                and req.num_computed_tokens >= (req.num_cached_blocks + 1) * block_size
+            ):
+                kv.cache_full_blocks(req)
             plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
             if new_ids or reason is not None or plp:
                 lp = logprobs.get(request_id) if logprobs else None
                 if lp is not None and len(lp) > len(new_ids):
                     lp = lp[: len(new_ids)]
-                outputs.append(
+                append_output(
                     EngineCoreOutput(
                         request_id,
                         new_ids,
@@ -686,6 +721,26 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
         return EngineCoreOutputs(outputs, time.monotonic(), self.make_stats())
+
+    def _accept_other(
+        self, req: Request, sampling: bool, tokens: list[int], runner_output: ModelRunnerOutput
+    ) -> tuple[list[int], FinishReason | None, list[float] | None]:
+        """A live request's answer other than one sampled token: a partial prefill chunk
+        (nothing), a pooling request's vector (it finishes), or several tokens. Returns the
+        accepted tokens, why it stops (if it does) and the pooled vector."""
+        request_id = req.request_id
+        if not sampling:
+            return [], None, None  # a partial prefill chunk samples nothing
+        if req.pooling_params is not None:
+            pooled = runner_output.pooled.get(request_id)
+            if pooled is None:
+                raise ValueError(f"model runner returned no pooled vector for {request_id!r}")
+            return [], FinishReason.STOP, pooled
+        if not tokens:
+            raise ValueError(f"model runner returned no sampled token for {request_id!r}")
+        new_ids, reason = self._append_tokens(req, tokens)
+        req.num_tokens_sent += len(new_ids)
+        return new_ids, reason, None
 
     def _append_tokens(
         self, req: Request, tokens: list[int]
@@ -705,7 +760,8 @@ class Scheduler:
 
         EOS (unless ``ignore_eos``) and stop token ids count only once
         ``min_tokens`` outputs exist; they win over a length limit reached by the
-        same token. Sets ``req.stop_reason`` to a matched stop token id.
+        same token. Sets ``req.stop_reason`` to a matched stop token id. Only a token in
+        ``req.stopping_token_ids`` or reaching ``req.token_limit`` can stop it.
         """
         num_output = len(req.output_token_ids)
         if num_output >= req.min_tokens:
@@ -714,9 +770,7 @@ class Scheduler:
             if token_id in req.stop_token_ids:
                 req.stop_reason = token_id
                 return FinishReason.STOP
-        if len(req.all_token_ids) >= self.max_model_len or (
-            req.max_tokens is not None and num_output >= req.max_tokens
-        ):
+        if len(req.all_token_ids) >= req.token_limit:  # max_tokens, or max_model_len reached
             return FinishReason.LENGTH
         return None
 

@@ -422,6 +422,23 @@ def test_priority_preemption_takes_the_lowest_priority_even_if_scheduled_earlier
     assert len(h.tokens["lo"]) == 10 and len(h.tokens["hi"]) == 10
 
 
+def test_has_constrained_requests_while_a_request_with_a_grammar_is_live() -> None:
+    h = Harness(make_config())
+    constrained = make_request("g", 4, max_tokens=2)
+    constrained.grammar = object()  # the scheduler only carries it
+    h.add(constrained, make_request("plain", 4, max_tokens=6))
+    assert h.sched.has_constrained_requests
+    while "g" not in h.final:
+        h.step()
+    assert not h.sched.has_constrained_requests and "plain" not in h.final
+    aborted = make_request("g2", 4)
+    aborted.grammar = object()
+    h.add(aborted)
+    assert h.sched.has_constrained_requests
+    h.sched.abort("g2")
+    assert not h.sched.has_constrained_requests
+
+
 # ---------------------------------------------------------- abort / finish
 
 

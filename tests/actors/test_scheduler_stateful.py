@@ -368,6 +368,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             req = sched.requests[request_id]
             assert req.status is RequestStatus.RUNNING
             assert len(blocks) * size >= req.num_computed_tokens
+            # The figures the scheduler reads instead of asking the manager each step.
+            assert req.num_kv_slots == len(blocks) * size
+            assert req.num_cached_blocks <= req.num_computed_tokens // size
             for position, block in enumerate(blocks):
                 holders.setdefault(block.block_id, []).append((request_id, position))
                 if block.block_hash is not None:
