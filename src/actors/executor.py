@@ -178,6 +178,8 @@ class _FrameReader:
 class ProcessExecutor:
     """The model runner in a child process. See the module docstring."""
 
+    worker_name = "model worker"  # how errors name the worker process
+
     def __init__(self, config: EngineConfig, *, inject_fault: dict[str, Any] | None = None):
         self._config = config
         self._inject_fault = inject_fault
@@ -288,16 +290,18 @@ class ProcessExecutor:
             try:
                 frame = await reader.read()
             except wire.WireError as exc:
-                raise WorkerDiedError(f"model worker (pid {process.pid}) sent {exc}") from exc
+                raise WorkerDiedError(f"{self.worker_name} (pid {process.pid}) sent {exc}") from exc
             if frame is None:
                 if self._closing:
                     return
                 code = await _wait_exit(process)
-                raise WorkerDiedError(f"model worker (pid {process.pid}) exited with code {code}")
+                raise WorkerDiedError(
+                    f"{self.worker_name} (pid {process.pid}) exited with code {code}"
+                )
             frame_id, answer = frame
             if isinstance(answer, m.WorkerError) and answer.fatal:
                 raise WorkerDiedError(
-                    f"model worker (pid {process.pid}) failed: {answer.error_type}: "
+                    f"{self.worker_name} (pid {process.pid}) failed: {answer.error_type}: "
                     f"{answer.message}"
                 )
             waiting = self._answers.pop(frame_id, None)

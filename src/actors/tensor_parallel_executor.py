@@ -63,6 +63,9 @@ class TensorParallelExecutor(ProcessExecutor):
     See the module docstring.
     """
 
+    # Rank 0's own failure (often a collective cut short by a peer that died) names it.
+    worker_name = "tensor-parallel rank 0"
+
     def __init__(self, config: EngineConfig, *, inject_fault: dict[str, Any] | None = None):
         if config.node_rank != 0:
             raise ValueError(
