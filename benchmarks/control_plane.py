@@ -10,13 +10,14 @@ paused engine).
 
     python benchmarks/control_plane.py --streams 256 --output-len 256
     python benchmarks/control_plane.py --streams 256 --no-async-scheduling
-    python benchmarks/control_plane.py --streams 256 --freeze-gc   # as `legato serve` runs
+    python benchmarks/control_plane.py --streams 256 --unfreeze-gc  # the startup heap scanned
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import time
 from typing import Any
@@ -37,22 +38,21 @@ def engine_args(streams: int, output_len: int, executor: str, **extra: Any) -> d
 
 
 async def run(
-    streams: int, output_len: int, executor: str, freeze_gc: bool = False, **extra: Any
+    streams: int, output_len: int, executor: str, unfreeze_gc: bool = False, **extra: Any
 ) -> tuple[float, float, float]:
     """Output tok/s, wall seconds, and CPU seconds of this process, of the streaming part."""
     import trio
 
     from legato.engine import open_engine
     from legato.protocol.params import RequestOutputKind, SamplingParams
-    from legato.server.app import freeze_startup_heap
 
     params = SamplingParams(
         max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
     counts = [0] * streams
     async with open_engine(None, **engine_args(streams, output_len, executor, **extra)) as engine:
-        if freeze_gc:
-            freeze_startup_heap()
+        if unfreeze_gc:
+            gc.unfreeze()  # undo the engine's freeze_startup_heap (legato.startup_heap)
 
         async def one(i: int) -> None:
             async with engine.generate("The quick brown fox", params, f"r{i}") as stream:
@@ -125,9 +125,10 @@ def main() -> None:
         "--idle-memory", action="store_true", help="also measure memory per idle open stream"
     )
     parser.add_argument(
-        "--freeze-gc",
+        "--unfreeze-gc",
         action="store_true",
-        help="gc.freeze() the startup heap once the engine is up, as `legato serve` does",
+        help="gc.unfreeze() once the engine is up: the collector rescans the startup heap, "
+        "as it did before engines froze it",
     )
     args = parser.parse_args()
     import torch
@@ -136,15 +137,15 @@ def main() -> None:
     extra = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
     rate, elapsed, cpu = trio.run(
         functools.partial(
-            run, args.streams, args.output_len, args.executor, args.freeze_gc, **extra
+            run, args.streams, args.output_len, args.executor, args.unfreeze_gc, **extra
         )
     )
     steps = args.output_len  # one token per stream per decode step (the first from prefill)
     us_per_req_step = elapsed / steps / args.streams * 1e6
     cpu_us_per_req_step = cpu / steps / args.streams * 1e6
     overlap = "default" if args.async_scheduling is None else str(args.async_scheduling)
-    if args.freeze_gc:
-        overlap += ",gc-frozen"
+    if args.unfreeze_gc:
+        overlap += ",gc-unfrozen"
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
     print(
         f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'overlap':>8} {'seconds':>8} "

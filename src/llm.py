@@ -28,6 +28,7 @@ from .protocol import messages as m
 from .protocol.errors import ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .startup_heap import freeze_startup_heap
 from .structured.engine import EngineGrammars
 
 T = TypeVar("T")
@@ -331,6 +332,7 @@ class LLMEngine:
         self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
         self._engine_ids = itertools.count(1)
         self._stats = m.SchedulerStats()
+        freeze_startup_heap()
         self.stats.log_engine_initialized()
 
     @classmethod

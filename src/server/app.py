@@ -20,7 +20,6 @@ Imports trio, hypercorn and trio-websocket; never torch.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -180,20 +179,6 @@ async def open_server(
             await server.shutdown()
 
 
-def freeze_startup_heap() -> None:
-    """Put every object alive after start-up (torch, transformers, the engine) out of the
-    garbage collector's reach (``gc.freeze``), as vLLM does once its engine is up.
-
-    The control plane allocates short-lived objects per stream per step; each
-    full collection they trigger would otherwise rescan the whole startup heap
-    (hundreds of thousands of objects): about a sixth of the engine's time at
-    256 streams (``benchmarks/control_plane.py --freeze-gc``). Objects frozen
-    are never collected; nothing of start-up is garbage.
-    """
-    gc.collect()
-    gc.freeze()
-
-
 async def serve(
     model: str | None,
     engine_args: dict[str, Any],
@@ -252,7 +237,6 @@ async def serve(
                 async with engines as engine:
                     async with open_server(engine, settings, model_name=name) as server:
                         started.append(server)
-                        freeze_startup_heap()
                         print(
                             f"legato: serving {name!r}: listening on {server.http_url} and {server.ws_url}",
                             flush=True,
