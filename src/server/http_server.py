@@ -14,9 +14,15 @@ starts), so slow-header clients cannot pile up.
 The shutdown follows hypercorn's: stop accepting, tell idle keep-alive
 connections to close, give the others ``graceful_timeout`` seconds.
 
-Uses hypercorn's ``TCPServer`` and ``WorkerContext`` (not part of its
-documented API: pinned to 0.17 - 0.18 in pyproject.toml). Imports trio and
-hypercorn; never torch.
+Each connection runs ``_HTTP1Server``: hypercorn's ``TCPServer.run`` for a
+plain socket, changed so that a client that hangs up is let go once answered
+(hypercorn keeps the connection until its keep-alive timer runs out, even
+after the client's EOF).
+
+Uses hypercorn's ``TCPServer``, ``ProtocolWrapper``, ``TaskGroup`` and
+``WorkerContext`` (not part of its documented API: pinned to 0.17 - 0.18 in
+pyproject.toml); only our accept loop uses the subclass, hypercorn's own
+classes are left as they are. Imports trio and hypercorn; never torch.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from typing import cast
 
 import trio
 from hypercorn.config import Config
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
-from hypercorn.utils import repr_socket_addr
+from hypercorn.utils import parse_socket_addr, repr_socket_addr
 
 logger = logging.getLogger("legato.server")
 
@@ -82,9 +90,7 @@ async def _serve_connection(
 ) -> None:
     """One connection, by hypercorn's protocol code; whatever it raises ends this one only."""
     try:
-        # TCPServer takes a plain socket stream too (it only does TLS when it has one).
-        tls_or_plain = cast("trio.SSLStream[trio.SocketStream]", stream)
-        await TCPServer(app, config, context, ConnectionState({}), tls_or_plain)
+        await _HTTP1Server(app, config, context, stream).run()
     except Exception:
         logger.warning("HTTP connection closed after a protocol error", exc_info=True)
         await _abort(stream)
@@ -93,3 +99,49 @@ async def _serve_connection(
 async def _abort(stream: trio.SocketStream) -> None:
     with trio.CancelScope(shield=True):
         await trio.aclose_forcefully(stream)
+
+
+class _HTTP1Server(TCPServer):
+    """hypercorn's ``TCPServer`` for one plain (no TLS) connection."""
+
+    def __init__(
+        self, app: AppWrapper, config: Config, context: WorkerContext, stream: trio.SocketStream
+    ) -> None:
+        # TCPServer takes a plain socket stream too (it only does TLS when it has one).
+        tls_or_plain = cast("trio.SSLStream[trio.SocketStream]", stream)
+        super().__init__(app, config, context, ConnectionState({}), tls_or_plain)
+        self._socket = stream.socket
+
+    async def run(self) -> None:
+        """``TCPServer.run`` less the TLS handshake.
+
+        Returns when the connection is closed (by the client once answered, the idle
+        or keep-alive timer, or the server's shutdown); lets escape what hypercorn's
+        protocol code raises.
+        """
+        try:
+            client = parse_socket_addr(self._socket.family, self._socket.getpeername())
+            server = parse_socket_addr(self._socket.family, self._socket.getsockname())
+            async with TaskGroup() as task_group:
+                self._task_group = task_group
+                self.protocol = ProtocolWrapper(
+                    self.app,
+                    self.config,
+                    self.context,
+                    task_group,
+                    ConnectionState(self.state),
+                    False,
+                    client,
+                    server,
+                    self.protocol_send,
+                )
+                await self.protocol.initiate()
+                await self.idle_task.restart(task_group, self._idle_timeout)
+                await self._read_data()
+                # The client hung up (or the stream broke): no request can follow, so
+                # nothing waits for the keep-alive timer; a request in flight still ends.
+                await self.idle_task.stop()
+        except OSError:
+            pass
+        finally:
+            await self._close()
