@@ -14,9 +14,26 @@ starts), so slow-header clients cannot pile up.
 The shutdown follows hypercorn's: stop accepting, tell idle keep-alive
 connections to close, give the others ``graceful_timeout`` seconds.
 
-Uses hypercorn's ``TCPServer`` and ``WorkerContext`` (not part of its
-documented API: pinned to 0.17 - 0.18 in pyproject.toml). Imports trio and
-hypercorn; never torch.
+Each connection runs ``_HTTP1Server``: hypercorn's ``TCPServer.run`` for a
+plain socket, with two changes.
+
+- HTTP/1.x only. Hypercorn switches a connection to HTTP/2 on an ``Upgrade:
+  h2c`` request (answering ``101``) or on the preface ``PRI * HTTP/2.0``, and
+  its HTTP/2 code never ends a connection whose client hangs up before the
+  answer is sent (the answer waits for a sender task that the hang-up already
+  ended, and the idle timer stays off): one packet held a connection for
+  ever. Hypercorn has no setting to turn cleartext HTTP/2 off, so our
+  protocol's HTTP/2 check is a no-op: such a request is served as the
+  HTTP/1.x request it also is, the upgrade ignored (as RFC 9110 allows, and
+  as uvicorn, vLLM's server, does).
+- A client that hangs up is let go once answered: hypercorn keeps the
+  connection until its keep-alive timer runs out, even after the client's EOF.
+
+Uses hypercorn's ``TCPServer``, ``ProtocolWrapper``, ``H11Protocol``,
+``TaskGroup`` and ``WorkerContext`` (not part of its documented API: pinned to
+0.17 - 0.18 in pyproject.toml); only our accept loop uses the subclasses,
+hypercorn's own classes are left as they are. Imports trio and hypercorn;
+never torch.
 """
 
 from __future__ import annotations
@@ -24,14 +41,20 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 from hypercorn.config import Config
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
-from hypercorn.utils import repr_socket_addr
+from hypercorn.utils import parse_socket_addr, repr_socket_addr
+
+if TYPE_CHECKING:
+    import h11  # hypercorn's HTTP/1 parser, for a type only
 
 logger = logging.getLogger("legato.server")
 
@@ -82,9 +105,7 @@ async def _serve_connection(
 ) -> None:
     """One connection, by hypercorn's protocol code; whatever it raises ends this one only."""
     try:
-        # TCPServer takes a plain socket stream too (it only does TLS when it has one).
-        tls_or_plain = cast("trio.SSLStream[trio.SocketStream]", stream)
-        await TCPServer(app, config, context, ConnectionState({}), tls_or_plain)
+        await _HTTP1Server(app, config, context, stream).run()
     except Exception:
         logger.warning("HTTP connection closed after a protocol error", exc_info=True)
         await _abort(stream)
@@ -93,3 +114,76 @@ async def _serve_connection(
 async def _abort(stream: trio.SocketStream) -> None:
     with trio.CancelScope(shield=True):
         await trio.aclose_forcefully(stream)
+
+
+class _HTTP1Protocol(H11Protocol):
+    """hypercorn's HTTP/1.x protocol, never switching to HTTP/2: a request with
+    ``Upgrade: h2c`` or the ``PRI * HTTP/2.0`` preface goes to the app like any other
+    (h11 then takes the upgrade as declined when the answer is not a ``101``)."""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        return None
+
+
+class _HTTP1Only(ProtocolWrapper):
+    """The protocol wrapper ``TCPServer`` drives, always holding an ``_HTTP1Protocol``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # a plain connection: an H11Protocol, replaced here
+        self.protocol = _HTTP1Protocol(
+            self.app,
+            self.config,
+            self.context,
+            self.task_group,
+            self.state,
+            self.ssl,
+            self.client,
+            self.server,
+            self.send,
+        )
+
+
+class _HTTP1Server(TCPServer):
+    """hypercorn's ``TCPServer`` for one plain (no TLS) connection, speaking HTTP/1.x only."""
+
+    def __init__(
+        self, app: AppWrapper, config: Config, context: WorkerContext, stream: trio.SocketStream
+    ) -> None:
+        # TCPServer takes a plain socket stream too (it only does TLS when it has one).
+        tls_or_plain = cast("trio.SSLStream[trio.SocketStream]", stream)
+        super().__init__(app, config, context, ConnectionState({}), tls_or_plain)
+        self._socket = stream.socket
+
+    async def run(self) -> None:
+        """``TCPServer.run`` less the TLS handshake, with ``_HTTP1Only`` as the protocol.
+
+        Returns when the connection is closed (by the client once answered, the idle
+        or keep-alive timer, or the server's shutdown); lets escape what hypercorn's
+        protocol code raises.
+        """
+        try:
+            client = parse_socket_addr(self._socket.family, self._socket.getpeername())
+            server = parse_socket_addr(self._socket.family, self._socket.getsockname())
+            async with TaskGroup() as task_group:
+                self._task_group = task_group
+                self.protocol = _HTTP1Only(
+                    self.app,
+                    self.config,
+                    self.context,
+                    task_group,
+                    ConnectionState(self.state),
+                    False,
+                    client,
+                    server,
+                    self.protocol_send,
+                )
+                await self.protocol.initiate()
+                await self.idle_task.restart(task_group, self._idle_timeout)
+                await self._read_data()
+                # The client hung up (or the stream broke): no request can follow, so
+                # nothing waits for the keep-alive timer; a request in flight still ends.
+                await self.idle_task.stop()
+        except OSError:
+            pass
+        finally:
+            await self._close()
