@@ -14,35 +14,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-from prometheus_client import CollectorRegistry, Histogram
 
 from legato.actors import stats
 from legato.actors.stats import FinishedRequest, StatsCollector, StepStats
-
-
-class PerSampleHistogram:
-    """The old way, behind ``BatchHistogram``'s constructor: a prometheus_client
-    ``Histogram`` child, one ``observe`` per sample."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        model_name: str,
-        buckets: Sequence[float],
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self._child = Histogram(
-            name, documentation, ["model_name"], buckets=buckets, registry=registry
-        ).labels(model_name)
-
-    def observe_many(self, values: Sequence[float]) -> None:
-        for value in values:
-            self._child.observe(value)
+from legato.testing.per_sample_histogram import PerSampleHistogram
 
 
 def collector(kind: str, vllm_names: bool) -> StatsCollector:

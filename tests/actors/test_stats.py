@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,6 +31,7 @@ from legato.actors.stats import (
 )
 from legato.config import EngineConfig
 from legato.protocol.messages import SchedulerStats
+from legato.testing.per_sample_histogram import PerSampleHistogram
 
 
 def step(t: float = 1.0, reason: str | None = "length") -> StepStats:
@@ -245,27 +246,6 @@ def test_stat_loggers_take_vllm_style_factories() -> None:
 # --- BatchHistogram: exposed exactly as prometheus_client's Histogram ---------------------
 
 
-class ReferenceHistogram:
-    """BatchHistogram's constructor over a real prometheus_client Histogram child fed one
-    ``observe`` per sample: what the exposition must equal."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        model_name: str,
-        buckets: Sequence[float],
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self.child = Histogram(
-            name, documentation, ["model_name"], buckets=buckets, registry=registry
-        ).labels(model_name)
-
-    def observe_many(self, values: Sequence[float]) -> None:
-        for value in values:
-            self.child.observe(value)
-
-
 SUM_OR_CREATED = re.compile(r"^(\S+_(?:sum|created)\{[^}]*\}) (\S+)$", re.MULTILINE)
 
 
@@ -293,7 +273,7 @@ def assert_same_exposition(ours: bytes, reference: bytes) -> None:
 def reference_logger(monkeypatch: pytest.MonkeyPatch) -> PrometheusStatLogger:
     """PrometheusStatLogger("m", vllm_names=True) with prometheus_client Histograms."""
     with monkeypatch.context() as patch:
-        patch.setattr(stats, "BatchHistogram", ReferenceHistogram)
+        patch.setattr(stats, "BatchHistogram", PerSampleHistogram)
         return PrometheusStatLogger("m", vllm_names=True)
 
 
@@ -367,7 +347,7 @@ def test_a_batch_counts_as_its_samples_one_by_one(size: int, spread: str) -> Non
     }[spread]
     ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
     ours = BatchHistogram("h_seconds", "H.", "m", bounds, ours_registry)
-    reference = ReferenceHistogram("h_seconds", "H.", "m", bounds, reference_registry)
+    reference = PerSampleHistogram("h_seconds", "H.", "m", bounds, reference_registry)
     for _ in range(3):
         batch = [pick() for _ in range(size)]
         ours.observe_many(batch)
@@ -382,7 +362,7 @@ def test_nan_and_infinite_samples_count_as_in_prometheus_client() -> None:
     for batch in ([math.nan, 0.7], [math.inf, -math.inf, 0.2] * 4, [math.nan, 2.0] * 5):
         ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
         BatchHistogram("h", "H.", "m", bounds, ours_registry).observe_many(batch)
-        ReferenceHistogram("h", "H.", "m", bounds, reference_registry).observe_many(batch)
+        PerSampleHistogram("h", "H.", "m", bounds, reference_registry).observe_many(batch)
         ours, reference = (
             {k: v for k, v in samples(generate_latest(r)).items() if not k[0].endswith("created")}
             for r in (ours_registry, reference_registry)
