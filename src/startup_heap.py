@@ -21,8 +21,10 @@ def freeze_startup_heap() -> bool:
     quarter of a second each and about half the control plane's time at 256 streams
     (``benchmarks/control_plane.py --unfreeze-gc`` shows it). Frozen objects are skipped
     by the cycle collector only: reference counting still frees them, and the collection
-    just before leaves no cyclic garbage among them. Once per process, so a restarting
-    server or a test suite does not pay a full collection per engine.
+    just before leaves no cyclic garbage among them. What is frozen and later becomes
+    cyclic garbage stays (at most the first engine's own objects, once it is closed).
+    Once per process, so a restarting server or a test suite does not pay a full
+    collection per engine.
     """
     global _frozen
     if _frozen:

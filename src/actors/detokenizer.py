@@ -474,10 +474,6 @@ class _Completion:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.parent.params.logprobs is not None
-
     def release(self) -> None:
         """Make the settled text visible: all of it once finished, else all but a partial stop.
 
@@ -835,7 +831,7 @@ class OutputProcessor:
                 c.clear_news()
         if completions:
             request.slot.put(
-                RequestOutput(  # positional: see delta_output
+                RequestOutput(  # positional: see _Completion.take_delta
                     request.output_id,
                     request.prompt,
                     request.prompt_token_ids,
