@@ -15,6 +15,7 @@ Never imports trio or torch (the slot type is only named for type checking).
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -205,6 +206,48 @@ def _is_tokenizers_panic(exc: BaseException) -> bool:
     return type(exc).__name__ == "PanicException"
 
 
+class WholeTokenTexts:
+    """One tokenizer's table of the vocabulary tokens that decode to whole characters
+    on their own, for a context-free decoder (byte-level BPE: each token stands for
+    fixed bytes). There, a token read right after a complete piece adds exactly its
+    own text, so ``StreamDetokenizer`` takes it from here instead of decoding.
+
+    ``get(token_id)`` is that text, or None: the decoder is not byte-level, the token
+    is an added one (special or not), or its bytes are not whole characters (or
+    decode to nothing, or fail). Filled as tokens are met; share one per tokenizer.
+    """
+
+    def __init__(self, tokenizer: AnyTokenizer) -> None:
+        backend = _backend(tokenizer)
+        self.enabled = backend is not None and _is_byte_level(backend)
+        self._backend = backend
+        self._added = frozenset(backend.get_added_tokens_decoder()) if backend else frozenset()
+        self._texts: dict[int, str | None] = {}
+
+    def get(self, token_id: int) -> str | None:
+        texts = self._texts
+        if token_id in texts:
+            return texts[token_id]
+        text = None
+        if self.enabled and token_id not in self._added and self._backend is not None:
+            try:
+                decoded = self._backend.decode([token_id], skip_special_tokens=False)
+            except BaseException as exc:
+                if not (isinstance(exc, Exception) or _is_tokenizers_panic(exc)):
+                    raise
+                decoded = ""  # the decoding path reports it, for this request alone
+            if decoded and _REPLACEMENT not in decoded:
+                text = decoded
+        texts[token_id] = text
+        return text
+
+
+def _is_byte_level(backend: Tokenizer) -> bool:
+    """Whether the tokenizer's decoder is byte-level alone (no strip, no replace)."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return bool(decoder.get("type") == "ByteLevel")
+
+
 class StreamDetokenizer:
     """``IncrementalDetokenizer``'s contract, computed by tokenizers' ``DecodeStream``.
 
@@ -219,6 +262,11 @@ class StreamDetokenizer:
     that does not extend the text before it (tokenizers' "invalid prefix").
     Both are rare (invalid bytes).
 
+    With ``whole_tokens`` (the tokenizer's ``WholeTokenTexts``), a token read
+    right after a complete piece whose text is in the table is taken from there
+    (the common case for byte-level BPE: no decode at all); the stream is
+    rebuilt from the last piece's ids before the next token it must decode.
+
     Needs a fast tokenizer (a ``tokenizers.Tokenizer`` backend); ValueError
     otherwise. ``update`` and ``flush`` raise ``DetokenizationError`` if the
     tokenizer fails on a token, a Rust panic included.
@@ -230,6 +278,7 @@ class StreamDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         *,
         skip_special_tokens: bool = True,
+        whole_tokens: WholeTokenTexts | None = None,
     ) -> None:
         backend = _backend(tokenizer)
         if backend is None:
@@ -247,6 +296,8 @@ class StreamDetokenizer:
         except BaseException as exc:
             raise self._error(exc) from None
         self._pending: list[int] = []  # read since the last piece, no complete character yet
+        self._whole = whole_tokens if whole_tokens is not None and whole_tokens.enabled else None
+        self._stream_behind = False  # pieces were taken from the table since it last stepped
 
     def _error(self, exc: BaseException) -> BaseException:
         if isinstance(exc, Exception) or _is_tokenizers_panic(exc):
@@ -260,12 +311,22 @@ class StreamDetokenizer:
             return self._guarded(functools.partial(fallback.update, new_token_ids))
         pieces: list[str] = []
         ids = new_token_ids if isinstance(new_token_ids, list) else list(new_token_ids)
-        stream, tokenizer, skipped = self._stream, self._tokenizer, self._skipped
+        tokenizer, skipped, whole = self._tokenizer, self._skipped, self._whole
         for i, token_id in enumerate(ids):
             if token_id in skipped:
                 continue
+            if whole is not None and not self._pending:
+                text = whole.get(token_id)
+                if text is not None:  # a piece of its own, as the stream would have found
+                    pieces.append(text)
+                    self._prefix = [token_id]
+                    self._stream_behind = True
+                    continue
             try:
-                text = stream.step(tokenizer, token_id)
+                if self._stream_behind:
+                    self._stream = DecodeStream(self._prefix, self._skip_special_tokens)
+                    self._stream_behind = False
+                text = self._stream.step(tokenizer, token_id)
             except BaseException as exc:
                 if type(exc) is not Exception or "prefix" not in str(exc).lower():
                     raise self._error(exc) from None
@@ -309,6 +370,7 @@ class StreamDetokenizer:
             delta = delta[:-1]
         self._prefix, self._pending = [], []
         self._stream = DecodeStream(None, self._skip_special_tokens)
+        self._stream_behind = False
         return delta
 
 
@@ -321,16 +383,20 @@ def make_detokenizer(
     *,
     skip_special_tokens: bool = True,
     spaces_between_special_tokens: bool = True,
+    whole_tokens: WholeTokenTexts | None = None,
 ) -> Detokenizer:
     """A ``StreamDetokenizer`` for a fast tokenizer, else an ``IncrementalDetokenizer``.
 
     (``spaces_between_special_tokens`` matters to slow tokenizers only, as in
-    ``IncrementalDetokenizer``.) Raises ``DetokenizationError`` if the
-    tokenizer fails on the prompt's context tokens.
+    ``IncrementalDetokenizer``; ``whole_tokens`` to fast ones.) Raises
+    ``DetokenizationError`` if the tokenizer fails on the prompt's context tokens.
     """
     if _backend(tokenizer) is not None:
         return StreamDetokenizer(
-            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=skip_special_tokens,
+            whole_tokens=whole_tokens,
         )
     return IncrementalDetokenizer(
         tokenizer,
@@ -589,6 +655,7 @@ class OutputProcessor:
         self._completions: dict[str, _Completion] = {}  # by scheduler-level id
         self._token_text_cache: dict[int, str] = {}
         self._decode_token: Callable[[list[int]], str] | None = None
+        self._whole_tokens = WholeTokenTexts(tokenizer) if tokenizer is not None else None
         if tokenizer is not None:
             self._decode_token = _make_decode(
                 tokenizer, skip_special_tokens=False, spaces_between_special_tokens=True
@@ -655,6 +722,7 @@ class OutputProcessor:
                     request.prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    whole_tokens=self._whole_tokens,
                 )
             completion = _Completion(child_id, index, request, detokenizer)
             completion.streams_text = (

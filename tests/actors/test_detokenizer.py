@@ -15,6 +15,7 @@ from legato.actors.detokenizer import (
     OutputProcessor,
     ProcessedStep,
     StreamDetokenizer,
+    WholeTokenTexts,
     find_stop_string,
     make_detokenizer,
     partial_stop_length,
@@ -121,12 +122,21 @@ def last_output(outputs: Sequence[RequestOutput | None]) -> RequestOutput:
 # ------------------------------------- IncrementalDetokenizer, StreamDetokenizer
 
 
-@pytest.fixture(params=[IncrementalDetokenizer, StreamDetokenizer])
-def Detok(request: pytest.FixtureRequest) -> type[IncrementalDetokenizer | StreamDetokenizer]:
-    """Each test of the detokenizer's contract runs on both: the Python one and the one
-    on tokenizers' DecodeStream must give the same pieces."""
-    cls: type[IncrementalDetokenizer | StreamDetokenizer] = request.param
-    return cls
+def stream_with_whole_tokens(tok: Any, *args: Any, **kwargs: Any) -> StreamDetokenizer:
+    """A StreamDetokenizer that takes whole tokens from the tokenizer's table (where
+    the tokenizer has one: byte-level BPE, as the toy model's and SmolLM2's)."""
+    return StreamDetokenizer(tok, *args, whole_tokens=WholeTokenTexts(tok), **kwargs)
+
+
+@pytest.fixture(
+    params=[IncrementalDetokenizer, StreamDetokenizer, stream_with_whole_tokens],
+    ids=["python", "stream", "stream+whole-tokens"],
+)
+def Detok(request: pytest.FixtureRequest) -> Any:
+    """Each test of the detokenizer's contract runs on all three: the Python one, the
+    one on tokenizers' DecodeStream, and that one with whole tokens from the table
+    must give the same pieces."""
+    return request.param
 
 
 def test_multibyte_characters_appear_once_when_complete(
@@ -221,8 +231,11 @@ def test_decode_stream_gives_the_same_pieces_as_the_python_detokenizer(
     prompt = data.draw(st.lists(token, max_size=10), label="prompt")
     python = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     stream = StreamDetokenizer(tok, prompt, skip_special_tokens=skip)
-    assert [stream.update([i]) for i in ids] == [python.update([i]) for i in ids]
-    assert stream.flush() == python.flush()
+    whole = stream_with_whole_tokens(tok, prompt, skip_special_tokens=skip)
+    expected = [python.update([i]) for i in ids]
+    assert [stream.update([i]) for i in ids] == expected
+    assert [whole.update([i]) for i in ids] == expected
+    assert stream.flush() == whole.flush() == python.flush()
 
 
 def test_make_detokenizer_uses_decode_stream_for_fast_tokenizers(
@@ -314,9 +327,12 @@ def test_smollm2_text_is_the_same_through_both_detokenizers(
         ids = [*smol.encode(text, add_special_tokens=False), im_end]
         assert any("\ufffd" in smol.decode([i]) for i in ids[:-1]) or "END" in text
         stream, python = StreamDetokenizer(smol, prompt), IncrementalDetokenizer(smol, prompt)
+        whole = stream_with_whole_tokens(smol, prompt)
         assert isinstance(make_detokenizer(smol, prompt), StreamDetokenizer)
-        assert [stream.update([i]) for i in ids] == [python.update([i]) for i in ids]
-        assert stream.flush() == python.flush()
+        expected = [python.update([i]) for i in ids]
+        assert [stream.update([i]) for i in ids] == expected
+        assert [whole.update([i]) for i in ids] == expected
+        assert stream.flush() == whole.flush() == python.flush()
 
     def run() -> list[tuple[str, list[int], str | None]]:
         proc = OutputProcessor(smol)
@@ -336,7 +352,7 @@ def test_smollm2_text_is_the_same_through_both_detokenizers(
         return got
 
     with_stream = run()
-    monkeypatch.setattr(detokenizer, "make_detokenizer", lambda tok, ids, **kw: (
+    monkeypatch.setattr(detokenizer, "make_detokenizer", lambda tok, ids, whole_tokens, **kw: (
         IncrementalDetokenizer(tok, ids, **kw)))  # fmt: skip
     assert with_stream == run()
     text = "".join(t for t, _, _ in with_stream)
@@ -770,3 +786,24 @@ def test_without_a_tokenizer_text_stays_empty() -> None:
     assert final is not None
     assert (final.outputs[0].text, final.outputs[0].token_ids) == ("", [5, 6])
     assert final.outputs[0].cumulative_logprob == -2.0
+
+
+def test_whole_token_texts_hold_only_plain_tokens_of_byte_level_tokenizers(
+    tok: PreTrainedTokenizerBase,
+) -> None:
+    whole = WholeTokenTexts(tok)
+    assert whole.enabled  # the toy tokenizer is byte-level BPE
+    two_byte = next(ids for ids in (encode(tok, ch) for ch in "ŵĳŉŧ") if len(ids) == 2)
+    assert whole.get(two_byte[0]) is None  # half a character
+    special = tok.all_special_ids[0]
+    assert whole.get(special) is None  # an added token: the stream decides
+    (space_x,) = encode(tok, " x")
+    assert whole.get(space_x) == " x"  # its leading space is its own
+    assert not WholeTokenTexts(strip_tokenizer()).enabled  # Strip depends on position
+    # The OutputProcessor hands its one table to every request's detokenizer.
+    proc = OutputProcessor(tok)
+    for rid in ("a", "b"):
+        params = SamplingParams(output_kind=DELTA)
+        proc.add_request(rid, "Hi", encode(tok, "Hi"), params, ARRIVAL, slot=OutputSlot(DELTA))
+    detoks = [c.detokenizer for c in proc._completions.values()]
+    assert all(isinstance(d, StreamDetokenizer) and d._whole is proc._whole_tokens for d in detoks)
