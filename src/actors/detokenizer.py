@@ -206,39 +206,50 @@ def _is_tokenizers_panic(exc: BaseException) -> bool:
     return type(exc).__name__ == "PanicException"
 
 
-class WholeTokenTexts:
-    """One tokenizer's table of the vocabulary tokens that decode to whole characters
-    on their own, for a context-free decoder (byte-level BPE: each token stands for
-    fixed bytes). There, a token read right after a complete piece adds exactly its
-    own text, so ``StreamDetokenizer`` takes it from here instead of decoding.
+class TokenTexts:
+    """One tokenizer's texts of single tokens, each decoded once.
 
-    ``get(token_id)`` is that text, or None: the decoder is not byte-level, the token
-    is an added one (special or not), or its bytes are not whole characters (or
-    decode to nothing, or fail). Filled as tokens are met; share one per tokenizer.
+    ``text(token_id)``: the token decoded alone (special tokens included), as
+    logprobs show it. ``whole(token_id)``: that text where a token read right
+    after a complete piece adds exactly it, so ``StreamDetokenizer`` takes it
+    from here instead of decoding; else None. That holds for a context-free
+    decoder (byte-level BPE: each token stands for fixed bytes) and a token of
+    the vocabulary (not an added one) whose text is whole characters (not
+    empty, no U+FFFD). Filled as tokens are met; share one per tokenizer.
     """
 
     def __init__(self, tokenizer: AnyTokenizer) -> None:
         backend = _backend(tokenizer)
-        self.enabled = backend is not None and _is_byte_level(backend)
-        self._backend = backend
+        self.byte_level = backend is not None and _is_byte_level(backend)
         self._added = frozenset(backend.get_added_tokens_decoder()) if backend else frozenset()
-        self._texts: dict[int, str | None] = {}
+        self._decode = _make_decode(
+            tokenizer, skip_special_tokens=False, spaces_between_special_tokens=True
+        )
+        self._texts: dict[int, str] = {}
+        self._whole: dict[int, str | None] = {}
 
-    def get(self, token_id: int) -> str | None:
-        texts = self._texts
-        if token_id in texts:
-            return texts[token_id]
+    def text(self, token_id: int) -> str:
+        """The token decoded alone; raises what the tokenizer raises."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id])
+        return text
+
+    def whole(self, token_id: int) -> str | None:
+        whole = self._whole
+        if token_id in whole:
+            return whole[token_id]
         text = None
-        if self.enabled and token_id not in self._added and self._backend is not None:
+        if self.byte_level and token_id not in self._added:
             try:
-                decoded = self._backend.decode([token_id], skip_special_tokens=False)
+                decoded = self.text(token_id)
             except BaseException as exc:
                 if not (isinstance(exc, Exception) or _is_tokenizers_panic(exc)):
                     raise
                 decoded = ""  # the decoding path reports it, for this request alone
             if decoded and _REPLACEMENT not in decoded:
                 text = decoded
-        texts[token_id] = text
+        whole[token_id] = text
         return text
 
 
@@ -262,7 +273,7 @@ class StreamDetokenizer:
     that does not extend the text before it (tokenizers' "invalid prefix").
     Both are rare (invalid bytes).
 
-    With ``whole_tokens`` (the tokenizer's ``WholeTokenTexts``), a token read
+    With ``token_texts`` (the tokenizer's ``TokenTexts``), a token read
     right after a complete piece whose text is in the table is taken from there
     (the common case for byte-level BPE: no decode at all); the stream is
     rebuilt from the last piece's ids before the next token it must decode.
@@ -278,7 +289,7 @@ class StreamDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         *,
         skip_special_tokens: bool = True,
-        whole_tokens: WholeTokenTexts | None = None,
+        token_texts: TokenTexts | None = None,
     ) -> None:
         backend = _backend(tokenizer)
         if backend is None:
@@ -296,7 +307,7 @@ class StreamDetokenizer:
         except BaseException as exc:
             raise self._error(exc) from None
         self._pending: list[int] = []  # read since the last piece, no complete character yet
-        self._whole = whole_tokens if whole_tokens is not None and whole_tokens.enabled else None
+        self._whole = token_texts if token_texts is not None and token_texts.byte_level else None
         self._stream_behind = False  # pieces were taken from the table since it last stepped
 
     def _error(self, exc: BaseException) -> BaseException:
@@ -316,7 +327,7 @@ class StreamDetokenizer:
             if token_id in skipped:
                 continue
             if whole is not None and not self._pending:
-                text = whole.get(token_id)
+                text = whole.whole(token_id)
                 if text is not None:  # a piece of its own, as the stream would have found
                     pieces.append(text)
                     self._prefix = [token_id]
@@ -383,12 +394,12 @@ def make_detokenizer(
     *,
     skip_special_tokens: bool = True,
     spaces_between_special_tokens: bool = True,
-    whole_tokens: WholeTokenTexts | None = None,
+    token_texts: TokenTexts | None = None,
 ) -> Detokenizer:
     """A ``StreamDetokenizer`` for a fast tokenizer, else an ``IncrementalDetokenizer``.
 
     (``spaces_between_special_tokens`` matters to slow tokenizers only, as in
-    ``IncrementalDetokenizer``; ``whole_tokens`` to fast ones.) Raises
+    ``IncrementalDetokenizer``; ``token_texts`` to fast ones.) Raises
     ``DetokenizationError`` if the tokenizer fails on the prompt's context tokens.
     """
     if _backend(tokenizer) is not None:
@@ -396,7 +407,7 @@ def make_detokenizer(
             tokenizer,
             prompt_token_ids,
             skip_special_tokens=skip_special_tokens,
-            whole_tokens=whole_tokens,
+            token_texts=token_texts,
         )
     return IncrementalDetokenizer(
         tokenizer,
@@ -571,7 +582,7 @@ class _Completion:
             None if finish_reason is None else str(finish_reason),
             self.stop_reason,
         )
-        self.has_news, self.new_text, self.new_token_ids, self.new_logprobs = False, "", [], None
+        self.clear_news()
         return output
 
     def cumulative_output(self) -> CompletionOutput:
@@ -653,13 +664,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
         self._completions: dict[str, _Completion] = {}  # by scheduler-level id
-        self._token_text_cache: dict[int, str] = {}
-        self._decode_token: Callable[[list[int]], str] | None = None
-        self._whole_tokens = WholeTokenTexts(tokenizer) if tokenizer is not None else None
-        if tokenizer is not None:
-            self._decode_token = _make_decode(
-                tokenizer, skip_special_tokens=False, spaces_between_special_tokens=True
-            )
+        # Single tokens' texts: for logprobs, and whole tokens for the detokenizers.
+        self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
 
     # ------------------------------------------------------------ requests
 
@@ -722,7 +728,7 @@ class OutputProcessor:
                     request.prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    whole_tokens=self._whole_tokens,
+                    token_texts=self._token_texts,
                 )
             completion = _Completion(child_id, index, request, detokenizer)
             completion.streams_text = (
@@ -921,12 +927,7 @@ class OutputProcessor:
     # ------------------------------------------------------------ logprobs
 
     def _token_text(self, token_id: int) -> str | None:
-        if self._decode_token is None:
-            return None
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self._token_text_cache[token_id] = self._decode_token([token_id])
-        return text
+        return None if self._token_texts is None else self._token_texts.text(token_id)
 
     def _logprob_dict(self, entry: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
         return {

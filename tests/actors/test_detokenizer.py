@@ -15,7 +15,7 @@ from legato.actors.detokenizer import (
     OutputProcessor,
     ProcessedStep,
     StreamDetokenizer,
-    WholeTokenTexts,
+    TokenTexts,
     find_stop_string,
     make_detokenizer,
     partial_stop_length,
@@ -125,7 +125,7 @@ def last_output(outputs: Sequence[RequestOutput | None]) -> RequestOutput:
 def stream_with_whole_tokens(tok: Any, *args: Any, **kwargs: Any) -> StreamDetokenizer:
     """A StreamDetokenizer that takes whole tokens from the tokenizer's table (where
     the tokenizer has one: byte-level BPE, as the toy model's and SmolLM2's)."""
-    return StreamDetokenizer(tok, *args, whole_tokens=WholeTokenTexts(tok), **kwargs)
+    return StreamDetokenizer(tok, *args, token_texts=TokenTexts(tok), **kwargs)
 
 
 @pytest.fixture(
@@ -352,7 +352,7 @@ def test_smollm2_text_is_the_same_through_both_detokenizers(
         return got
 
     with_stream = run()
-    monkeypatch.setattr(detokenizer, "make_detokenizer", lambda tok, ids, whole_tokens, **kw: (
+    monkeypatch.setattr(detokenizer, "make_detokenizer", lambda tok, ids, token_texts, **kw: (
         IncrementalDetokenizer(tok, ids, **kw)))  # fmt: skip
     assert with_stream == run()
     text = "".join(t for t, _, _ in with_stream)
@@ -791,19 +791,22 @@ def test_without_a_tokenizer_text_stays_empty() -> None:
 def test_whole_token_texts_hold_only_plain_tokens_of_byte_level_tokenizers(
     tok: PreTrainedTokenizerBase,
 ) -> None:
-    whole = WholeTokenTexts(tok)
-    assert whole.enabled  # the toy tokenizer is byte-level BPE
+    texts = TokenTexts(tok)
+    assert texts.byte_level  # the toy tokenizer is byte-level BPE
     two_byte = next(ids for ids in (encode(tok, ch) for ch in "ŵĳŉŧ") if len(ids) == 2)
-    assert whole.get(two_byte[0]) is None  # half a character
+    assert texts.whole(two_byte[0]) is None  # half a character
     special = tok.all_special_ids[0]
-    assert whole.get(special) is None  # an added token: the stream decides
+    assert texts.whole(special) is None  # an added token: the stream decides
     (space_x,) = encode(tok, " x")
-    assert whole.get(space_x) == " x"  # its leading space is its own
-    assert not WholeTokenTexts(strip_tokenizer()).enabled  # Strip depends on position
+    assert texts.whole(space_x) == " x"  # its leading space is its own
+    assert not TokenTexts(strip_tokenizer()).byte_level  # Strip depends on position
+    # text() is every token decoded alone, as logprobs show it: halves and specials too.
+    for token_id in (two_byte[0], special, space_x):
+        assert texts.text(token_id) == tok.decode([token_id])
     # The OutputProcessor hands its one table to every request's detokenizer.
     proc = OutputProcessor(tok)
     for rid in ("a", "b"):
         params = SamplingParams(output_kind=DELTA)
         proc.add_request(rid, "Hi", encode(tok, "Hi"), params, ARRIVAL, slot=OutputSlot(DELTA))
     detoks = [c.detokenizer for c in proc._completions.values()]
-    assert all(isinstance(d, StreamDetokenizer) and d._whole is proc._whole_tokens for d in detoks)
+    assert all(isinstance(d, StreamDetokenizer) and d._whole is proc._token_texts for d in detoks)
