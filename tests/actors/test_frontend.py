@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,23 +187,31 @@ async def test_a_large_prompt_renders_in_a_thread_while_other_streams_run(
         assert len(tokens(outputs)) == 3
 
 
+async def cancel_once_rendering(held: Any, call: Callable[[], Awaitable[object]]) -> None:
+    """Run ``call`` and cancel it once ``held`` (the offload tokenizer) has started
+    rendering; fail if ``call`` returns instead of being cancelled."""
+    with trio.CancelScope() as scope:
+
+        async def cancel_when_entered() -> None:
+            await held.entered.wait()
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_when_entered)
+            await call()
+            pytest.fail("the call returned although its caller was cancelled")
+    assert scope.cancelled_caught
+
+
 async def test_a_caller_cancelled_while_its_prompt_renders_registers_nothing(
     toy_model_dir: Path, toy_tokenizer: Any, held_tokenizer: Any
 ) -> None:
     held = held_tokenizer
     async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held) as rig:
         frontend = rig.frontend
-        with trio.CancelScope() as scope:
-
-            async def cancel_once_rendering() -> None:
-                await held.entered.wait()
-                scope.cancel()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_once_rendering)
-                await frontend.add_request("c", BIG_PROMPT, greedy(3), OutputSlot(DELTA))
-                pytest.fail("add_request returned although its caller was cancelled")
-        assert scope.cancelled_caught
+        await cancel_once_rendering(
+            held, lambda: frontend.add_request("c", BIG_PROMPT, greedy(3), OutputSlot(DELTA))
+        )
         # The id is free at once, the render still held in its (abandoned) thread.
         assert frontend.num_live == 0 and not held.finished.is_set()
         again = await run_one(frontend, "c", "short", greedy(2))
@@ -346,17 +354,7 @@ async def test_a_caller_cancelled_while_its_chat_renders_gets_cancelled_at_once(
 ) -> None:
     async with open_rig(toy_model_dir, toy_tokenizer, offload_tokenizer=held_tokenizer) as rig:
         frontend = rig.frontend
-        with trio.CancelScope() as scope:
-
-            async def cancel_once_rendering() -> None:
-                await held_tokenizer.entered.wait()
-                scope.cancel()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(cancel_once_rendering)
-                await frontend.render_chat_prompt(BIG_CHAT)
-                pytest.fail("render_chat_prompt returned although its caller was cancelled")
-        assert scope.cancelled_caught
+        await cancel_once_rendering(held_tokenizer, lambda: frontend.render_chat_prompt(BIG_CHAT))
         assert not held_tokenizer.finished.is_set()  # the abandoned thread is still held
         # Small chats and prompts go on meanwhile.
         small = await frontend.render_chat_prompt(SMALL_CHAT)
