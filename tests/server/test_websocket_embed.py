@@ -22,7 +22,7 @@ from legato import LoRARequest
 from legato.engine import AsyncEngine, open_engine
 from legato.server import Server
 
-from .conftest import ENGINE_ARGS, MODEL, metric, serving
+from .conftest import ENGINE_ARGS, MODEL, metric
 from .test_websocket import collect, connect, receive, send
 
 ARGS: dict[str, Any] = dict(
@@ -34,14 +34,9 @@ TEXT = "Once upon a time"
 
 @pytest.fixture
 async def engine(toy_model_dir: Path) -> AsyncIterator[AsyncEngine]:
+    """The toy model in fp32 with LoRA on; conftest's ``server`` runs over it."""
     async with open_engine(str(toy_model_dir), executor="inproc", **ARGS) as eng:
         yield eng
-
-
-@pytest.fixture
-async def server(engine: AsyncEngine) -> AsyncIterator[Server]:
-    async with serving(engine) as srv:
-        yield srv
 
 
 def embed(rid: str, **body: Any) -> dict[str, Any]:
