@@ -15,13 +15,12 @@ Never imports trio or torch (the slot type is only named for type checking).
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 from tokenizers.decoders import DecodeStream
 
 from ..protocol.errors import ConstraintFailedError, EngineGenerateError
@@ -255,8 +254,7 @@ class TokenTexts:
 
 def _is_byte_level(backend: Tokenizer) -> bool:
     """Whether the tokenizer's decoder is byte-level alone (no strip, no replace)."""
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    return bool(decoder.get("type") == "ByteLevel")
+    return isinstance(backend.decoder, decoders.ByteLevel)
 
 
 class StreamDetokenizer:
