@@ -43,20 +43,25 @@ class OutputSlot:
 
     def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.output_kind = output_kind
+        self._delta = output_kind == RequestOutputKind.DELTA
         self._pending: list[RequestOutput] = []
         self._error: BaseException | None = None
         self._waiter: trio.lowlevel.Task | None = None  # the consumer, parked in get
         self._getting = False
 
+    @trio.lowlevel.enable_ki_protection
     def put(self, output: RequestOutput) -> None:
         """Leave ``output`` for the consumer, merged with any pending one. Never blocks."""
         if self._error is not None:
             return
-        if self.output_kind == RequestOutputKind.DELTA:
+        if self._delta:
             self._pending.append(output)  # merged lazily, by the consumer's get
         else:
             self._pending = [output]
-        self._wake()
+        # _wake, inline: the detokenizer puts for every stream on every step.
+        task, self._waiter = self._waiter, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
 
     def put_error(self, exc: BaseException) -> None:
         """Fail the consumer's next ``get`` (and every one after) with ``exc``. Never blocks."""
@@ -69,8 +74,7 @@ class OutputSlot:
     @trio.lowlevel.enable_ki_protection
     def _wake(self) -> None:
         """Reschedule the parked consumer, if any. One consumer at most, so this is
-        a ParkingLot's ``unpark_all`` without its per-call bookkeeping: the
-        detokenizer calls it for every stream on every step."""
+        a ParkingLot's ``unpark_all`` without its per-call bookkeeping."""
         task, self._waiter = self._waiter, None
         if task is not None:
             trio.lowlevel.reschedule(task)
@@ -86,8 +90,11 @@ class OutputSlot:
             raise self._error
         if not self._pending:
             return None
+        return self._take()
+
+    def _take(self) -> RequestOutput:
         pending, self._pending = self._pending, []
-        return merge_delta_outputs(pending) if len(pending) > 1 else pending[0]
+        return pending[0] if len(pending) == 1 else merge_delta_outputs(pending)
 
     async def get(self) -> RequestOutput:
         """Wait for the next output and take it; raise the error if one was put.
@@ -99,18 +106,19 @@ class OutputSlot:
         if self._getting:
             raise trio.BusyResourceError("another task is already waiting on this OutputSlot")
         self._getting = True
+        # ``ready`` and ``get_nowait``, inline: this runs once per stream per step.
         try:
-            if self.ready:
+            if self._pending or self._error is not None:
                 await trio.lowlevel.checkpoint()
-            while not self.ready:
-                # Park until _wake (inline, not a helper coroutine: once per stream per step).
+            while not self._pending and self._error is None:
+                # Park until put wakes it (inline, not a helper coroutine, for the same reason).
                 self._waiter = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
         finally:
             self._getting = False
-        output = self.get_nowait()
-        assert output is not None
-        return output
+        if self._error is not None:
+            raise self._error
+        return self._take()
 
     def _abort_wait(self, _: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
         """The parked consumer was cancelled: forget it (nothing is taken)."""
