@@ -318,9 +318,16 @@ class StreamDetokenizer:
         fallback = self._fallback
         if fallback is not None:
             return self._guarded(functools.partial(fallback.update, new_token_ids))
-        pieces: list[str] = []
         ids = new_token_ids if isinstance(new_token_ids, list) else list(new_token_ids)
         tokenizer, skipped, whole = self._tokenizer, self._skipped, self._whole
+        if len(ids) == 1 and whole is not None and not self._pending:  # a decode step's
+            token_id = ids[0]
+            text = None if token_id in skipped else whole.whole(token_id)
+            if text is not None:  # as in the loop below
+                self._prefix = [token_id]
+                self._stream_behind = True
+                return text
+        pieces: list[str] = []
         for i, token_id in enumerate(ids):
             if token_id in skipped:
                 continue
@@ -539,6 +546,9 @@ class _Completion:
     # DELTA without stop strings: each piece of text goes straight to ``new_text``;
     # ``text`` stays "" (nothing is held back, and no output needs all of it).
     streams_text: bool = False
+    # Besides, n = 1 and no logprobs of either kind: once its first token is out, each
+    # step's output is just the new tokens and their text (OutputProcessor._stream_plain).
+    plain: bool = False
     # This step's news, set by the processor and consumed when outputs are built.
     has_news: bool = False  # new tokens, or finished, this step
     new_text: str = ""
@@ -732,6 +742,12 @@ class OutputProcessor:
             completion.streams_text = (
                 params.output_kind == RequestOutputKind.DELTA and not params.stop
             )
+            completion.plain = (
+                completion.streams_text
+                and params.n == 1
+                and params.logprobs is None
+                and params.prompt_logprobs is None
+            )
             if params.logprobs is not None:
                 completion.cumulative_logprob = 0.0
                 if params.output_kind != RequestOutputKind.DELTA:
@@ -780,6 +796,8 @@ class OutputProcessor:
                 touched.pop(request.request_id, None)
                 continue
             try:
+                if completion.plain and self._stream_plain(completion, core, now, step):
+                    continue
                 self._update(completion, core, now, step)
             except DetokenizationError as exc:
                 self._fail(request, EngineGenerateError(request.output_id, str(exc)), now, step)
@@ -792,6 +810,47 @@ class OutputProcessor:
         for request in touched.values():
             self._emit(request, now, step)
         return step
+
+    def _stream_plain(
+        self, completion: _Completion, core: EngineCoreOutput, now: float, step: ProcessedStep
+    ) -> bool:
+        """A plain completion's ordinary step (new tokens, after its first; no finish, no
+        logprobs): record it and put its output, what ``_update`` and ``_emit`` would, built
+        directly. Returns False, having done nothing, for any other step.
+
+        Most of a busy engine's outputs are these, once per stream per step; the test
+        ``test_plain_streams_match_the_general_path`` holds the two paths to one result.
+        """
+        new_ids = core.new_token_ids
+        last = completion.last_token_time
+        if (
+            last is None
+            or not new_ids
+            or core.finish_reason is not None
+            or core.new_logprobs
+            or core.new_prompt_logprobs is not None
+        ):
+            return False
+        detokenizer = completion.detokenizer
+        text = "" if detokenizer is None else detokenizer.update(new_ids)
+        step.inter_token_latency.append(now - last)
+        step.num_generation_tokens += len(new_ids)
+        completion.last_token_time = now
+        completion.token_ids += new_ids
+        request = completion.parent
+        request.slot.put(
+            RequestOutput(  # positional: see _Completion.take_delta
+                request.output_id,
+                request.prompt,
+                request.prompt_token_ids,
+                None,
+                [CompletionOutput(0, text, list(new_ids), None, None, None, None)],
+                False,
+                completion.num_cached_tokens,
+                RequestMetrics(request.arrival_time, None, completion.first_token_time, now, None),
+            )
+        )
+        return True
 
     def _update(
         self, completion: _Completion, core: EngineCoreOutput, now: float, step: ProcessedStep

@@ -810,3 +810,87 @@ def test_whole_token_texts_hold_only_plain_tokens_of_byte_level_tokenizers(
         proc.add_request(rid, "Hi", encode(tok, "Hi"), params, ARRIVAL, slot=OutputSlot(DELTA))
     detoks = [c.detokenizer for c in proc._completions.values()]
     assert all(isinstance(d, StreamDetokenizer) and d._whole is proc._token_texts for d in detoks)
+
+
+# ------------------------------------------------------- the plain-stream path
+
+PLAIN_CASES = {
+    "plain": SamplingParams(output_kind=DELTA),
+    "plain, specials kept": SamplingParams(output_kind=DELTA, skip_special_tokens=False),
+    "plain, no text": SamplingParams(output_kind=DELTA, detokenize=False),
+    "stop strings": SamplingParams(output_kind=DELTA, stop=[" cat"]),
+    "logprobs": SamplingParams(output_kind=DELTA, logprobs=0),
+    "n=2": SamplingParams(output_kind=DELTA, n=2),
+    "cumulative": SamplingParams(output_kind=CUMULATIVE),
+}
+PLAIN = ["plain", "plain, specials kept", "plain, no text"]
+
+
+@HYPOTHESIS
+@given(data=st.data())
+def test_plain_streams_match_the_general_path(
+    tok: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch, data: st.DataObject
+) -> None:
+    """A plain stream's ordinary steps skip ``_update``/``_emit`` (``_stream_plain``):
+    every output, figure and finish must be what the general path gives."""
+    token = st.one_of(
+        st.integers(0, len(tok) - 1),  # specials, halves of characters, anything
+        st.sampled_from(encode(tok, "The cat sat héllo 世界 🙂")),
+    )
+    steps = data.draw(
+        st.lists(st.lists(token, max_size=3), min_size=1, max_size=12), label="tokens per step"
+    )
+    finish = data.draw(st.sampled_from([FinishReason.LENGTH, FinishReason.STOP]), label="finish")
+
+    def run() -> list[object]:
+        engine = Engine(tok)
+        ids = {name: engine.add(name, params) for name, params in PLAIN_CASES.items()}
+        seen: list[object] = []
+        for i, new in enumerate(steps):
+            last = i == len(steps) - 1
+            lps = [TokenLogprobs([t], [-0.5], [1]) for t in new]
+            step = engine.step(
+                *(
+                    core(
+                        child,
+                        new,
+                        finish=finish if last else None,
+                        logprobs=lps if PLAIN_CASES[name].logprobs is not None else None,
+                    )
+                    for name, children in ids.items()
+                    for child in children
+                )
+            )
+            seen.append(
+                (step.num_generation_tokens, step.time_to_first_token, step.inter_token_latency)
+            )
+            seen.append(sorted(map(repr, step.finished)))  # reasons, token counts, times
+            seen.append(sorted(step.requests_to_stop))
+            seen.append({name: engine.take(name) for name in PLAIN_CASES})
+        return seen
+
+    taken = 0
+    stream_plain = OutputProcessor._stream_plain
+
+    def counted(self: OutputProcessor, *args: Any) -> bool:
+        nonlocal taken
+        done = stream_plain(self, *args)
+        taken += done
+        return done
+
+    with monkeypatch.context() as patch:  # undone before hypothesis's next example
+        patch.setattr(OutputProcessor, "_stream_plain", counted)
+        fast = run()
+        patch.setattr(OutputProcessor, "_stream_plain", lambda *args: False)
+        assert fast == run()
+    # Each plain stream's steps with tokens take it, but its first such and the last (a finish).
+    with_tokens = [i for i, new in enumerate(steps[:-1]) if new]
+    assert taken == len(PLAIN) * max(len(with_tokens) - 1, 0)
+
+
+def test_only_plain_completions_take_the_plain_path(tok: PreTrainedTokenizerBase) -> None:
+    engine = Engine(tok)
+    for name, params in PLAIN_CASES.items():
+        engine.add(name, params)
+    plain = {c.parent.request_id for c in engine.proc._completions.values() if c.plain}
+    assert plain == set(PLAIN)
