@@ -9,8 +9,9 @@ busy machine), and the memory one idle open stream costs (streams held by a
 paused engine).
 
     python benchmarks/control_plane.py --streams 256 --output-len 256
+    python benchmarks/control_plane.py --streams 256 --rounds 9  # a row per round, and the median
     python benchmarks/control_plane.py --streams 256 --no-async-scheduling
-    python benchmarks/control_plane.py --streams 256 --unfreeze-gc  # the startup heap scanned
+    python benchmarks/control_plane.py --streams 256 --default-gc  # CPython's collector settings
 """
 
 from __future__ import annotations
@@ -38,9 +39,15 @@ def engine_args(streams: int, output_len: int, executor: str, **extra: Any) -> d
 
 
 async def run(
-    streams: int, output_len: int, executor: str, unfreeze_gc: bool = False, **extra: Any
-) -> tuple[float, float, float]:
-    """Output tok/s, wall seconds, and CPU seconds of this process, of the streaming part."""
+    streams: int,
+    output_len: int,
+    executor: str,
+    rounds: int = 1,
+    default_gc: bool = False,
+    **extra: Any,
+) -> list[tuple[float, float, float]]:
+    """Per round: output tok/s, wall seconds, and CPU seconds of this process, of the
+    streaming part. The rounds run one after another on one engine."""
     import trio
 
     from legato.engine import open_engine
@@ -49,24 +56,29 @@ async def run(
     params = SamplingParams(
         max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
-    counts = [0] * streams
+    results = []
+    threshold = gc.get_threshold()
     async with open_engine(None, **engine_args(streams, output_len, executor, **extra)) as engine:
-        if unfreeze_gc:
-            gc.unfreeze()  # undo the engine's freeze_startup_heap (legato.startup_heap)
+        if default_gc:  # undo the engine's tune_gc_for_serving (legato.serving_gc)
+            gc.unfreeze()
+            gc.set_threshold(*threshold)
 
-        async def one(i: int) -> None:
-            async with engine.generate("The quick brown fox", params, f"r{i}") as stream:
+        async def one(request_id: str, counts: list[int], i: int) -> None:
+            async with engine.generate("The quick brown fox", params, request_id) as stream:
                 async for out in stream:
                     counts[i] += len(out.outputs[0].token_ids)
 
-        start, start_cpu = time.perf_counter(), time.process_time()
-        async with trio.open_nursery() as nursery:
-            for i in range(streams):
-                nursery.start_soon(one, i)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-    total = sum(counts)
-    assert total == streams * output_len, total
-    return total / elapsed, elapsed, cpu
+        for round_ in range(rounds):
+            counts = [0] * streams
+            start, start_cpu = time.perf_counter(), time.process_time()
+            async with trio.open_nursery() as nursery:
+                for i in range(streams):
+                    nursery.start_soon(one, f"{round_}-{i}", counts, i)
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            total = sum(counts)
+            assert total == streams * output_len, total
+            results.append((total / elapsed, elapsed, cpu))
+    return results
 
 
 async def idle_stream_bytes(streams: int, executor: str) -> float:
@@ -122,39 +134,56 @@ def main() -> None:
         help="overlap scheduling with the worker (default: the engine's default)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="stream the workload this many times on one engine, a row each and the median "
+        "(this machine's speed varies from second to second)",
+    )
+    parser.add_argument(
         "--idle-memory", action="store_true", help="also measure memory per idle open stream"
     )
     parser.add_argument(
-        "--unfreeze-gc",
+        "--default-gc",
         action="store_true",
-        help="gc.unfreeze() once the engine is up: the collector rescans the startup heap, "
-        "as it did before engines froze it",
+        help="once the engine is up, undo its collector settings (gc.unfreeze(), CPython's "
+        "thresholds): the collector rescans the start-up heap and runs young collections "
+        "every few hundred allocations, as it did before engines tuned it",
     )
     args = parser.parse_args()
     import torch
     import trio
 
     extra = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
-    rate, elapsed, cpu = trio.run(
+    results = trio.run(
         functools.partial(
-            run, args.streams, args.output_len, args.executor, args.unfreeze_gc, **extra
+            run,
+            args.streams,
+            args.output_len,
+            args.executor,
+            args.rounds,
+            args.default_gc,
+            **extra,
         )
     )
     steps = args.output_len  # one token per stream per decode step (the first from prefill)
-    us_per_req_step = elapsed / steps / args.streams * 1e6
-    cpu_us_per_req_step = cpu / steps / args.streams * 1e6
     overlap = "default" if args.async_scheduling is None else str(args.async_scheduling)
-    if args.unfreeze_gc:
-        overlap += ",gc-unfrozen"
+    if args.default_gc:
+        overlap += ",default-gc"
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
     print(
         f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'overlap':>8} {'seconds':>8} "
         f"{'output tok/s':>13} {'us/req/step':>12} {'cpu us/req/step':>16}"
     )
-    print(
-        f"{args.streams:>8} {args.output_len:>14} {args.executor:>9} {overlap:>8} "
-        f"{elapsed:>8.2f} {rate:>13.0f} {us_per_req_step:>12.2f} {cpu_us_per_req_step:>16.2f}"
-    )
+    rows = [(f"{i + 1}", *result) for i, result in enumerate(results)]
+    if len(results) > 1:  # the round of median throughput (an odd count has one)
+        rows.append(("median", *sorted(results)[len(results) // 2]))
+    for label, rate, elapsed, cpu in rows:
+        print(
+            f"{args.streams:>8} {args.output_len:>14} {args.executor:>9} {overlap:>8} "
+            f"{elapsed:>8.2f} {rate:>13.0f} {elapsed / steps / args.streams * 1e6:>12.2f} "
+            f"{cpu / steps / args.streams * 1e6:>16.2f}" + (f"  {label}" if len(rows) > 1 else "")
+        )
     if args.idle_memory:
         per_stream = trio.run(idle_stream_bytes, args.streams, args.executor)
         print(f"memory per idle open stream: {per_stream / 1024:.1f} KiB (Python heap)")

@@ -56,7 +56,7 @@ from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError, ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
-from .startup_heap import freeze_startup_heap
+from .serving_gc import tune_gc_for_serving
 from .structured.engine import EngineGrammars
 
 logger = logging.getLogger("legato.engine")
@@ -271,7 +271,7 @@ class AsyncEngine(EngineClient):
             run_heartbeat, interval=config.heartbeat_interval, silence=config.heartbeat_timeout
         )
         start(run, "heartbeat", heartbeat, probes)
-        freeze_startup_heap()
+        tune_gc_for_serving()
         self.stats.log_engine_initialized()
         await trio.lowlevel.checkpoint()
 

@@ -28,7 +28,7 @@ from .protocol import messages as m
 from .protocol.errors import ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
-from .startup_heap import freeze_startup_heap
+from .serving_gc import tune_gc_for_serving
 from .structured.engine import EngineGrammars
 
 T = TypeVar("T")
@@ -332,7 +332,7 @@ class LLMEngine:
         self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
         self._engine_ids = itertools.count(1)
         self._stats = m.SchedulerStats()
-        freeze_startup_heap()
+        tune_gc_for_serving()
         self.stats.log_engine_initialized()
 
     @classmethod

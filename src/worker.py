@@ -47,6 +47,7 @@ from .protocol import messages as m
 from .protocol import wire
 from .protocol.errors import ValidationError
 from .protocol.runner import Runner
+from .serving_gc import tune_gc_for_serving
 
 
 class UnexpectedFrame(Exception):
@@ -266,6 +267,7 @@ def serve(
         traceback.print_exc()
         write_frame(out, frame_id, m.WorkerError(str(exc), type(exc).__name__, fatal=True))
         return 1
+    tune_gc_for_serving()  # the model and its runner are built: what steps allocate is young
     write_frame(out, frame_id, worker.ready())
     while True:
         frame = read_frame(inp)
