@@ -322,21 +322,17 @@ class StreamDetokenizer:
         tokenizer, skipped, whole = self._tokenizer, self._skipped, self._whole
         if len(ids) == 1 and whole is not None and not self._pending:  # a decode step's
             token_id = ids[0]
-            text = None if token_id in skipped else whole.whole(token_id)
-            if text is not None:  # as in the loop below
-                self._prefix = [token_id]
-                self._stream_behind = True
+            text = None if token_id in skipped else self._from_table(whole, token_id)
+            if text is not None:
                 return text
         pieces: list[str] = []
         for i, token_id in enumerate(ids):
             if token_id in skipped:
                 continue
             if whole is not None and not self._pending:
-                text = whole.whole(token_id)
-                if text is not None:  # a piece of its own, as the stream would have found
+                text = self._from_table(whole, token_id)
+                if text is not None:
                     pieces.append(text)
-                    self._prefix = [token_id]
-                    self._stream_behind = True
                     continue
             try:
                 if self._stream_behind:
@@ -361,6 +357,16 @@ class StreamDetokenizer:
                 pieces.append(text)
                 self._prefix, self._pending = self._pending, []
         return pieces[0] if len(pieces) == 1 else "".join(pieces)
+
+    def _from_table(self, whole: TokenTexts, token_id: int) -> str | None:
+        """``token_id``'s text from the table, read right after a complete piece: a piece
+        of its own, as the stream would have found (the stream is then behind); None if
+        the stream must decode it."""
+        text = whole.whole(token_id)
+        if text is not None:
+            self._prefix = [token_id]
+            self._stream_behind = True
+        return text
 
     def _guarded(self, call: Callable[[], str]) -> str:
         """``call()``, its tokenizer failures (panics included) as DetokenizationError."""
