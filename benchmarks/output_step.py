@@ -23,9 +23,11 @@ cost). Prints a table; sizes are arguments::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import trio
@@ -64,6 +66,17 @@ class Load:
         ]
 
 
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """A full collection, then no automatic ones until the block ends."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def measure_process(tokenizer: Any, streams: int, steps: int) -> float:
     """Mean ns per step of processing the outputs and taking each slot's."""
     load = Load(tokenizer, streams, steps)
@@ -71,17 +84,13 @@ def measure_process(tokenizer: Any, streams: int, steps: int) -> float:
     load.processor.process_outputs(first)
     for slot in load.slots:
         slot.get_nowait()
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         start = _clock()
         for outputs in timed:
             load.processor.process_outputs(outputs)
             for slot in load.slots:
                 assert slot.get_nowait() is not None
         return (_clock() - start) / steps
-    finally:
-        gc.enable()
 
 
 async def measure_wake(tokenizer: Any, streams: int, steps: int) -> float:
@@ -101,9 +110,7 @@ async def measure_wake(tokenizer: Any, streams: int, steps: int) -> float:
         first, *timed = load.steps
         load.processor.process_outputs(first)
         await trio.testing.wait_all_tasks_blocked()
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             start = _clock()
             for outputs in timed:
                 load.processor.process_outputs(outputs)
@@ -111,8 +118,6 @@ async def measure_wake(tokenizer: Any, streams: int, steps: int) -> float:
                 await trio.lowlevel.checkpoint()
                 await trio.lowlevel.checkpoint()
             elapsed = _clock() - start
-        finally:
-            gc.enable()
         nursery.cancel_scope.cancel()
     assert taken == streams * (steps + 1), taken
     return elapsed / steps
