@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -15,13 +16,58 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# -- the CPU's bf16 features (legato.models.config.cpu_native_bf16) -----------------
+
+# torch.cpu's checks that cpu_native_bf16() asks, by the feature each reports.
+CPU_BF16_CHECKS = {"AMX": "_is_amx_tile_supported", "AVX512_BF16": "_is_avx512_bf16_supported"}
+CPU_BF16_CHOICES = {"native": "AVX512_BF16", "none": None}
+
+
+def force_cpu_bf16(monkeypatch: pytest.MonkeyPatch, feature: str | None) -> None:
+    """Make ``cpu_native_bf16()`` answer ``feature`` ("AMX", "AVX512_BF16", or None for
+    a CPU without native bf16) in this process, whatever the machine has. Worker child
+    processes still see the real CPU."""
+    for name in CPU_BF16_CHECKS.values():
+        monkeypatch.setattr(torch.cpu, name, lambda: False)
+    if feature is not None:
+        monkeypatch.setattr(torch.cpu, CPU_BF16_CHECKS[feature], lambda: True)
+
+
+@pytest.fixture(params=list(CPU_BF16_CHOICES.values()), ids=list(CPU_BF16_CHOICES))
+def cpu_bf16(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """Runs the test once as on a CPU with native bf16 and once as on one without (AVX2
+    only), on any machine: a test whose outcome depends on the CPU's bf16 support takes
+    this fixture and states what it expects under each answer (the feature, or None).
+    Other answers: ``@pytest.mark.parametrize("cpu_bf16", [...], indirect=True)``."""
+    feature: str | None = request.param
+    force_cpu_bf16(monkeypatch, feature)
+    return feature
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-bf16",
+        choices=["machine", *CPU_BF16_CHOICES],
+        default="machine",
+        help="answer cpu_native_bf16() as a CPU with native bf16 ('native') or without "
+        "('none') would, in the test process, for the whole run (default: this machine)",
+    )
+
+
+@pytest.fixture(autouse=True)
+def _cpu_bf16_option(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cpu-bf16: the whole suite as on the other kind of machine (the cpu_bf16 fixture,
+    applied after this one, still pins its own answer)."""
+    choice = request.config.getoption("--cpu-bf16")
+    if choice != "machine":
+        force_cpu_bf16(monkeypatch, CPU_BF16_CHOICES[choice])
+
+
 # -- the toy model (legato.toy_model) ------------------------------------------
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
-
-import pytest  # noqa: E402
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -60,8 +60,9 @@ def test_config_flags(make_checkpoint: Callable[..., Any]) -> None:
     assert llama3.rope.original_max_position_embeddings == 64
 
 
-def test_legacy_rope_spelling_and_eos(tmp_path: Path, llama: Any) -> None:
-    """transformers 4 wrote rope_theta / rope_scaling at top level; EOS may be a list."""
+def test_legacy_rope_spelling_and_eos(tmp_path: Path, llama: Any, cpu_bf16: str | None) -> None:
+    """transformers 4 wrote rope_theta / rope_scaling at top level; EOS may be a list.
+    The fp16 checkpoint's "auto" dtype on CPU depends on native bf16: checked both ways."""
     raw = json.loads((llama.path / "config.json").read_text())
     raw.pop("rope_parameters", None)
     raw["rope_theta"] = 1234.0
@@ -75,23 +76,20 @@ def test_legacy_rope_spelling_and_eos(tmp_path: Path, llama: Any) -> None:
     assert cfg.rope.theta == 1234.0 and cfg.rope.rope_type == "linear" and cfg.rope.factor == 2.0
     assert cfg.eos_token_ids == (9, 7)
     assert cfg.config_dtype == torch.float16
-    assert resolve_dtype("auto", cfg.config_dtype, CPU) == torch.float32
+    auto_on_cpu = torch.bfloat16 if cpu_bf16 else torch.float32
+    assert resolve_dtype("auto", cfg.config_dtype, CPU) == auto_on_cpu
     assert resolve_dtype("auto", cfg.config_dtype, torch.device("cuda")) == torch.float16
     assert resolve_dtype("bfloat16", cfg.config_dtype, CPU) == torch.bfloat16
 
 
-@pytest.mark.parametrize("feature", [None, "AMX", "AVX512_BF16"])
+@pytest.mark.parametrize("cpu_bf16", [None, "AMX", "AVX512_BF16"], indirect=True)
 def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16(
-    feature: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    cpu_bf16: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A half-precision checkpoint runs in bf16 on a CPU with AMX / AVX512_BF16, else in
     fp32; the log says which and why. An fp32 checkpoint stays fp32, CUDA keeps the
     checkpoint's dtype."""
-    names = {"AMX": "_is_amx_tile_supported", "AVX512_BF16": "_is_avx512_bf16_supported"}
-    for name in names.values():
-        monkeypatch.setattr(torch.cpu, name, lambda: False)
-    if feature is not None:
-        monkeypatch.setattr(torch.cpu, names[feature], lambda: True)
+    feature = cpu_bf16
     caplog.set_level("INFO", logger="legato.models.config")
     want = torch.bfloat16 if feature else torch.float32
     for checkpoint in (torch.bfloat16, torch.float16):
