@@ -298,14 +298,10 @@ class Renderer:
                 "prompt",
                 f"{len(token_ids)} prompt tokens leave no room within max_model_len={self.max_model_len}",
             )
-        if params.max_tokens is None:
+        if params.max_tokens is None or params.max_tokens > room:
+            # As vLLM: output is capped at max_model_len (the request then ends with
+            # finish_reason "length"); only a prompt that leaves no room is refused.
             params = params.clone(max_tokens=room, min_tokens=min(params.min_tokens, room))
-        elif len(token_ids) + params.max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                "max_tokens",
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len={self.max_model_len}",
-            )
         if self.extra_eos_ids and not params.ignore_eos:
             stop_ids = list(params.stop_token_ids or [])
             stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]

@@ -48,9 +48,12 @@ def test_limits_fan_out_and_extra_eos_ids(renderer: Renderer) -> None:
     assert [k.request_id for k in kids] == ["0_p", "1_p", "2_p"]
     assert [k.sampling_params.seed for k in kids] == [7, 8, 9]
     assert all(k.parent_id == "p" and k.sampling_params.n == 1 for k in kids)
+    # Past max_model_len, max_tokens (and min_tokens) are capped, as vLLM does.
+    (capped,) = renderer.make_requests("r", prompt, SamplingParams(max_tokens=60, min_tokens=58))
+    assert (capped.sampling_params.max_tokens, capped.sampling_params.min_tokens) == (54, 54)
     with pytest.raises(PromptTooLongError) as info:
-        renderer.make_requests("r", prompt, SamplingParams(max_tokens=60))
-    assert info.value.field == "max_tokens"
+        renderer.make_requests("r", renderer.render_prompt([5] * 64), SamplingParams(max_tokens=1))
+    assert info.value.field == "prompt"
     with pytest.raises(ValidationError, match="logprobs"):
         renderer.make_requests("r", prompt, SamplingParams(logprobs=50))
     with pytest.raises(ValidationError, match="stop_token_ids"):
