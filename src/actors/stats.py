@@ -368,8 +368,18 @@ class LoggingStatLogger(StatLoggerBase):
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
 
+    def idle(self, now: float | None = None) -> bool:
+        """Nothing computed over the last interval, and nothing running or waiting."""
+        self._trim(time.monotonic() if now is None else now)
+        s = self._last_scheduler
+        return not self._window and not s.num_running and not s.num_waiting
+
     def log(self) -> None:
-        self._log.info("%s", self.line())
+        """The line at info level, or at debug level while idle, as vLLM does ("avoid log
+        noise on an idle production system")."""
+        now = time.monotonic()
+        level = logging.DEBUG if self.idle(now) else logging.INFO
+        self._log.log(level, "%s", self.line(now))
 
 
 class StatsCollector:

@@ -9,6 +9,7 @@ import random
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -155,6 +156,24 @@ def test_log_line_is_vllms_over_the_last_interval() -> None:
     )
 
 
+def test_log_line_drops_to_debug_while_idle(caplog: pytest.LogCaptureFixture) -> None:
+    """As vLLM: no throughput and nothing running or waiting -> debug, else info."""
+    line_logger = LoggingStatLogger(interval=10.0)
+    levels: list[int] = []
+    with caplog.at_level(logging.DEBUG, logger="legato.stats"):
+        line_logger.log()  # nothing has happened yet
+        now = time.monotonic()
+        line_logger.record(step(now))  # tokens computed, 3 running, 2 waiting
+        line_logger.log()
+        drained = StepStats(timestamp=now + 1, scheduler=SchedulerStats())
+        line_logger.record(drained)  # queues empty, but tokens within the interval
+        line_logger.log()
+        line_logger.record(StepStats(timestamp=now + 20, scheduler=SchedulerStats()))
+        assert line_logger.idle(now + 20)
+        levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.DEBUG, logging.INFO, logging.INFO]
+
+
 class Recorder(StatLoggerBase):
     def __init__(self, fail_in: str | None = None) -> None:
         self.steps: list[StepStats] = []
@@ -214,6 +233,7 @@ def test_log_is_silent_when_stats_logging_is_disabled(caplog: pytest.LogCaptureF
         quiet.log()
         assert not caplog.records and custom.logs == 0
         assert len(custom.steps) == 1  # still recorded (Prometheus too)
+        loud.record(step(1.0))  # not idle: 3 running (an idle engine logs at debug)
         loud.log()
     assert "Avg generation throughput" in caplog.text
 
