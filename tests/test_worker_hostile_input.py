@@ -301,7 +301,8 @@ def test_worker_serve_on_mutated_input_ends_with_an_exit_code_or_wire_error(
     out.seek(0)
     for answer in frames_in(out.getvalue(), check_ids=False):
         if isinstance(answer, m.UtilityResult) and answer.call_id == 8:
-            assert answer.error == "unknown worker method '_private'"
+            # the method name itself may be mutated: any name is refused, none is called
+            assert answer.error is not None and answer.error.startswith("unknown worker method")
 
 
 class _Chunks(trio.abc.ReceiveStream):

@@ -208,7 +208,6 @@ async def test_errors_name_the_field_in_the_frames_terms(server: Server) -> None
             "params.structured_outputs.grammar",
         ),
         ({"type": "generate", "request_id": "h", "prompt_token_ids": [1] * 600}, "prompt"),
-        (generate("i", max_tokens=600), "params.max_tokens"),
     ]
     async with connect(server) as ws:
         for frame, param in cases:
