@@ -34,20 +34,17 @@ import trio
 
 from .actors.detokenizer import OutputProcessor
 from .actors.engine_core import CoreStopped, EngineCore
-from .actors.executor import (
-    Executor,
-    ProcessExecutor,
-    WorkerCallError,
-    WorkerDiedError,
-    make_executor,
-)
+from .actors.executor import Executor, OnFailure, WorkerCallError, WorkerDiedError
 from .actors.frontend import Frontend, thread_renderer
 from .actors.heartbeat import run_heartbeat
+from .actors.inproc_executor import InprocExecutor
 from .actors.output_slot import OutputSlot
-from .actors.renderer import PromptType, Renderer, check_tokenization_kwargs, load_tokenizer
+from .actors.process_executor import ProcessExecutor
+from .actors.renderer import PromptType, Renderer, check_tokenization_kwargs
 from .actors.scheduler import Scheduler
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector, run_stats
 from .actors.supervisor import Supervisor
+from .actors.tensor_parallel_executor import TensorParallelExecutor
 from .config import EngineConfig
 from .engine_adapters import EngineAdapters
 from .exception_groups import unwrap_single_error
@@ -58,6 +55,7 @@ from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
 from .structured.engine import EngineGrammars
+from .tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger("legato.engine")
 
@@ -75,6 +73,17 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(
         config, model=source.path, served_model_name=config.served_model_name or source.name
     )
+
+
+def make_executor(
+    config: EngineConfig, *, on_failure: OnFailure, inject_fault: dict[str, Any] | None = None
+) -> Executor:
+    """The executor ``config`` asks for: tensor-parallel, in-process or a child process."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(config, on_failure=on_failure, inject_fault=inject_fault)
+    if config.executor == "inproc":
+        return InprocExecutor(config, on_failure=on_failure, inject_fault=inject_fault)
+    return ProcessExecutor(config, on_failure=on_failure, inject_fault=inject_fault)
 
 
 class RequestStream:
@@ -201,9 +210,9 @@ class AsyncEngine(EngineClient):
         self._nursery = nursery
         self._faults = faults or {}
         self.supervisor = Supervisor()
-        self.executor: Executor = make_executor(config, inject_fault=self._faults.get("worker"))
-        if isinstance(self.executor, ProcessExecutor):
-            self.executor.on_failure = self.supervisor.die
+        self.executor = make_executor(
+            config, on_failure=self.supervisor.die, inject_fault=self._faults.get("worker")
+        )
         self.stats = StatsCollector.for_config(config, self.model_name, stat_loggers)
         self.adapters = EngineAdapters(config.enable_lora, self._worker_call, WorkerCallError)
         self._embedding_size: int | None = None

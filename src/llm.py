@@ -20,7 +20,7 @@ import trio
 from .actors.detokenizer import OutputProcessor, ProcessedStep
 from .actors.engine_core import CoreSteps
 from .actors.output_slot import OutputSlot
-from .actors.renderer import PromptType, Renderer, load_tokenizer
+from .actors.renderer import PromptType, Renderer
 from .actors.scheduler import Scheduler
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector
 from .config import EngineConfig
@@ -30,6 +30,7 @@ from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
 from .structured.engine import EngineGrammars
+from .tokenizer_loading import load_tokenizer
 
 T = TypeVar("T")
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None

@@ -23,7 +23,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from legato.actors.executor import _FrameReader
+from legato.actors.process_executor import _FrameReader
 from legato.config import EngineConfig
 from legato.protocol import messages as m
 from legato.protocol.params import SamplingParams

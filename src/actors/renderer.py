@@ -88,18 +88,6 @@ def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def load_tokenizer(path: str) -> Any:
-    """The Hugging Face tokenizer in ``path``, a model directory or a GGUF file
-    (local only, never the hub)."""
-    if path.lower().endswith(".gguf"):
-        from ..models.gguf_checkpoint import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
 class Renderer:
     """Turns caller prompts into ``EngineRequest``s for one model.
 

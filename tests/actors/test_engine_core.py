@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from legato.actors.engine_core import AddRequests, CoreSteps, EngineCore, FinishRequests
-from legato.actors.executor import InprocExecutor
+from legato.actors.inproc_executor import InprocExecutor
 from legato.actors.scheduler import Scheduler
 from legato.actors.stats import StepStats
 from legato.config import EngineConfig

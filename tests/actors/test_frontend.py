@@ -20,7 +20,7 @@ import trio.testing
 
 from legato.actors.detokenizer import OutputProcessor
 from legato.actors.engine_core import AddRequests, CoreMessage, EngineCore
-from legato.actors.executor import InprocExecutor
+from legato.actors.inproc_executor import InprocExecutor
 from legato.actors.frontend import (
     INLINE_MAX_PROMPT_CHARS,
     INLINE_MAX_PROMPT_TOKENS,
