@@ -23,12 +23,11 @@ import functools
 import logging
 import math
 import os
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -39,6 +38,7 @@ from .actors.frontend import Frontend, thread_renderer
 from .actors.heartbeat import run_heartbeat
 from .actors.inproc_executor import InprocExecutor
 from .actors.output_slot import OutputSlot
+from .actors.pause_gate import PauseMode
 from .actors.process_executor import ProcessExecutor
 from .actors.renderer import PromptType, Renderer, check_tokenization_kwargs
 from .actors.scheduler import Scheduler
@@ -59,7 +59,9 @@ from .tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger("legato.engine")
 
-_PAUSE_MODES = {"abort": m.PauseMode.ABORT, "wait": m.PauseMode.WAIT, "keep": m.PauseMode.KEEP}
+T = TypeVar("T")
+
+_PAUSE_MODES = {"abort": PauseMode.ABORT, "wait": PauseMode.WAIT, "keep": PauseMode.KEEP}
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
@@ -285,7 +287,7 @@ class AsyncEngine(EngineClient):
         await trio.lowlevel.checkpoint()
 
     async def _ping_core(self) -> None:
-        await self.core.call(m.HealthPing(seq=0, sent_time=time.monotonic()))
+        await self.core.ping()
 
     # ------------------------------------------------------------- requests
 
@@ -549,11 +551,11 @@ class AsyncEngine(EngineClient):
         if mode not in _PAUSE_MODES:
             raise ValueError(f"mode: must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
         self._check_alive()
-        await self._control(m.PauseGeneration(_PAUSE_MODES[mode], clear_cache))
+        await self._control(self.core.pause(_PAUSE_MODES[mode], clear_cache))
 
     async def resume_generation(self) -> None:
         self._check_alive()
-        await self._control(m.ResumeGeneration())
+        await self._control(self.core.resume())
 
     async def is_paused(self) -> bool:
         await trio.lowlevel.checkpoint()
@@ -572,7 +574,7 @@ class AsyncEngine(EngineClient):
         if mode not in ("abort", "wait"):
             raise ValueError(f"mode: sleep supports 'abort' and 'wait', got {mode!r}")
         self._check_alive()
-        await self._control(m.Sleep(level, _PAUSE_MODES[mode]))
+        await self._control(self.core.sleep(level, _PAUSE_MODES[mode]))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what ``sleep`` freed (``tags``: None = everything, else a subset of
@@ -583,7 +585,7 @@ class AsyncEngine(EngineClient):
                 raise ValueError(f"tags: unknown tag(s) {unknown}; expected weights, kv_cache")
             tags = list(tags)
         self._check_alive()
-        await self._control(m.WakeUp(tags))
+        await self._control(self.core.wake_up(tags))
 
     async def is_sleeping(self) -> bool:
         await trio.lowlevel.checkpoint()
@@ -593,17 +595,17 @@ class AsyncEngine(EngineClient):
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         self._check_alive()
-        return bool(await self._control(m.ResetPrefixCache(reset_running_requests)))
+        return await self._control(self.core.reset_prefix_cache(reset_running_requests))
 
-    async def _control(self, message: object) -> object:
-        """Have the scheduler loop carry out ``message``; its answer. A checkpoint.
+    async def _control(self, call: Awaitable[T]) -> T:
+        """Await one of the engine core's control calls; its answer. A checkpoint.
 
         The loop does the whole of it even if this caller is cancelled while
         waiting (it just stops waiting). If the engine dies or stops first,
         raises its EngineDeadError.
         """
         try:
-            return await self.core.call(message)
+            return await call
         except CoreStopped:
             self._check_alive()
             raise

@@ -9,7 +9,6 @@ detokenizer, driven synchronously in this thread, one ``step()`` at a time.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -21,6 +20,7 @@ from .actors.detokenizer import OutputProcessor, ProcessedStep
 from .actors.engine_core import CoreSteps
 from .actors.output_slot import OutputSlot
 from .actors.renderer import PromptType, Renderer
+from .actors.request_ids import EngineIds
 from .actors.scheduler import Scheduler
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector
 from .config import EngineConfig
@@ -331,7 +331,7 @@ class LLMEngine:
         # Live requests by the caller's id: the engine id each runs under, and its slot.
         self._live: dict[str, tuple[str, OutputSlot]] = {}
         self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
-        self._engine_ids = itertools.count(1)
+        self._engine_ids = EngineIds()
         self._stats = m.SchedulerStats()
         tune_gc_for_serving()
         self.stats.log_engine_initialized()
@@ -385,15 +385,17 @@ class LLMEngine:
         )
         if lora_request is not None and lora_request.lora_int_id not in self.list_loras():
             self.add_lora(lora_request)
-        engine_id = f"{request_id}-{next(self._engine_ids)}"
+        engine_id = self._engine_ids.next(request_id)
         requests = self.renderer.make_requests(
-            engine_id, rendered, params, priority=priority, arrival_time=arrival_time
+            engine_id,
+            rendered,
+            params,
+            priority=priority,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
+            pooling_params=pooling,
         )
-        for request in requests:
-            request.lora_request, request.pooling_params = lora_request, pooling
-            if lora_request is not None:
-                request.lora_name = lora_request.lora_name
-        self.grammars.compile(requests)  # ValidationError naming the field if it cannot
+        grammars = self.grammars.compile(requests)  # ValidationError naming the field
         slot = OutputSlot(params.output_kind)
         self.processor.add_request(
             engine_id,
@@ -406,7 +408,7 @@ class LLMEngine:
             output_id=request_id,
         )
         self._live[request_id] = (engine_id, slot)
-        self.core.add_requests(requests)
+        self.core.add_requests(requests, grammars)
         return request_id
 
     def _check_pooling(self, params: PoolingParams) -> PoolingParams:

@@ -34,6 +34,7 @@ from ..protocol.outputs import (
     SampleLogprobs,
 )
 from ..protocol.params import RequestOutputKind, SamplingParams
+from .request_ids import child_id
 from .stats import FinishedRequest, StepStats
 
 if TYPE_CHECKING:
@@ -526,11 +527,6 @@ class ProcessedStep:
         )
 
 
-def child_request_id(parent_id: str, index: int) -> str:
-    """The scheduler-level id of completion ``index`` of a request with n>1."""
-    return f"{index}_{parent_id}"
-
-
 @dataclass(eq=False)
 class _Completion:
     """One completion's state: a child request for n>1, else the request itself."""
@@ -698,7 +694,7 @@ class OutputProcessor:
         """Register a request; return the ids the scheduler runs it under.
 
         ``child_ids`` (n of them, in index order) if given; else
-        ``[request_id]`` for n == 1 and ``child_request_id(request_id, i)``
+        ``[request_id]`` for n == 1 and ``child_id(i, request_id)``
         for n > 1 (the renderer's naming). ``params`` are
         the caller's (n, stop strings, output kind). ``output_id`` is the id
         the outputs and errors carry (default ``request_id``): the caller's,
@@ -720,7 +716,7 @@ class OutputProcessor:
         elif params.n == 1:
             ids = [request_id]
         else:
-            ids = [child_request_id(request_id, i) for i in range(params.n)]
+            ids = [child_id(i, request_id) for i in range(params.n)]
         if len(ids) != params.n:
             raise ValueError(f"child_ids: expected {params.n} ids, got {len(ids)}")
         if clash := [i for i in ids if i in self._completions]:
@@ -734,7 +730,7 @@ class OutputProcessor:
             arrival_time,
             slot,
         )
-        for index, child_id in enumerate(ids):
+        for index, completion_id in enumerate(ids):
             detokenizer = None
             if self.tokenizer is not None and params.detokenize:
                 detokenizer = make_detokenizer(
@@ -744,7 +740,7 @@ class OutputProcessor:
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                     token_texts=self._token_texts,
                 )
-            completion = _Completion(child_id, index, request, detokenizer)
+            completion = _Completion(completion_id, index, request, detokenizer)
             completion.streams_text = (
                 params.output_kind == RequestOutputKind.DELTA and not params.stop
             )
@@ -759,7 +755,7 @@ class OutputProcessor:
                 if params.output_kind != RequestOutputKind.DELTA:
                     completion.logprobs = []
             request.completions.append(completion)
-            self._completions[child_id] = completion
+            self._completions[completion_id] = completion
         self._requests[request_id] = request
         return ids
 

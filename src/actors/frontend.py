@@ -28,11 +28,10 @@ Imports trio; never torch.
 from __future__ import annotations
 
 import copy
-import itertools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -43,7 +42,11 @@ from .detokenizer import OutputProcessor, ProcessedStep
 from .engine_core import AddRequests, CoreMessage, FinishRequests
 from .output_slot import OutputSlot
 from .renderer import PromptType, RenderedPrompt, Renderer
+from .request_ids import EngineIds
 from .stats import StepStats
+
+if TYPE_CHECKING:
+    from ..structured.grammar import GrammarState
 
 _T = TypeVar("_T")
 
@@ -158,7 +161,7 @@ class Frontend:
         self._to_core = to_core
         self._record = record
         self._live: dict[str, LiveRequest] = {}  # by the caller's id
-        self._engine_ids = itertools.count(1)
+        self._engine_ids = EngineIds()
         self._offload_limiter = trio.CapacityLimiter(1)
         self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until taken
         self._failed: EngineDeadError | None = None
@@ -196,7 +199,7 @@ class Frontend:
             raise self._failed
         if request_id in self._live:
             raise ValidationError("request_id", f"{request_id!r} is already running")
-        engine_id = f"{request_id}-{next(self._engine_ids)}"
+        engine_id = self._engine_ids.next(request_id)
         live = self._live[request_id] = LiveRequest(engine_id, slot)
         try:
             rendered = await self._render(
@@ -206,13 +209,14 @@ class Frontend:
                 params,
                 priority=priority,
                 lora_request=lora_request,
+                pooling_params=pooling_params,
                 tokenization_kwargs=tokenization_kwargs,
                 prompt_text=prompt_text,
             )
             if self._failed is not None:  # died while the prompt was rendering
                 raise self._failed
             if rendered is not None:
-                self._register(request_id, live, params, lora_request, pooling_params, *rendered)
+                self._register(request_id, live, params, *rendered)
         except BaseException:
             self.release(request_id, engine_id)
             raise
@@ -228,11 +232,13 @@ class Frontend:
         *,
         priority: int,
         lora_request: LoRARequest | None,
+        pooling_params: PoolingParams | None,
         tokenization_kwargs: dict[str, Any] | None,
         prompt_text: str | None,
-    ) -> tuple[RenderedPrompt, list[m.EngineRequest]] | None:
-        """The rendered prompt and its engine requests, or None if it failed (the
-        slot has the error). Only a large prompt or a grammar to compile checkpoints."""
+    ) -> tuple[RenderedPrompt, list[m.EngineRequest], dict[str, GrammarState]] | None:
+        """The rendered prompt, its engine requests and their grammar states, or None
+        if it failed (the slot has the error). Only a large prompt or a grammar to
+        compile checkpoints."""
         arrival_time = time.monotonic()
 
         def render(renderer: Renderer) -> tuple[RenderedPrompt, list[m.EngineRequest]]:
@@ -245,7 +251,8 @@ class Frontend:
                 params,
                 priority=priority,
                 arrival_time=arrival_time,
-                lora_name=None if lora_request is None else lora_request.lora_name,
+                lora_request=lora_request,
+                pooling_params=pooling_params,
             )
             return rendered, requests
 
@@ -259,10 +266,11 @@ class Frontend:
                     abandon_on_cancel=True,
                     limiter=self._offload_limiter,
                 )
-            grammars = self.renderer.grammars
-            if grammars is not None and params.structured_outputs is not None:
+            grammars: dict[str, GrammarState] = {}
+            compiler = self.renderer.grammars
+            if compiler is not None and params.structured_outputs is not None:
                 # Compiling may take from microseconds to a second: off the event loop.
-                await trio.to_thread.run_sync(grammars.compile, requests)
+                grammars = await trio.to_thread.run_sync(compiler.compile, requests)
                 await trio.lowlevel.checkpoint_if_cancelled()
         except ValueError as exc:
             live.slot.put_error(exc)
@@ -274,7 +282,7 @@ class Frontend:
             error.__cause__ = exc
             live.slot.put_error(error)
             return None
-        return rendered, requests
+        return rendered, requests, grammars
 
     async def render_chat_prompt(
         self,
@@ -330,14 +338,12 @@ class Frontend:
         request_id: str,
         live: LiveRequest,
         params: SamplingParams,
-        lora_request: LoRARequest | None,
-        pooling_params: PoolingParams | None,
         rendered: RenderedPrompt,
         requests: list[m.EngineRequest],
+        grammars: dict[str, GrammarState],
     ) -> None:
-        """Give a rendered request to the output processor, then to the engine core."""
-        for request in requests:
-            request.lora_request, request.pooling_params = lora_request, pooling_params
+        """Give a rendered request to the output processor, then (with its grammar
+        states beside it) to the engine core."""
         self.processor.add_request(
             live.engine_id,
             rendered.text,
@@ -349,7 +355,7 @@ class Frontend:
             output_id=request_id,
         )
         live.registered = True
-        self._to_core(AddRequests(requests))
+        self._to_core(AddRequests(requests, grammars))
         if live.abort_asked:
             self._pass_on(self.processor.abort_requests([live.engine_id]))
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import PromptTooLongError, ValidationError
 from ..protocol.messages import EngineRequest
-from ..protocol.params import SamplingParams
+from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
+from .request_ids import child_id
 
 if TYPE_CHECKING:
     from ..structured.engine import EngineGrammars
@@ -255,11 +256,13 @@ class Renderer:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-        lora_name: str | None = None,
+        lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EngineRequest]:
-        """Validate against the model and fan out n>1 into children.
+        """Validate against the model and fan out n>1 into children, each built whole
+        (nothing is set on them afterwards).
 
-        A single request keeps the caller's id; children are ``f"{i}_{id}"``
+        A single request keeps the caller's id; children are ``child_id(i, id)``
         with ``parent_id`` set, and seed ``seed + i`` when a seed is given.
         """
         if not isinstance(params, SamplingParams):
@@ -300,6 +303,7 @@ class Renderer:
             params = params.clone(stop_token_ids=stop_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         salt = rendered.cache_salt
+        lora_name = None if lora_request is None else lora_request.lora_name
         if params.n == 1:
             return [
                 EngineRequest(
@@ -311,6 +315,8 @@ class Renderer:
                     self.eos_token_id,
                     lora_name,
                     cache_salt=salt,
+                    lora_request=lora_request,
+                    pooling_params=pooling_params,
                 )
             ]
         children = []
@@ -319,7 +325,7 @@ class Renderer:
             child = params.clone(n=1, best_of=None, seed=seed)
             children.append(
                 EngineRequest(
-                    f"{index}_{request_id}",
+                    child_id(index, request_id),
                     token_ids,
                     child,
                     arrival,
@@ -329,6 +335,8 @@ class Renderer:
                     cache_salt=salt,
                     parent_id=request_id,
                     index=index,
+                    lora_request=lora_request,
+                    pooling_params=pooling_params,
                 )
             )
         return children

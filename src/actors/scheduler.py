@@ -60,7 +60,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..config import EngineConfig
 from ..protocol.messages import (
@@ -71,13 +71,16 @@ from ..protocol.messages import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
-    PauseMode,
     SchedulerOutput,
     SchedulerStats,
 )
 from .kv_cache import KVCacheManager
 from .lora_admission import AdapterLimit
+from .pause_gate import PauseGate, PauseMode
 from .request_state import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from ..structured.grammar import GrammarState
 
 __all__ = ["RequestQueue", "Scheduler"]
 
@@ -227,9 +230,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # for the runner, with the next non-empty step
         self._preempted_ids: list[str] = []
-        self._pause_mode: PauseMode | None = None
-        self._pause_seq = 0  # requests with a later seq arrived during the pause: held
-        self._num_held = 0
+        self.pause_gate = PauseGate()
         self._step_id = 0
         self._seq = 0
         self._in_flight: dict[int, _InFlight] = {}  # planned steps not answered yet
@@ -243,9 +244,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests
 
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) for an id already
-        in flight, an empty prompt, or a prompt longer than ``max_model_len``."""
+    def add_request(self, request: EngineRequest, grammar: GrammarState | None = None) -> None:
+        """Queue a request (``grammar``: its structured outputs' state). Raises
+        ValueError (and queues nothing) for an id already in flight, an empty prompt,
+        or a prompt longer than ``max_model_len``."""
         request_id = request.request_id
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -257,13 +259,12 @@ class Scheduler:
                 f"prompt_token_ids: {num_prompt} tokens exceed max_model_len={self.max_model_len}"
             )
         self._seq += 1
-        req = Request(request, self._seq, self.max_model_len)
+        req = Request(request, self._seq, self.max_model_len, grammar)
         self.requests[request_id] = req
         if req.grammar is not None:
             self._num_constrained += 1
         self.waiting.push(req)
-        if self._pause_mode is not None:
-            self._num_held += 1
+        self.pause_gate.arrived()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is queued, running or paused (held ones included)."""
@@ -284,7 +285,7 @@ class Scheduler:
         A pause in WAIT mode is complete when this turns False: everything added
         before the pause has finished, and what arrived since waits for resume().
         """
-        return len(self.requests) > self._num_held
+        return len(self.requests) > self.pause_gate.num_held
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finish_reason: FinishReason
@@ -358,8 +359,8 @@ class Scheduler:
         """Mark finished and free the blocks; the caller removes it from its queue."""
         if req.status is RequestStatus.RUNNING:
             self._finished_ids.append(req.request_id)
-        elif self._is_held(req):
-            self._num_held -= 1
+        else:
+            self.pause_gate.left(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -383,10 +384,7 @@ class Scheduler:
         paused changes the mode and keeps the first pause's boundary.
         """
         outputs = self.abort(list(self.requests)) if mode is PauseMode.ABORT else []
-        if self._pause_mode is None:
-            self._pause_seq = self._seq
-            self._num_held = 0
-        self._pause_mode = mode
+        self.pause_gate.pause(mode, self._seq)
         return outputs
 
     def abort_in_flight(self) -> list[EngineCoreOutput]:
@@ -394,23 +392,20 @@ class Scheduler:
 
         Held requests stay queued; they hold no blocks.
         """
-        return self.abort([rid for rid, req in self.requests.items() if not self._is_held(req)])
+        held = self.pause_gate.is_held
+        return self.abort([rid for rid, req in self.requests.items() if not held(req)])
 
     def resume(self) -> None:
         """Leave any pause; held requests start on the next step, in policy order."""
-        self._pause_mode = None
-        self._num_held = 0
-
-    def _is_held(self, req: Request) -> bool:
-        return self._pause_mode is not None and req.sort_key[2] > self._pause_seq
+        self.pause_gate.resume()
 
     @property
     def is_paused(self) -> bool:
-        return self._pause_mode is not None
+        return self.pause_gate.mode is not None
 
     @property
     def pause_mode(self) -> PauseMode | None:
-        return self._pause_mode
+        return self.pause_gate.mode
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix. Returns whether the cache was reset.
@@ -435,7 +430,7 @@ class Scheduler:
         scheduled tokens here, in anticipation of the step.
         """
         self._step_id += 1
-        if self._pause_mode is PauseMode.KEEP or not self.requests:
+        if self.pause_gate.mode is PauseMode.KEEP or not self.requests:
             return SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0)
         plan = _StepPlan(self.max_num_batched_tokens)
         preempted = self._schedule_running(plan)
@@ -539,7 +534,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in policy order until one does not fit."""
-        if self._pause_mode is None:
+        gate = self.pause_gate
+        if gate.mode is None:
             waiting = self.waiting
             while waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
                 if not self._admit(waiting.peek(), plan):
@@ -547,9 +543,9 @@ class Scheduler:
                 waiting.pop()
             return
         # Paused (WAIT / ABORT): requests that arrived during the pause are held.
-        if len(self.waiting) == self._num_held:
+        if len(self.waiting) == gate.num_held:
             return  # every waiting request is held
-        for req in [r for r in self.waiting.ordered() if not self._is_held(r)]:
+        for req in [r for r in self.waiting.ordered() if not gate.is_held(r)]:
             if plan.budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             if not self._admit(req, plan):
