@@ -33,7 +33,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from legato.actors.detokenizer import OutputProcessor
+from legato.actors.output_processor import OutputProcessor
 from legato.actors.output_slot import OutputSlot
 from legato.default_model import default_model_dir
 from legato.protocol.messages import EngineCoreOutput, EngineCoreOutputs

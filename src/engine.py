@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .actors.detokenizer import OutputProcessor
+from .actors.output_processor import OutputProcessor
 from .actors.engine_core import CoreStopped, EngineCore
 from .actors.executor import Executor, OnFailure, WorkerCallError, WorkerDiedError
 from .actors.frontend import Frontend, thread_renderer

@@ -18,7 +18,6 @@ import pytest
 import trio
 import trio.testing
 
-from legato.actors.detokenizer import OutputProcessor
 from legato.actors.engine_core import AddRequests, CoreMessage, EngineCore
 from legato.actors.frontend import (
     INLINE_MAX_PROMPT_CHARS,
@@ -29,6 +28,7 @@ from legato.actors.frontend import (
     thread_renderer,
 )
 from legato.actors.inproc_executor import InprocExecutor
+from legato.actors.output_processor import OutputProcessor
 from legato.actors.output_slot import OutputSlot
 from legato.actors.renderer import Renderer
 from legato.actors.scheduler import Scheduler
