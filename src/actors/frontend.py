@@ -38,8 +38,8 @@ import trio
 from ..protocol import messages as m
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
-from .output_processor import OutputProcessor, ProcessedStep
 from .engine_core import AddRequests, CoreMessage, FinishRequests
+from .output_processor import OutputProcessor, ProcessedStep
 from .output_slot import OutputSlot
 from .renderer import PromptType, RenderedPrompt, Renderer
 from .request_ids import EngineIds

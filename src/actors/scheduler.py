@@ -55,12 +55,10 @@ Pure Python, driven synchronously: never imports torch or trio.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..protocol.messages import (
@@ -77,126 +75,15 @@ from ..protocol.messages import (
 from .kv_cache import KVCacheManager
 from .lora_admission import AdapterLimit
 from .pause_gate import PauseGate, PauseMode
+from .request_queue import RequestQueue
 from .request_state import Request, RequestStatus
+from .scheduler_counters import SchedulerCounters
+from .step_plan import InFlightStep, StepPlan
 
 if TYPE_CHECKING:
     from ..structured.grammar import GrammarState
 
-__all__ = ["RequestQueue", "Scheduler"]
-
-
-class RequestQueue:
-    """Waiting requests in policy order: FCFS (a deque) or priority (a heap on ``sort_key``)."""
-
-    def __init__(self, policy: Literal["fcfs", "priority"]) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[tuple[int, float, int], Request]] = []
-
-    def push(self, request: Request) -> None:
-        """Queue a new arrival at its place in policy order."""
-        if self.policy == "fcfs":
-            self._fifo.append(request)
-        else:
-            heapq.heappush(self._heap, (request.sort_key, request))
-
-    def push_front(self, request: Request) -> None:
-        """Requeue a preempted request: FCFS at the front; priority by its original key."""
-        if self.policy == "fcfs":
-            self._fifo.appendleft(request)
-        else:
-            heapq.heappush(self._heap, (request.sort_key, request))
-
-    def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][1]
-
-    def pop(self) -> Request:
-        if self.policy == "fcfs":
-            return self._fifo.popleft()
-        return heapq.heappop(self._heap)[1]
-
-    def remove(self, request_ids: set[str]) -> None:
-        """Drop these requests (one pass over the queue)."""
-        if self.policy == "fcfs":
-            self._fifo = deque(r for r in self._fifo if r.request_id not in request_ids)
-        else:
-            self._heap = [item for item in self._heap if item[1].request_id not in request_ids]
-            heapq.heapify(self._heap)
-
-    def ordered(self) -> list[Request]:
-        """A snapshot in the order requests would be taken. O(n log n) for priority."""
-        if self.policy == "fcfs":
-            return list(self._fifo)
-        return [item[1] for item in sorted(self._heap)]
-
-    def __len__(self) -> int:
-        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        """Every queued request, in no particular order for the priority policy."""
-        if self.policy == "fcfs":
-            return iter(self._fifo)
-        return (item[1] for item in self._heap)
-
-
-class _StepPlan:
-    """What one ``schedule()`` call has decided so far.
-
-    Running requests are advanced as they are planned (``_schedule_running``):
-    ``running[i]`` resumes at ``computed[i]`` and samples if ``samples[i]``;
-    ``new_token_ids`` holds the tokens the runner does not know yet. A request
-    planned and then preempted in the same step is taken back with :meth:`drop`.
-    ``num_scheduled`` holds the running requests first, in ``running``'s order,
-    then the ones admitted (``new``).
-    """
-
-    __slots__ = (
-        "budget",
-        "new",
-        "running",
-        "computed",
-        "samples",
-        "num_decode",
-        "num_scheduled",
-        "new_block_ids",
-        "new_token_ids",
-    )
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.new: list[Request] = []
-        self.running: list[Request] = []
-        self.computed: list[int] = []
-        self.samples: list[bool] = []
-        self.num_decode = 0  # running requests' one-token steps past their prefill
-        self.num_scheduled: dict[str, int] = {}
-        self.new_block_ids: dict[str, list[int]] = {}
-        self.new_token_ids: dict[str, list[int]] = {}
-
-    def drop(self, req: Request) -> int:
-        """Take back a running request planned earlier this step (it is being preempted,
-        its state not reset yet); returns its tokens, for the budget."""
-        request_id = req.request_id
-        k = self.running.index(req)
-        n = self.num_scheduled.pop(request_id)
-        # As counted when planned: a placeholder was added if it samples.
-        if n == 1 and self.samples[k] and (req.num_output_placeholders > 1 or req.output_token_ids):
-            self.num_decode -= 1
-        del self.running[k], self.computed[k], self.samples[k]
-        self.new_block_ids.pop(request_id, None)
-        self.new_token_ids.pop(request_id, None)
-        return n
-
-
-class _InFlight:
-    """A planned step the runner has not answered yet: its requests, in the runner's
-    order, and whether each one's scheduled tokens end in a sample."""
-
-    __slots__ = ("requests", "samples")
-
-    def __init__(self, requests: list[Request], samples: list[bool]) -> None:
-        self.requests = requests
-        self.samples = samples
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
@@ -233,14 +120,9 @@ class Scheduler:
         self.pause_gate = PauseGate()
         self._step_id = 0
         self._seq = 0
-        self._in_flight: dict[int, _InFlight] = {}  # planned steps not answered yet
+        self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
         self._num_constrained = 0  # unfinished requests with a grammar (structured outputs)
-        # Figures since the last make_stats().
-        self._stat_preempted = 0
-        self._stat_prefill_tokens = 0
-        self._stat_decode_tokens = 0
-        self._stat_queries_base = 0
-        self._stat_hits_base = 0
+        self.counters = SchedulerCounters()  # figures since the last make_stats()
 
     # ------------------------------------------------------------ requests
 
@@ -432,13 +314,13 @@ class Scheduler:
         self._step_id += 1
         if self.pause_gate.mode is PauseMode.KEEP or not self.requests:
             return SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0)
-        plan = _StepPlan(self.max_num_batched_tokens)
+        plan = StepPlan(self.max_num_batched_tokens)
         preempted = self._schedule_running(plan)
         if not preempted and self.waiting and len(self.running) < self.max_num_seqs:
             self._schedule_waiting(plan)
         return self._emit(plan)
 
-    def _schedule_running(self, plan: _StepPlan) -> bool:
+    def _schedule_running(self, plan: StepPlan) -> bool:
         """Give each running request its next tokens, advancing its computed tokens (and
         placeholders) at once; preempt when blocks run out. Returns whether anything
         was preempted.
@@ -530,9 +412,9 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.push_front(req)
         self._preempted_ids.append(req.request_id)
-        self._stat_preempted += 1
+        self.counters.preempted += 1
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in policy order until one does not fit."""
         gate = self.pause_gate
         if gate.mode is None:
@@ -552,7 +434,7 @@ class Scheduler:
                 return
             self.waiting.remove({req.request_id})
 
-    def _admit(self, req: Request, plan: _StepPlan) -> bool:
+    def _admit(self, req: Request, plan: StepPlan) -> bool:
         """Start (or resume) a waiting request from its prefix-cache hit, if it fits."""
         if not self.adapter_limit.admits(req, self.running):
             return False
@@ -577,7 +459,7 @@ class Scheduler:
         plan.budget -= num_new
         return True
 
-    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
         """Turn the plan into the runner's message; advance the admitted requests' computed
         tokens (the running ones were advanced as they were planned)."""
         step_id = self._step_id
@@ -609,11 +491,12 @@ class Scheduler:
             if sampling:
                 req.num_output_placeholders = 1
             samples.append(sampling)
-        self._stat_prefill_tokens += total - plan.num_decode
-        self._stat_decode_tokens += plan.num_decode
+        counters = self.counters
+        counters.prefill_tokens += total - plan.num_decode
+        counters.decode_tokens += plan.num_decode
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
-        self._in_flight[step_id] = _InFlight(running + plan.new, samples)
+        self._in_flight[step_id] = InFlightStep(running + plan.new, samples)
         cached = CachedRequestData(
             cached_ids, plan.computed, plan.new_block_ids, plan.new_token_ids
         )
@@ -779,23 +662,4 @@ class Scheduler:
         (prefix-cache queries / hits in tokens, preemptions, scheduled tokens)
         are normally one step's.
         """
-        kv = self.kv
-        stats = SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            num_blocks_total=kv.num_usable_blocks,
-            num_blocks_used=kv.num_used_blocks,
-            prefix_cache_queries=kv.prefix_cache_queries - self._stat_queries_base,
-            prefix_cache_hits=kv.prefix_cache_hits - self._stat_hits_base,
-            num_preempted=self._stat_preempted,
-            num_scheduled_tokens=self._stat_prefill_tokens + self._stat_decode_tokens,
-            num_prefill_tokens=self._stat_prefill_tokens,
-            num_decode_tokens=self._stat_decode_tokens,
-        )
-        self._stat_queries_base = kv.prefix_cache_queries
-        self._stat_hits_base = kv.prefix_cache_hits
-        self._stat_preempted = 0
-        self._stat_prefill_tokens = 0
-        self._stat_decode_tokens = 0
-        return stats
+        return self.counters.report(len(self.running), len(self.waiting), self.kv)
