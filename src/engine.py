@@ -31,12 +31,12 @@ from typing import Any, TypeVar
 
 import trio
 
-from .actors.output_processor import OutputProcessor
 from .actors.engine_core import CoreStopped, EngineCore
 from .actors.executor import Executor, OnFailure, WorkerCallError, WorkerDiedError
 from .actors.frontend import Frontend, thread_renderer
 from .actors.heartbeat import run_heartbeat
 from .actors.inproc_executor import InprocExecutor
+from .actors.output_processor import OutputProcessor
 from .actors.output_slot import OutputSlot
 from .actors.pause_gate import PauseMode
 from .actors.process_executor import ProcessExecutor

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from .actors.output_processor import OutputProcessor, ProcessedStep
 from .actors.engine_core import CoreSteps
+from .actors.output_processor import OutputProcessor, ProcessedStep
 from .actors.output_slot import OutputSlot
 from .actors.renderer import PromptType, Renderer
 from .actors.request_ids import EngineIds
