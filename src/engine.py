@@ -36,17 +36,16 @@ from .actors.executor import Executor, OnFailure, WorkerCallError, WorkerDiedErr
 from .actors.frontend import Frontend, thread_renderer
 from .actors.heartbeat import run_heartbeat
 from .actors.inproc_executor import InprocExecutor
-from .actors.output_processor import OutputProcessor
 from .actors.output_slot import OutputSlot
 from .actors.pause_gate import PauseMode
 from .actors.process_executor import ProcessExecutor
-from .actors.renderer import PromptType, Renderer, check_tokenization_kwargs
-from .actors.scheduler import Scheduler
+from .actors.renderer import PromptType, check_tokenization_kwargs
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector, run_stats
 from .actors.supervisor import Supervisor
 from .actors.tensor_parallel_executor import TensorParallelExecutor
 from .config import EngineConfig
 from .engine_adapters import EngineAdapters
+from .engine_parts import build_engine_parts
 from .exception_groups import unwrap_single_error
 from .protocol import messages as m
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
@@ -54,7 +53,6 @@ from .protocol.errors import EngineDeadError, ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
-from .structured.engine import EngineGrammars
 from .tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger("legato.engine")
@@ -238,23 +236,13 @@ class AsyncEngine(EngineClient):
             self.executor.run,
         )
         self.ready = ready
-        # Block 0 is the scheduler's null block: a request can use the others.
-        max_len = min(ready.max_model_len, (ready.num_kv_blocks - 1) * config.block_size)
-        self.config = config = config.resolved(
-            max_model_len=max_len, num_kv_blocks=ready.num_kv_blocks
-        )
-        self.renderer = Renderer(
-            tokenizer,
-            max_model_len=max_len,
-            vocab_size=ready.vocab_size,
-            eos_token_ids=ready.eos_token_ids,
-            max_logprobs=config.max_logprobs,
-        )
+        parts = build_engine_parts(config, ready, tokenizer)
+        self.config = config = parts.config
+        self.renderer = parts.renderer
         self.tokenizer = tokenizer
-        grammars = EngineGrammars(tokenizer, ready.vocab_size, ready.eos_token_ids)
-        self.renderer.grammars = grammars
+        grammars = parts.grammars
         offload_renderer = await trio.to_thread.run_sync(thread_renderer, self.renderer)
-        self.scheduler = Scheduler(config)
+        self.scheduler = parts.scheduler
         outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
         self.core = EngineCore(
             self.scheduler,
@@ -266,7 +254,7 @@ class AsyncEngine(EngineClient):
         )
         self.frontend = Frontend(
             self.renderer,
-            OutputProcessor(tokenizer),
+            parts.processor,
             self.core.submit,
             self.stats.record,
             offload_renderer=offload_renderer,

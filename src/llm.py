@@ -9,6 +9,7 @@ detokenizer, driven synchronously in this thread, one ``step()`` at a time.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -17,19 +18,19 @@ from typing import Any, TypeVar
 import trio
 
 from .actors.engine_core import CoreSteps
-from .actors.output_processor import OutputProcessor, ProcessedStep
+from .actors.executor import WorkerCallError, check_runner_output
+from .actors.output_processor import ProcessedStep
 from .actors.output_slot import OutputSlot
-from .actors.renderer import PromptType, Renderer
+from .actors.renderer import PromptType
 from .actors.request_ids import EngineIds
-from .actors.scheduler import Scheduler
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector
 from .config import EngineConfig
+from .engine_parts import build_engine_parts
 from .protocol import messages as m
 from .protocol.errors import ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
-from .structured.engine import EngineGrammars
 from .tokenizer_loading import load_tokenizer
 
 T = TypeVar("T")
@@ -178,17 +179,16 @@ class LLM:
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
-        renderer = self.engine.renderer
-        prompts: list[PromptType] = [
-            renderer.render_chat_prompt(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-                tools=tools,
-                template_kwargs=chat_template_kwargs,
-            )
-            for conversation in conversations
-        ]
+        render = functools.partial(
+            self.engine.render_chat_prompt,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            template_kwargs=chat_template_kwargs,
+        )
+        # On the engine's own thread (a large chat in its render thread): the event
+        # loop's tokenizer is never used from this thread while the loop uses it.
+        prompts: list[PromptType] = [self._call(render, c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -296,38 +296,32 @@ class LLMEngine:
     """vLLM's step-wise engine: ``add_request``, ``step``, ``abort_request``.
 
     A thin synchronous driver over the engine core's step (``CoreSteps``:
-    plan -> execute -> apply, the same step the async engine loops), with the
-    model runner in this process and the front end (renderer, output
-    processor) in the calling thread. Never overlaps steps. Not thread-safe.
+    plan -> execute -> apply, the same step the async engine loops), with an
+    in-process ``Worker`` (the same ``Worker.handle`` the worker process serves
+    frames with: its utility-call rules and checks) and the front end
+    (renderer, output processor, wired by ``build_engine_parts`` as for
+    ``AsyncEngine``) in the calling thread. Never overlaps steps. Not thread-safe.
     """
 
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerArg] = ()) -> None:
         """``stat_loggers``: custom stat loggers or vLLM-style factories, fed besides
         the built-in Prometheus and log-line loggers (see ``legato.actors.stats``)."""
         from .engine import resolve_model
-        from .models.runner import ModelRunner
+        from .worker import Worker
 
         config = resolve_model(config)
-        self.runner = ModelRunner(config)
-        blocks = self.runner.num_kv_blocks
-        max_len = min(self.runner.max_model_len, (blocks - 1) * config.block_size)  # block 0: null
-        self.config = config.resolved(max_model_len=max_len, num_kv_blocks=blocks)
+        self.worker = Worker.start(m.WorkerInit(config=config.to_dict()))
         self.tokenizer = load_tokenizer(config.tokenizer or config.model or "")
-        eos = list(self.runner.eos_token_ids)
-        self.renderer = Renderer(
-            self.tokenizer,
-            max_model_len=self.config.max_model_len or 0,
-            vocab_size=self.runner.vocab_size,
-            eos_token_ids=eos,
-            max_logprobs=config.max_logprobs,
-        )
-        self.grammars = EngineGrammars(self.tokenizer, self.runner.vocab_size, eos)
-        self.renderer.grammars = self.grammars
-        self.scheduler = Scheduler(self.config)
+        parts = build_engine_parts(config, self.worker.ready(), self.tokenizer)
+        self.config = parts.config
+        self.renderer = parts.renderer
+        self.grammars = parts.grammars
+        self.scheduler = parts.scheduler
+        self._sleeping = False
         model_name = self.config.served_model_name or self.config.model or "legato-toy"
         self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers)
         self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
-        self.processor = OutputProcessor(self.tokenizer)
+        self.processor = parts.processor
         # Live requests by the caller's id: the engine id each runs under, and its slot.
         self._live: dict[str, tuple[str, OutputSlot]] = {}
         self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
@@ -411,9 +405,20 @@ class LLMEngine:
         self.core.add_requests(requests, grammars)
         return request_id
 
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the worker's runner, through ``Worker.call_utility`` (public
+        methods only); the runner's ValidationError as itself, else WorkerCallError."""
+        answer = self.worker.call_utility(m.UtilityCall(0, method, list(args), kwargs))
+        if answer.error is not None:
+            error = WorkerCallError.of(answer)
+            if error.validation is not None:
+                raise error.validation
+            raise error
+        return answer.result
+
     def _check_pooling(self, params: PoolingParams) -> PoolingParams:
         """``params`` if this engine can serve them; ValidationError naming the field."""
-        params.check_servable(self.runner.embedding_size())
+        params.check_servable(self._call("embedding_size"))
         return params
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -422,16 +427,16 @@ class LLMEngine:
             raise ValidationError(
                 "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
             )
-        return self.runner.add_lora(lora_request)
+        return bool(self._call("add_lora", lora_request))
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.runner.remove_lora(lora_id)
+        return bool(self._call("remove_lora", lora_id))
 
     def list_loras(self) -> set[int]:
-        return set(self.runner.list_loras())
+        return set(self._call("list_loras"))
 
     def pin_lora(self, lora_id: int) -> bool:
-        return self.runner.pin_lora(lora_id)
+        return bool(self._call("pin_lora", lora_id))
 
     def abort_request(self, request_ids: str | Sequence[str], internal: bool = False) -> None:
         """Abort requests (the caller's ids; ``internal``: the engine's ids); each one's
@@ -459,7 +464,8 @@ class LLMEngine:
         embedding request that finished (an aborted one gives its RequestOutput)."""
         planned = self.core.plan()
         if planned is not None:
-            core_out = self.core.apply(planned, self.runner.execute(planned.plan))
+            answer = check_runner_output(planned.plan, self.worker.handle(planned.plan))
+            core_out = self.core.apply(planned, answer)
             if core_out.scheduler_stats is not None:
                 self._stats = core_out.scheduler_stats
             processed = self.processor.process_outputs(core_out)
@@ -518,13 +524,16 @@ class LLMEngine:
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
         self.abort_request(list(self._live))
         self.scheduler.reset_prefix_cache(True)
-        self.runner.sleep(level)
+        self._call("sleep", level)
+        self._sleeping = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.runner.wake_up(tags)
+        self._call("wake_up", tags)
+        if tags is None or "kv_cache" in tags:
+            self._sleeping = False
 
     def is_sleeping(self) -> bool:
-        return bool(self.runner.sleeping)
+        return self._sleeping
 
     def collective_rpc(
         self,
@@ -534,4 +543,4 @@ class LLMEngine:
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on the model runner (the one worker); its result in a list."""
-        return [getattr(self.runner, method)(*args, **(kwargs or {}))]
+        return [self._call(method, *args, **(kwargs or {}))]

@@ -104,7 +104,9 @@ class Renderer:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         max_logprobs: int = 20,
+        grammars: EngineGrammars | None = None,
     ) -> None:
+        """``grammars``: structured outputs, compiled at admission (None: render-only)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -113,8 +115,7 @@ class Renderer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = [int(t) for t in eos_token_ids[1:]]
         self.max_logprobs = max_logprobs
-        # Structured outputs, compiled at admission (the engine sets it; None: render-only).
-        self.grammars: EngineGrammars | None = None
+        self.grammars = grammars
 
     # ------------------------------------------------------------ prompts
 
