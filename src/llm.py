@@ -17,12 +17,11 @@ from typing import Any, TypeVar
 
 import trio
 
-from .actors.engine_core import CoreSteps
+from .actors.engine_core import AddRequests, CoreMessage, CoreSteps, FinishRequests
 from .actors.executor import WorkerCallError, check_runner_output
-from .actors.output_processor import ProcessedStep
+from .actors.frontend_core import FrontendCore, RenderedRequest
 from .actors.output_slot import OutputSlot
 from .actors.renderer import PromptType
-from .actors.request_ids import EngineIds
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector
 from .config import EngineConfig
 from .engine_parts import build_engine_parts
@@ -295,12 +294,13 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 class LLMEngine:
     """vLLM's step-wise engine: ``add_request``, ``step``, ``abort_request``.
 
-    A thin synchronous driver over the engine core's step (``CoreSteps``:
-    plan -> execute -> apply, the same step the async engine loops), with an
-    in-process ``Worker`` (the same ``Worker.handle`` the worker process serves
-    frames with: its utility-call rules and checks) and the front end
-    (renderer, output processor, wired by ``build_engine_parts`` as for
-    ``AsyncEngine``) in the calling thread. Never overlaps steps. Not thread-safe.
+    A short synchronous driver over the same parts as ``AsyncEngine``, wired by
+    ``build_engine_parts``: the front end's core (``FrontendCore``: render,
+    register, process outputs, pass on), the engine core's step (``CoreSteps``:
+    plan -> execute -> apply) and an in-process ``Worker`` (the same
+    ``Worker.handle`` the worker process serves frames with: its utility-call
+    rules and checks), all in the calling thread. Never overlaps steps. Not
+    thread-safe.
     """
 
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerArg] = ()) -> None:
@@ -322,10 +322,7 @@ class LLMEngine:
         self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers)
         self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
         self.processor = parts.processor
-        # Live requests by the caller's id: the engine id each runs under, and its slot.
-        self._live: dict[str, tuple[str, OutputSlot]] = {}
-        self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
-        self._engine_ids = EngineIds()
+        self.frontend = FrontendCore(self.renderer, self.processor, self._to_core, self.stats.record)
         self._stats = m.SchedulerStats()
         tune_gc_for_serving()
         self.stats.log_engine_initialized()
@@ -367,43 +364,43 @@ class LLMEngine:
         ``params`` a PoolingParams: an embedding request (``AsyncEngine.encode``);
         ``step()`` gives its one PoolingRequestOutput when its prompt is computed.
         """
-        if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already running")
         pooling = None
         if isinstance(params, PoolingParams):  # one step's worth, nothing sampled
             pooling = self._check_pooling(params)
             params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         params = params or SamplingParams()
-        rendered = self.renderer.render_prompt(
-            prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
-        )
-        if lora_request is not None and lora_request.lora_int_id not in self.list_loras():
-            self.add_lora(lora_request)
-        engine_id = self._engine_ids.next(request_id)
-        requests = self.renderer.make_requests(
-            engine_id,
-            rendered,
-            params,
-            priority=priority,
-            arrival_time=arrival_time,
-            lora_request=lora_request,
-            pooling_params=pooling,
-        )
-        grammars = self.grammars.compile(requests)  # ValidationError naming the field
-        slot = OutputSlot(params.output_kind)
-        self.processor.add_request(
-            engine_id,
-            rendered.text,
-            requests[0].prompt_token_ids,
-            params,
-            requests[0].arrival_time,
-            slot=slot,
-            child_ids=[r.request_id for r in requests],
-            output_id=request_id,
-        )
-        self._live[request_id] = (engine_id, slot)
-        self.core.add_requests(requests, grammars)
+        frontend = self.frontend
+        live = frontend.begin(request_id, OutputSlot(params.output_kind))
+        try:
+            rendered, requests = frontend.render(
+                self.renderer,
+                live.engine_id,
+                prompt,
+                params,
+                arrival_time=arrival_time,
+                priority=priority,
+                lora_request=lora_request,
+                pooling_params=pooling,
+                tokenization_kwargs=tokenization_kwargs,
+                prompt_text=prompt_text,
+            )
+            if lora_request is not None and lora_request.lora_int_id not in self.list_loras():
+                self.add_lora(lora_request)
+            grammars = frontend.grammars(params, requests)  # ValidationError naming the field
+            frontend.register(request_id, live, params, RenderedRequest(rendered, requests, grammars))
+        except BaseException:
+            frontend.release(request_id, live.engine_id)
+            raise
         return request_id
+
+    def _to_core(self, message: CoreMessage) -> None:
+        """The front end's messages, carried out at once on the engine core's step."""
+        if isinstance(message, AddRequests):
+            self.core.add_requests(message.requests, message.grammars)
+        elif isinstance(message, FinishRequests):
+            self.core.finish(message.request_ids, message.reason)
+        else:  # pragma: no cover - the front end sends no other
+            raise TypeError(f"unexpected message {message!r}")
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method`` on the worker's runner, through ``Worker.call_utility`` (public
@@ -444,19 +441,9 @@ class LLMEngine:
         are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if internal:
-            live = {engine_id for engine_id, _ in self._live.values()}
-            engine_ids = [i for i in ids if i in live]
-        else:
-            engine_ids = [self._live[i][0] for i in ids if i in self._live]
-        self._pass_on(self.processor.abort_requests(engine_ids))
-
-    def _pass_on(self, step: ProcessedStep) -> None:
-        """Finish in the scheduler what the front end finished (stop strings, aborts)."""
-        if step.requests_to_stop:
-            self.core.finish(step.requests_to_stop, m.FinishReason.STOP)
-        if step.requests_to_abort:
-            self.core.finish(step.requests_to_abort, m.FinishReason.ABORT)
-        self.stats.record(step.step_stats())
+            by_engine_id = {live.engine_id: rid for rid, live in self.frontend.live.items()}
+            ids = [by_engine_id[i] for i in ids if i in by_engine_id]
+        self.frontend.abort(ids)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one engine step; return the outputs it produced (finished ones included):
@@ -468,29 +455,27 @@ class LLMEngine:
             core_out = self.core.apply(planned, answer)
             if core_out.scheduler_stats is not None:
                 self._stats = core_out.scheduler_stats
-            processed = self.processor.process_outputs(core_out)
-            self._pooled.update(processed.pooled)
-            self._pass_on(processed)
+            self.frontend.process(core_out)
         results: list[RequestOutput | PoolingRequestOutput] = []
-        for rid, (engine_id, slot) in list(self._live.items()):
-            out = slot.get_nowait()
+        for rid, live in list(self.frontend.live.items()):
+            out = live.slot.get_nowait()
             if out is None:
                 continue
-            vector = self._pooled.pop(engine_id, None)
+            vector = self.frontend.take_pooled(live.engine_id)
             if vector is not None and out.finished:
                 pooled = PoolingOutput(vector)
                 results.append(PoolingRequestOutput(rid, pooled, list(out.prompt_token_ids or [])))
             else:
                 results.append(out)
             if out.finished:
-                del self._live[rid]
+                self.frontend.release(rid, live.engine_id)
         return results
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live) or self.scheduler.has_unfinished_requests()
+        return bool(self.frontend.live) or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._live)
+        return len(self.frontend.live)
 
     def get_metrics(self) -> dict[str, float]:
         s = self._stats
@@ -522,7 +507,7 @@ class LLMEngine:
         and free the KV cache (level 2: also the weights) until ``wake_up``."""
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
-        self.abort_request(list(self._live))
+        self.abort_request(list(self.frontend.live))
         self.scheduler.reset_prefix_cache(True)
         self._call("sleep", level)
         self._sleeping = True
