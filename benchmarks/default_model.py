@@ -102,8 +102,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from legato.actors.renderer import load_tokenizer
     from legato.default_model import default_model_dir
+    from legato.tokenizer_loading import load_tokenizer
 
     cpu = torch.backends.cpu.get_cpu_capability()
     print(f"CPU: {platform.processor() or platform.machine()}, capability {cpu}, "

@@ -35,11 +35,11 @@ from legato.actors.engine_core import CoreSteps, PlannedStep
 from legato.actors.scheduler import Scheduler
 from legato.actors.stats import StepStats
 from legato.config import EngineConfig
+from legato.null_runner import NullModelRunner
 from legato.protocol import wire
 from legato.protocol.messages import EngineRequest, ModelRunnerOutput
 from legato.protocol.params import SamplingParams
 from legato.structured.engine import EngineGrammars
-from legato.testing.null_model import NullModelRunner
 
 _clock = time.thread_time_ns  # CPU time: what this code costs the main process
 

@@ -33,12 +33,12 @@ from typing import Any
 import trio
 import trio.testing
 
-from legato.actors.detokenizer import OutputProcessor
+from legato.actors.output_processor import OutputProcessor
 from legato.actors.output_slot import OutputSlot
-from legato.actors.renderer import load_tokenizer
 from legato.default_model import default_model_dir
 from legato.protocol.messages import EngineCoreOutput, EngineCoreOutputs
 from legato.protocol.params import RequestOutputKind, SamplingParams
+from legato.tokenizer_loading import load_tokenizer
 
 _clock = time.thread_time_ns  # CPU time: what this costs the main process
 PROMPT = "The quick brown fox"

@@ -7,4 +7,5 @@ VENV=${LEGATO_VENV:-.venv}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 "$VENV/bin/ruff" check src tests benchmarks examples
 "$VENV/bin/mypy" --strict src
+"$VENV/bin/lint-imports"
 "$VENV/bin/python" -m pytest "$@"

@@ -69,8 +69,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Set up (once) and describe the model, round-trip text, generate."""
     import trio
 
-    from .actors.renderer import load_tokenizer
     from .model_source import resolve_model_source
+    from .tokenizer_loading import load_tokenizer
     from .toy_model import describe
 
     started = time.monotonic()

@@ -40,7 +40,7 @@ class EngineConfig:
     # Overlap: plan step N+1 while the worker computes step N (same outputs either way).
     async_scheduling: bool = True
     executor: Literal["process", "inproc"] = "process"
-    # "null": the null-model runner (legato.testing.null_model), which answers every
+    # "null": the null-model runner (legato.null_runner), which answers every
     # step instantly with a fixed token; it measures the control plane, nothing else.
     runner: Literal["model", "null"] = "model"
     enforce_eager: bool = False

@@ -23,33 +23,29 @@ import functools
 import logging
 import math
 import os
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
-from .actors.detokenizer import OutputProcessor
 from .actors.engine_core import CoreStopped, EngineCore
-from .actors.executor import (
-    Executor,
-    ProcessExecutor,
-    WorkerCallError,
-    WorkerDiedError,
-    make_executor,
-)
+from .actors.executor import Executor, OnFailure, WorkerCallError, WorkerDiedError
 from .actors.frontend import Frontend, thread_renderer
 from .actors.heartbeat import run_heartbeat
+from .actors.inproc_executor import InprocExecutor
 from .actors.output_slot import OutputSlot
-from .actors.renderer import PromptType, Renderer, check_tokenization_kwargs, load_tokenizer
-from .actors.scheduler import Scheduler
+from .actors.pause_gate import PauseMode
+from .actors.process_executor import ProcessExecutor
+from .actors.renderer import PromptType, check_tokenization_kwargs
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector, run_stats
 from .actors.supervisor import Supervisor
+from .actors.tensor_parallel_executor import TensorParallelExecutor
 from .config import EngineConfig
 from .engine_adapters import EngineAdapters
+from .engine_parts import build_engine_parts
 from .exception_groups import unwrap_single_error
 from .protocol import messages as m
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
@@ -57,11 +53,13 @@ from .protocol.errors import EngineDeadError, ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
-from .structured.engine import EngineGrammars
+from .tokenizer_loading import load_tokenizer
 
 logger = logging.getLogger("legato.engine")
 
-_PAUSE_MODES = {"abort": m.PauseMode.ABORT, "wait": m.PauseMode.WAIT, "keep": m.PauseMode.KEEP}
+T = TypeVar("T")
+
+_PAUSE_MODES = {"abort": PauseMode.ABORT, "wait": PauseMode.WAIT, "keep": PauseMode.KEEP}
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:
@@ -75,6 +73,17 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(
         config, model=source.path, served_model_name=config.served_model_name or source.name
     )
+
+
+def make_executor(
+    config: EngineConfig, *, on_failure: OnFailure, inject_fault: dict[str, Any] | None = None
+) -> Executor:
+    """The executor ``config`` asks for: tensor-parallel, in-process or a child process."""
+    if config.tensor_parallel_size > 1:
+        return TensorParallelExecutor(config, on_failure=on_failure, inject_fault=inject_fault)
+    if config.executor == "inproc":
+        return InprocExecutor(config, on_failure=on_failure, inject_fault=inject_fault)
+    return ProcessExecutor(config, on_failure=on_failure, inject_fault=inject_fault)
 
 
 class RequestStream:
@@ -201,9 +210,9 @@ class AsyncEngine(EngineClient):
         self._nursery = nursery
         self._faults = faults or {}
         self.supervisor = Supervisor()
-        self.executor: Executor = make_executor(config, inject_fault=self._faults.get("worker"))
-        if isinstance(self.executor, ProcessExecutor):
-            self.executor.on_failure = self.supervisor.die
+        self.executor = make_executor(
+            config, on_failure=self.supervisor.die, inject_fault=self._faults.get("worker")
+        )
         self.stats = StatsCollector.for_config(config, self.model_name, stat_loggers)
         self.adapters = EngineAdapters(config.enable_lora, self._worker_call, WorkerCallError)
         self._embedding_size: int | None = None
@@ -227,23 +236,13 @@ class AsyncEngine(EngineClient):
             self.executor.run,
         )
         self.ready = ready
-        # Block 0 is the scheduler's null block: a request can use the others.
-        max_len = min(ready.max_model_len, (ready.num_kv_blocks - 1) * config.block_size)
-        self.config = config = config.resolved(
-            max_model_len=max_len, num_kv_blocks=ready.num_kv_blocks
-        )
-        self.renderer = Renderer(
-            tokenizer,
-            max_model_len=max_len,
-            vocab_size=ready.vocab_size,
-            eos_token_ids=ready.eos_token_ids,
-            max_logprobs=config.max_logprobs,
-        )
+        parts = build_engine_parts(config, ready, tokenizer)
+        self.config = config = parts.config
+        self.renderer = parts.renderer
         self.tokenizer = tokenizer
-        grammars = EngineGrammars(tokenizer, ready.vocab_size, ready.eos_token_ids)
-        self.renderer.grammars = grammars
+        grammars = parts.grammars
         offload_renderer = await trio.to_thread.run_sync(thread_renderer, self.renderer)
-        self.scheduler = Scheduler(config)
+        self.scheduler = parts.scheduler
         outputs_send, outputs_recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
         self.core = EngineCore(
             self.scheduler,
@@ -255,7 +254,7 @@ class AsyncEngine(EngineClient):
         )
         self.frontend = Frontend(
             self.renderer,
-            OutputProcessor(tokenizer),
+            parts.processor,
             self.core.submit,
             self.stats.record,
             offload_renderer=offload_renderer,
@@ -276,7 +275,7 @@ class AsyncEngine(EngineClient):
         await trio.lowlevel.checkpoint()
 
     async def _ping_core(self) -> None:
-        await self.core.call(m.HealthPing(seq=0, sent_time=time.monotonic()))
+        await self.core.ping()
 
     # ------------------------------------------------------------- requests
 
@@ -540,11 +539,11 @@ class AsyncEngine(EngineClient):
         if mode not in _PAUSE_MODES:
             raise ValueError(f"mode: must be one of {', '.join(_PAUSE_MODES)}, got {mode!r}")
         self._check_alive()
-        await self._control(m.PauseGeneration(_PAUSE_MODES[mode], clear_cache))
+        await self._control(self.core.pause(_PAUSE_MODES[mode], clear_cache))
 
     async def resume_generation(self) -> None:
         self._check_alive()
-        await self._control(m.ResumeGeneration())
+        await self._control(self.core.resume())
 
     async def is_paused(self) -> bool:
         await trio.lowlevel.checkpoint()
@@ -563,7 +562,7 @@ class AsyncEngine(EngineClient):
         if mode not in ("abort", "wait"):
             raise ValueError(f"mode: sleep supports 'abort' and 'wait', got {mode!r}")
         self._check_alive()
-        await self._control(m.Sleep(level, _PAUSE_MODES[mode]))
+        await self._control(self.core.sleep(level, _PAUSE_MODES[mode]))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what ``sleep`` freed (``tags``: None = everything, else a subset of
@@ -574,7 +573,7 @@ class AsyncEngine(EngineClient):
                 raise ValueError(f"tags: unknown tag(s) {unknown}; expected weights, kv_cache")
             tags = list(tags)
         self._check_alive()
-        await self._control(m.WakeUp(tags))
+        await self._control(self.core.wake_up(tags))
 
     async def is_sleeping(self) -> bool:
         await trio.lowlevel.checkpoint()
@@ -584,17 +583,17 @@ class AsyncEngine(EngineClient):
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
         self._check_alive()
-        return bool(await self._control(m.ResetPrefixCache(reset_running_requests)))
+        return await self._control(self.core.reset_prefix_cache(reset_running_requests))
 
-    async def _control(self, message: object) -> object:
-        """Have the scheduler loop carry out ``message``; its answer. A checkpoint.
+    async def _control(self, call: Awaitable[T]) -> T:
+        """Await one of the engine core's control calls; its answer. A checkpoint.
 
         The loop does the whole of it even if this caller is cancelled while
         waiting (it just stops waiting). If the engine dies or stops first,
         raises its EngineDeadError.
         """
         try:
-            return await self.core.call(message)
+            return await call
         except CoreStopped:
             self._check_alive()
             raise

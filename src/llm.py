@@ -9,7 +9,7 @@ detokenizer, driven synchronously in this thread, one ``step()`` at a time.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -17,19 +17,20 @@ from typing import Any, TypeVar
 
 import trio
 
-from .actors.detokenizer import OutputProcessor, ProcessedStep
-from .actors.engine_core import CoreSteps
+from .actors.engine_core import AddRequests, CoreMessage, CoreSteps, FinishRequests
+from .actors.executor import WorkerCallError, check_runner_output
+from .actors.frontend_core import FrontendCore, RenderedRequest
 from .actors.output_slot import OutputSlot
-from .actors.renderer import PromptType, Renderer, load_tokenizer
-from .actors.scheduler import Scheduler
+from .actors.renderer import PromptType
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector
 from .config import EngineConfig
+from .engine_parts import build_engine_parts
 from .protocol import messages as m
 from .protocol.errors import ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
-from .structured.engine import EngineGrammars
+from .tokenizer_loading import load_tokenizer
 
 T = TypeVar("T")
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
@@ -177,17 +178,16 @@ class LLM:
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
-        renderer = self.engine.renderer
-        prompts: list[PromptType] = [
-            renderer.render_chat_prompt(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-                tools=tools,
-                template_kwargs=chat_template_kwargs,
-            )
-            for conversation in conversations
-        ]
+        render = functools.partial(
+            self.engine.render_chat_prompt,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            template_kwargs=chat_template_kwargs,
+        )
+        # On the engine's own thread (a large chat in its render thread): the event
+        # loop's tokenizer is never used from this thread while the loop uses it.
+        prompts: list[PromptType] = [self._call(render, c) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -294,43 +294,35 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 class LLMEngine:
     """vLLM's step-wise engine: ``add_request``, ``step``, ``abort_request``.
 
-    A thin synchronous driver over the engine core's step (``CoreSteps``:
-    plan -> execute -> apply, the same step the async engine loops), with the
-    model runner in this process and the front end (renderer, output
-    processor) in the calling thread. Never overlaps steps. Not thread-safe.
+    A short synchronous driver over the same parts as ``AsyncEngine``, wired by
+    ``build_engine_parts``: the front end's core (``FrontendCore``: render,
+    register, process outputs, pass on), the engine core's step (``CoreSteps``:
+    plan -> execute -> apply) and an in-process ``Worker`` (the same
+    ``Worker.handle`` the worker process serves frames with: its utility-call
+    rules and checks), all in the calling thread. Never overlaps steps. Not
+    thread-safe.
     """
 
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerArg] = ()) -> None:
         """``stat_loggers``: custom stat loggers or vLLM-style factories, fed besides
         the built-in Prometheus and log-line loggers (see ``legato.actors.stats``)."""
         from .engine import resolve_model
-        from .models.runner import ModelRunner
+        from .worker import Worker
 
         config = resolve_model(config)
-        self.runner = ModelRunner(config)
-        blocks = self.runner.num_kv_blocks
-        max_len = min(self.runner.max_model_len, (blocks - 1) * config.block_size)  # block 0: null
-        self.config = config.resolved(max_model_len=max_len, num_kv_blocks=blocks)
+        self.worker = Worker.start(m.WorkerInit(config=config.to_dict()))
         self.tokenizer = load_tokenizer(config.tokenizer or config.model or "")
-        eos = list(self.runner.eos_token_ids)
-        self.renderer = Renderer(
-            self.tokenizer,
-            max_model_len=self.config.max_model_len or 0,
-            vocab_size=self.runner.vocab_size,
-            eos_token_ids=eos,
-            max_logprobs=config.max_logprobs,
-        )
-        self.grammars = EngineGrammars(self.tokenizer, self.runner.vocab_size, eos)
-        self.renderer.grammars = self.grammars
-        self.scheduler = Scheduler(self.config)
+        parts = build_engine_parts(config, self.worker.ready(), self.tokenizer)
+        self.config = parts.config
+        self.renderer = parts.renderer
+        self.grammars = parts.grammars
+        self.scheduler = parts.scheduler
+        self._sleeping = False
         model_name = self.config.served_model_name or self.config.model or "legato-toy"
         self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers)
         self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
-        self.processor = OutputProcessor(self.tokenizer)
-        # Live requests by the caller's id: the engine id each runs under, and its slot.
-        self._live: dict[str, tuple[str, OutputSlot]] = {}
-        self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until step() reads it
-        self._engine_ids = itertools.count(1)
+        self.processor = parts.processor
+        self.frontend = FrontendCore(self.renderer, self.processor, self._to_core, self.stats.record)
         self._stats = m.SchedulerStats()
         tune_gc_for_serving()
         self.stats.log_engine_initialized()
@@ -372,45 +364,58 @@ class LLMEngine:
         ``params`` a PoolingParams: an embedding request (``AsyncEngine.encode``);
         ``step()`` gives its one PoolingRequestOutput when its prompt is computed.
         """
-        if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already running")
         pooling = None
         if isinstance(params, PoolingParams):  # one step's worth, nothing sampled
             pooling = self._check_pooling(params)
             params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         params = params or SamplingParams()
-        rendered = self.renderer.render_prompt(
-            prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
-        )
-        if lora_request is not None and lora_request.lora_int_id not in self.list_loras():
-            self.add_lora(lora_request)
-        engine_id = f"{request_id}-{next(self._engine_ids)}"
-        requests = self.renderer.make_requests(
-            engine_id, rendered, params, priority=priority, arrival_time=arrival_time
-        )
-        for request in requests:
-            request.lora_request, request.pooling_params = lora_request, pooling
-            if lora_request is not None:
-                request.lora_name = lora_request.lora_name
-        self.grammars.compile(requests)  # ValidationError naming the field if it cannot
-        slot = OutputSlot(params.output_kind)
-        self.processor.add_request(
-            engine_id,
-            rendered.text,
-            requests[0].prompt_token_ids,
-            params,
-            requests[0].arrival_time,
-            slot=slot,
-            child_ids=[r.request_id for r in requests],
-            output_id=request_id,
-        )
-        self._live[request_id] = (engine_id, slot)
-        self.core.add_requests(requests)
+        frontend = self.frontend
+        live = frontend.begin(request_id, OutputSlot(params.output_kind))
+        try:
+            rendered, requests = frontend.render(
+                self.renderer,
+                live.engine_id,
+                prompt,
+                params,
+                arrival_time=arrival_time,
+                priority=priority,
+                lora_request=lora_request,
+                pooling_params=pooling,
+                tokenization_kwargs=tokenization_kwargs,
+                prompt_text=prompt_text,
+            )
+            if lora_request is not None and lora_request.lora_int_id not in self.list_loras():
+                self.add_lora(lora_request)
+            grammars = frontend.grammars(params, requests)  # ValidationError naming the field
+            frontend.register(request_id, live, params, RenderedRequest(rendered, requests, grammars))
+        except BaseException:
+            frontend.release(request_id, live.engine_id)
+            raise
         return request_id
+
+    def _to_core(self, message: CoreMessage) -> None:
+        """The front end's messages, carried out at once on the engine core's step."""
+        if isinstance(message, AddRequests):
+            self.core.add_requests(message.requests, message.grammars)
+        elif isinstance(message, FinishRequests):
+            self.core.finish(message.request_ids, message.reason)
+        else:  # pragma: no cover - the front end sends no other
+            raise TypeError(f"unexpected message {message!r}")
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the worker's runner, through ``Worker.call_utility`` (public
+        methods only); the runner's ValidationError as itself, else WorkerCallError."""
+        answer = self.worker.call_utility(m.UtilityCall(0, method, list(args), kwargs))
+        if answer.error is not None:
+            error = WorkerCallError.of(answer)
+            if error.validation is not None:
+                raise error.validation
+            raise error
+        return answer.result
 
     def _check_pooling(self, params: PoolingParams) -> PoolingParams:
         """``params`` if this engine can serve them; ValidationError naming the field."""
-        params.check_servable(self.runner.embedding_size())
+        params.check_servable(self._call("embedding_size"))
         return params
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -419,16 +424,16 @@ class LLMEngine:
             raise ValidationError(
                 "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
             )
-        return self.runner.add_lora(lora_request)
+        return bool(self._call("add_lora", lora_request))
 
     def remove_lora(self, lora_id: int) -> bool:
-        return self.runner.remove_lora(lora_id)
+        return bool(self._call("remove_lora", lora_id))
 
     def list_loras(self) -> set[int]:
-        return set(self.runner.list_loras())
+        return set(self._call("list_loras"))
 
     def pin_lora(self, lora_id: int) -> bool:
-        return self.runner.pin_lora(lora_id)
+        return bool(self._call("pin_lora", lora_id))
 
     def abort_request(self, request_ids: str | Sequence[str], internal: bool = False) -> None:
         """Abort requests (the caller's ids; ``internal``: the engine's ids); each one's
@@ -436,19 +441,9 @@ class LLMEngine:
         are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if internal:
-            live = {engine_id for engine_id, _ in self._live.values()}
-            engine_ids = [i for i in ids if i in live]
-        else:
-            engine_ids = [self._live[i][0] for i in ids if i in self._live]
-        self._pass_on(self.processor.abort_requests(engine_ids))
-
-    def _pass_on(self, step: ProcessedStep) -> None:
-        """Finish in the scheduler what the front end finished (stop strings, aborts)."""
-        if step.requests_to_stop:
-            self.core.finish(step.requests_to_stop, m.FinishReason.STOP)
-        if step.requests_to_abort:
-            self.core.finish(step.requests_to_abort, m.FinishReason.ABORT)
-        self.stats.record(step.step_stats())
+            by_engine_id = {live.engine_id: rid for rid, live in self.frontend.live.items()}
+            ids = [by_engine_id[i] for i in ids if i in by_engine_id]
+        self.frontend.abort(ids)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one engine step; return the outputs it produced (finished ones included):
@@ -456,32 +451,31 @@ class LLMEngine:
         embedding request that finished (an aborted one gives its RequestOutput)."""
         planned = self.core.plan()
         if planned is not None:
-            core_out = self.core.apply(planned, self.runner.execute(planned.plan))
+            answer = check_runner_output(planned.plan, self.worker.handle(planned.plan))
+            core_out = self.core.apply(planned, answer)
             if core_out.scheduler_stats is not None:
                 self._stats = core_out.scheduler_stats
-            processed = self.processor.process_outputs(core_out)
-            self._pooled.update(processed.pooled)
-            self._pass_on(processed)
+            self.frontend.process(core_out)
         results: list[RequestOutput | PoolingRequestOutput] = []
-        for rid, (engine_id, slot) in list(self._live.items()):
-            out = slot.get_nowait()
+        for rid, live in list(self.frontend.live.items()):
+            out = live.slot.get_nowait()
             if out is None:
                 continue
-            vector = self._pooled.pop(engine_id, None)
+            vector = self.frontend.take_pooled(live.engine_id)
             if vector is not None and out.finished:
                 pooled = PoolingOutput(vector)
                 results.append(PoolingRequestOutput(rid, pooled, list(out.prompt_token_ids or [])))
             else:
                 results.append(out)
             if out.finished:
-                del self._live[rid]
+                self.frontend.release(rid, live.engine_id)
         return results
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live) or self.scheduler.has_unfinished_requests()
+        return bool(self.frontend.live) or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._live)
+        return len(self.frontend.live)
 
     def get_metrics(self) -> dict[str, float]:
         s = self._stats
@@ -513,15 +507,18 @@ class LLMEngine:
         and free the KV cache (level 2: also the weights) until ``wake_up``."""
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
-        self.abort_request(list(self._live))
+        self.abort_request(list(self.frontend.live))
         self.scheduler.reset_prefix_cache(True)
-        self.runner.sleep(level)
+        self._call("sleep", level)
+        self._sleeping = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.runner.wake_up(tags)
+        self._call("wake_up", tags)
+        if tags is None or "kv_cache" in tags:
+            self._sleeping = False
 
     def is_sleeping(self) -> bool:
-        return bool(self.runner.sleeping)
+        return self._sleeping
 
     def collective_rpc(
         self,
@@ -531,4 +528,4 @@ class LLMEngine:
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call ``method`` on the model runner (the one worker); its result in a list."""
-        return [getattr(self.runner, method)(*args, **(kwargs or {}))]
+        return [self._call(method, *args, **(kwargs or {}))]

@@ -14,11 +14,12 @@ from typing import Any
 
 import trio
 
-from .actors.renderer import PromptType, RenderedPrompt, Renderer, load_tokenizer
+from .actors.renderer import PromptType, RenderedPrompt, Renderer
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import PoolingParams, SamplingParams
+from .tokenizer_loading import load_tokenizer
 
 
 def _no_model(what: str) -> NotImplementedError:

@@ -107,17 +107,11 @@ class _FaultPlan:
 
 def _build_runner(init: m.WorkerInit, faults: _FaultPlan, parallel: Any) -> Runner:
     from .config import EngineConfig
+    from .runner_registry import build_runner
 
     if faults.fail_load:
         raise RuntimeError("injected fault: weight loading failed")
-    config = EngineConfig(**init.config)
-    if config.runner == "null":
-        from .testing.null_model import NullModelRunner
-
-        return NullModelRunner(config)
-    from .models.runner import ModelRunner
-
-    return ModelRunner(config, parallel=parallel)
+    return build_runner(EngineConfig(**init.config), parallel)
 
 
 class _Profiler:

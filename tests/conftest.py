@@ -304,7 +304,7 @@ class StepGate:
         finally:
             self.num_held -= 1
         self._permits -= 1
-        output = await self.inner.execute(step)
+        output = await self.inner.submit_step(step).wait()
         self.num_passed += 1
         self._notify()
         return output

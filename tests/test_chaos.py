@@ -117,7 +117,7 @@ async def test_harness_reports_a_real_hang_a_leaked_task_and_a_leaked_process(
     start = AsyncEngine._start
 
     def forgetful_on_death(self: AsyncEngine, error: EngineDeadError) -> None:
-        live = self.frontend._live
+        live = self.frontend.core.live
         victim = live.pop("chaos-r0-s0", None)
         try:
             on_death(self, error)

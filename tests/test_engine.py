@@ -579,7 +579,7 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
     assert eng.add_request("c", "runs to the end", greedy(6, output_kind=FINAL)) == "c"
     first = {out.request_id: out for out in eng.step()}
     assert set(first) == {"a", "b"} and not first["a"].finished  # "c" is FINAL_ONLY
-    engine_id_of_b = eng._live["b"][0]
+    engine_id_of_b = eng.frontend.live["b"].engine_id
     eng.abort_request(["a", "unknown"])
     eng.abort_request(engine_id_of_b, internal=True)
     assert eng.scheduler.get_num_unfinished_requests() == 1  # freed at once

@@ -23,7 +23,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from legato.actors.executor import _FrameReader
+from legato.actors.process_executor import _FrameReader
 from legato.config import EngineConfig
 from legato.protocol import messages as m
 from legato.protocol.params import SamplingParams
@@ -144,10 +144,10 @@ def test_hostile_frames_after_start_up(tmp_path: Path) -> None:
     assert answers[4] == m.HealthPong(5, 1.5)
     assert not marker.exists()
 
-    done = run_worker(framed(NULL_INIT, m.ResumeGeneration()))
+    done = run_worker(framed(NULL_INIT, m.HealthPong(1, 0.0)))
     assert done.returncode == 2
     assert frames_in(done.stdout)[-1] == m.WorkerError(
-        "unexpected frame ResumeGeneration", "WireError", fatal=True
+        "unexpected frame HealthPong", "WireError", fatal=True
     )
 
 
@@ -239,7 +239,7 @@ frames_strategy = st.lists(
             m.HealthPing(1, 2.0),
             m.UtilityCall(7, "sleep", [1], {}),
             m.UtilityCall(8, "_private", [], {}),
-            m.AbortRequests(["r"]),
+            m.HealthPong(2, 3.0),
             m.SchedulerOutput(1, [], m.CachedRequestData(), {}, 0),
             m.SchedulerOutput(1, [], m.CachedRequestData(), {}, 0, grammar_bitmask_follows=True),
             m.GrammarBitmask(1, {"r": b"\xff" * 8}),

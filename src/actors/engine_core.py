@@ -41,25 +41,38 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import trio
 
 from ..protocol import messages as m
 from ..protocol.errors import LegatoError
 from .executor import Executor, StepAnswer, WorkerCallError
+from .pause_gate import PauseMode
 from .scheduler import Scheduler
 from .stats import StepStats
 
 if TYPE_CHECKING:
     from ..structured.engine import EngineGrammars, GrammarFailure
+    from ..structured.grammar import GrammarState
 
 logger = logging.getLogger("legato.engine")
 
 
 @dataclass
 class AddRequests:
+    """Rendered requests for the scheduler, and the grammar states of the constrained
+    ones by request id (structured outputs)."""
+
     requests: list[m.EngineRequest]
+    grammars: dict[str, GrammarState] = field(default_factory=dict)
+
+
+@dataclass
+class AbortRequests:
+    """Abort live requests: free them, and report each as finished with ABORT."""
+
+    request_ids: list[str]
 
 
 @dataclass
@@ -71,34 +84,40 @@ class FinishRequests:
     reason: m.FinishReason = m.FinishReason.STOP
 
 
+T = TypeVar("T")
+
+Reply = Callable[[T | BaseException], None]
+"""Answers a control operation: its result, or the error its caller raises."""
+
+
 @dataclass
 class Control:
-    """A control message with its answer slot; ``reply`` is called with the result."""
+    """A control operation for the loop, carried out once no step is in flight; it
+    answers its caller through the reply it holds."""
 
-    message: object
-    reply: Callable[[object], None]
+    run: Callable[[], Awaitable[None]]
 
 
 class CoreStopped(LegatoError):
     """The scheduler loop stopped (the engine died or shut down) before answering a call."""
 
 
-class _Call:
-    """One ``EngineCore.call`` waiting for its answer (or for the loop to stop)."""
+class _Call(Generic[T]):
+    """One control call waiting for its answer (or for the loop to stop)."""
 
     __slots__ = ("done", "value")
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.value: object = None
+        self.value: T | BaseException | None = None
 
-    def reply(self, value: object) -> None:
+    def reply(self, value: T | BaseException) -> None:
         if not self.done.is_set():
             self.value = value
             self.done.set()
 
 
-CoreMessage = AddRequests | m.AbortRequests | FinishRequests | Control
+CoreMessage = AddRequests | AbortRequests | FinishRequests | Control
 
 
 class PlannedStep:
@@ -140,10 +159,14 @@ class CoreSteps:
         self.grammars = grammars  # structured outputs: bitmask rows at plan, accept at apply
         self._arrivals: dict[str, float] = {}  # requests not yet scheduled
 
-    def add_requests(self, requests: list[m.EngineRequest]) -> None:
-        """Queue requests; ValueError (that request not queued) as ``Scheduler.add_request``."""
+    def add_requests(
+        self, requests: list[m.EngineRequest], grammars: dict[str, GrammarState] | None = None
+    ) -> None:
+        """Queue requests with their grammar states (by id); ValueError (that request
+        not queued) as ``Scheduler.add_request``."""
+        grammars = grammars or {}
         for request in requests:
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request, grammars.get(request.request_id))
             self._arrivals[request.request_id] = request.arrival_time
 
     def abort(self, request_ids: list[str]) -> list[m.EngineCoreOutput]:
@@ -286,7 +309,7 @@ class EngineCore:
         self._idle.set()
         self._stats_dirty = False
         self._stopped = False
-        self._calls: set[_Call] = set()
+        self._calls: set[_Call[Any]] = set()
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -313,26 +336,54 @@ class EngineCore:
         """Queue a message for the loop. Never blocks; safe from any trio task."""
         self._inbox_send.send_nowait(message)
 
-    async def call(self, message: object) -> object:
-        """Send a control message and wait for its answer. A checkpoint.
+    async def pause(self, mode: PauseMode, clear_cache: bool = False) -> None:
+        """Stop admitting: ABORT finishes what is in flight, WAIT returns once it has
+        finished, KEEP freezes it until ``resume``. ``clear_cache`` (not KEEP) resets
+        the prefix cache once nothing is in flight. A checkpoint (see ``_call``)."""
+        await self._call(functools.partial(self._pause, mode, clear_cache))
 
-        The message is queued before the first checkpoint: a caller cancelled
+    async def resume(self) -> None:
+        """Leave any pause. A checkpoint (see ``_call``)."""
+        await self._call(self._resume)
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        """Abort (or, WAIT, first finish) what is in flight, then free the worker's KV
+        cache (level 2: also its weights). WorkerCallError if the worker refused."""
+        await self._call(functools.partial(self._sleep, level, mode))
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        """Restore what ``sleep`` freed (None: everything). WorkerCallError if refused."""
+        await self._call(functools.partial(self._wake_up, tags))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; False if running requests hold blocks (unless
+        ``reset_running_requests`` preempts them first)."""
+        return await self._call(functools.partial(self._reset_prefix_cache, reset_running_requests))
+
+    async def ping(self) -> None:
+        """Return once the loop has come round to this call (the heartbeat's probe)."""
+        await self._call(self._pong)
+
+    async def _call(self, operation: Callable[[Reply[T]], Awaitable[None]]) -> T:
+        """Queue ``operation`` for the loop and wait for its answer. A checkpoint.
+
+        The operation is queued before the first checkpoint: a caller cancelled
         while waiting just stops waiting, and the loop still carries it out.
         Raises the answer if it is an exception, and CoreStopped if the loop
         stops (the engine died or shut down) before answering.
         """
         if self._stopped:
             raise CoreStopped("the scheduler loop has stopped")
-        call = _Call()
+        call: _Call[T] = _Call()
         self._calls.add(call)
         try:
-            self.submit(Control(message, call.reply))
+            self.submit(Control(functools.partial(operation, call.reply)))
             await call.done.wait()
         finally:
             self._calls.discard(call)
         if isinstance(call.value, BaseException):
             raise call.value
-        return call.value
+        return call.value  # type: ignore[return-value]  # set by reply: a T
 
     async def run(self) -> None:
         """The actor loop. Runs until cancelled; any exception kills the engine.
@@ -420,61 +471,58 @@ class EngineCore:
     async def _handle(self, message: CoreMessage) -> None:
         self._stats_dirty = True  # queues or blocks may have changed: publish before sleeping
         if isinstance(message, AddRequests):
-            self.steps.add_requests(message.requests)
-        elif isinstance(message, m.AbortRequests):
-            self._emit(self.steps.abort(message.request_ids))
+            self.steps.add_requests(message.requests, message.grammars)
         elif isinstance(message, FinishRequests):
             self.steps.finish(message.request_ids, message.reason)
         elif isinstance(message, Control):
-            await self._drain_sent()  # a control sees (and may change) a quiet worker
-            await self._control(message)
-        else:  # pragma: no cover - a programming error
-            raise TypeError(f"unexpected message {message!r}")
-
-    async def _control(self, control: Control) -> None:
-        """Carry out a control message and answer it.
-
-        The whole of a control's effect happens here, in the loop, whatever
-        its caller does: a caller cancelled while waiting for the answer
-        just never reads it. A WAIT-mode pause or sleep is answered once
-        nothing is in flight (``_answer_waiters``).
-        """
-        message = control.message
-        if isinstance(message, m.PauseGeneration):
-            self._emit(self.scheduler.pause(message.mode))
-            clear = message.clear_cache and message.mode != m.PauseMode.KEEP
-            if message.mode == m.PauseMode.WAIT:
-                self._waiters.append(functools.partial(self._paused, control.reply, clear))
-            else:
-                await self._paused(control.reply, clear)
-        elif isinstance(message, m.ResumeGeneration):
-            self.scheduler.resume()
-            control.reply(None)
-        elif isinstance(message, m.ResetPrefixCache):
-            control.reply(self.scheduler.reset_prefix_cache(message.reset_running_requests))
-        elif isinstance(message, m.HealthPing):
-            control.reply(m.HealthPong(message.seq, message.sent_time))
-        elif isinstance(message, m.Sleep):
-            if message.mode == m.PauseMode.WAIT:
-                resume = not self.scheduler.is_paused
-                if self.scheduler.pause_mode in (None, m.PauseMode.KEEP):
-                    self.scheduler.pause(m.PauseMode.WAIT)  # a frozen request could never drain
-                after = functools.partial(self._sleep, message.level, control.reply, resume)
-                self._waiters.append(after)
-            else:
-                await self._sleep(message.level, control.reply, False)
-        elif isinstance(message, m.WakeUp):
-            await self._wake_up(message.tags, control.reply)
+            # A control sees (and may change) a quiet worker. The whole of its effect
+            # happens here, in the loop, whatever its caller does: a caller cancelled
+            # while waiting just never reads the answer. A WAIT-mode pause or sleep
+            # is answered once nothing is in flight (``_answer_waiters``).
+            await self._drain_sent()
+            await message.run()
         else:
-            control.reply(TypeError(f"unknown control message {type(message).__name__}"))
+            self._emit(self.steps.abort(message.request_ids))
 
-    async def _paused(self, reply: Callable[[object], None], clear_cache: bool) -> None:
+    # The control operations, each carried out by the loop (``_handle``).
+
+    async def _pause(self, mode: PauseMode, clear_cache: bool, reply: Reply[None]) -> None:
+        self._emit(self.scheduler.pause(mode))
+        clear = clear_cache and mode != PauseMode.KEEP
+        if mode == PauseMode.WAIT:
+            self._waiters.append(functools.partial(self._paused, reply, clear))
+        else:
+            await self._paused(reply, clear)
+
+    async def _paused(self, reply: Reply[None], clear_cache: bool) -> None:
         if clear_cache:
             self.scheduler.reset_prefix_cache(False)
         reply(None)
         await trio.lowlevel.checkpoint()
 
-    async def _sleep(self, level: int, reply: Callable[[object], None], resume: bool) -> None:
+    async def _resume(self, reply: Reply[None]) -> None:
+        self.scheduler.resume()
+        reply(None)
+        await trio.lowlevel.checkpoint()
+
+    async def _reset_prefix_cache(self, reset_running_requests: bool, reply: Reply[bool]) -> None:
+        reply(self.scheduler.reset_prefix_cache(reset_running_requests))
+        await trio.lowlevel.checkpoint()
+
+    async def _pong(self, reply: Reply[None]) -> None:
+        reply(None)
+        await trio.lowlevel.checkpoint()
+
+    async def _sleep(self, level: int, mode: PauseMode, reply: Reply[None]) -> None:
+        if mode == PauseMode.WAIT:
+            resume = not self.scheduler.is_paused
+            if self.scheduler.pause_mode in (None, PauseMode.KEEP):
+                self.scheduler.pause(PauseMode.WAIT)  # a frozen request could never drain
+            self._waiters.append(functools.partial(self._fall_asleep, level, reply, resume))
+        else:
+            await self._fall_asleep(level, reply, False)
+
+    async def _fall_asleep(self, level: int, reply: Reply[None], resume: bool) -> None:
         """Abort what is in flight, forget the prefix cache, put the worker to sleep.
 
         Requests held by a pause stay queued (they hold no blocks) and run
@@ -493,7 +541,7 @@ class EngineCore:
             return
         reply(None)
 
-    async def _wake_up(self, tags: list[str] | None, reply: Callable[[object], None]) -> None:
+    async def _wake_up(self, tags: list[str] | None, reply: Reply[None]) -> None:
         try:
             await self.executor.call("wake_up", tags)
         except WorkerCallError as exc:

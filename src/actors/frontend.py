@@ -1,26 +1,25 @@
-"""The front end: a caller's request from prompt to output slot, and back.
+"""The front end's trio shell: a caller's request from prompt to output slot, and back.
 
-``Frontend`` owns the renderer, the output processor and every live request's
-output slot. Two paths go through it:
+``Frontend`` wraps the synchronous ``FrontendCore`` (render -> register ->
+process outputs -> pass on; see ``frontend_core``) with what needs trio:
 
 - ``add_request`` runs in the caller's task. It renders the prompt (on the
   event-loop thread when it is small, in a worker thread when it is large, so
-  a 100k-token prompt never stalls the other streams) and registers the
-  request right there: its output-processor state, then the engine core's
-  ``AddRequests``. Nothing else touches a request between the two.
+  a 100k-token prompt never stalls the other streams), compiles a grammar in
+  a thread, and registers the request right there. Nothing else touches a
+  request between the two.
 - ``deliver`` is the output-delivery actor ("detokenizer"): it feeds each
-  step's ``EngineCoreOutputs`` to the output processor, which fills the slots,
-  and hands the finishes it decides (stop strings, a failed sibling) back to
-  the engine core.
+  step's ``EngineCoreOutputs`` to the core, which fills the slots and hands
+  the finishes it decides (stop strings, a failed sibling) back to the engine
+  core.
 
 ``render_chat_prompt`` renders a chat template the same way (inline when the
 chat is small, in the worker thread when it is large) for the server, which
 then gives the rendered prompt to ``add_request``.
 
 A request is known to the caller by its own id and below the front end by an
-engine id (``f"{request_id}-{n}"``, unique for the engine's life), so a
-caller's id is free again the moment its stream ends, whatever is still in
-flight for the old one.
+engine id (``request_ids``), so a caller's id is free again the moment its
+stream ends, whatever is still in flight for the old one.
 
 Imports trio; never torch.
 """
@@ -28,22 +27,25 @@ Imports trio; never torch.
 from __future__ import annotations
 
 import copy
-import itertools
+import functools
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
 from ..protocol import messages as m
-from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
+from ..protocol.errors import EngineGenerateError
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
-from .detokenizer import OutputProcessor, ProcessedStep
-from .engine_core import AddRequests, CoreMessage, FinishRequests
+from .engine_core import CoreMessage
+from .frontend_core import FrontendCore, LiveRequest, RenderedRequest
+from .output_processor import OutputProcessor
 from .output_slot import OutputSlot
 from .renderer import PromptType, RenderedPrompt, Renderer
 from .stats import StepStats
+
+if TYPE_CHECKING:
+    from ..structured.grammar import GrammarState
 
 _T = TypeVar("_T")
 
@@ -118,24 +120,15 @@ def thread_renderer(renderer: Renderer) -> Renderer:
     return twin
 
 
-@dataclass(slots=True)
-class LiveRequest:
-    """One caller's request, from ``add_request`` until its stream ends."""
-
-    engine_id: str
-    slot: OutputSlot
-    registered: bool = False  # the output processor and the engine core know it
-    abort_asked: bool = False  # abort() came while it was still being rendered
-
-
 class Frontend:
-    """Renders, registers and delivers requests for one engine.
+    """The trio shell around ``FrontendCore`` for one engine: renders too large for
+    the event-loop thread run in a worker thread, and ``deliver`` is the
+    output-delivery actor.
 
     ``to_core`` queues a message for the engine core (never blocks);
-    ``record`` takes each step's output-side figures. Renders too large for
-    the event-loop thread run one at a time in a worker thread, through
-    ``offload_renderer`` (default: ``thread_renderer(renderer)``, built on
-    first use).
+    ``record`` takes each step's output-side figures. Large renders run one at
+    a time in a worker thread, through ``offload_renderer`` (default:
+    ``thread_renderer(renderer)``, built on first use).
 
     All methods but ``add_request``, ``render_chat_prompt`` and ``deliver``
     are synchronous and never block. Once ``fail_all`` has run (the engine
@@ -152,16 +145,22 @@ class Frontend:
         *,
         offload_renderer: Renderer | None = None,
     ) -> None:
+        self.core = FrontendCore(renderer, processor, to_core, record)
         self.renderer = renderer
         self.processor = processor
         self.offload_renderer = offload_renderer
-        self._to_core = to_core
-        self._record = record
-        self._live: dict[str, LiveRequest] = {}  # by the caller's id
-        self._engine_ids = itertools.count(1)
         self._offload_limiter = trio.CapacityLimiter(1)
-        self._pooled: dict[str, list[float]] = {}  # engine id -> its vector, until taken
-        self._failed: EngineDeadError | None = None
+        # The core's synchronous operations, as they are.
+        self.is_live = self.core.is_live
+        self.release = self.core.release
+        self.abort_quietly = self.core.abort_quietly
+        self.abort = self.core.abort
+        self.fail_all = self.core.fail_all
+        self.take_pooled = self.core.take_pooled
+
+    @property
+    def num_live(self) -> int:
+        return len(self.core.live)
 
     # ------------------------------------------------------------ requests
 
@@ -192,77 +191,57 @@ class Frontend:
         An ``abort`` while the prompt renders takes effect once it is registered.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if self._failed is not None:
-            raise self._failed
-        if request_id in self._live:
-            raise ValidationError("request_id", f"{request_id!r} is already running")
-        engine_id = f"{request_id}-{next(self._engine_ids)}"
-        live = self._live[request_id] = LiveRequest(engine_id, slot)
+        core = self.core
+        live = core.begin(request_id, slot)
+        engine_id = live.engine_id
         try:
-            rendered = await self._render(
-                live,
-                request_id,
-                prompt,
-                params,
+            render = functools.partial(
+                core.render,
+                engine_id=engine_id,
+                prompt=prompt,
+                params=params,
+                arrival_time=time.monotonic(),
                 priority=priority,
                 lora_request=lora_request,
+                pooling_params=pooling_params,
                 tokenization_kwargs=tokenization_kwargs,
                 prompt_text=prompt_text,
             )
-            if self._failed is not None:  # died while the prompt was rendering
-                raise self._failed
-            if rendered is not None:
-                self._register(request_id, live, params, lora_request, pooling_params, *rendered)
+            done = await self._render(request_id, live, params, render, renders_inline(prompt))
+            if core.failed is not None:  # died while the prompt was rendering
+                raise core.failed
+            if done is not None:
+                core.register(request_id, live, params, done)
         except BaseException:
-            self.release(request_id, engine_id)
+            core.release(request_id, engine_id)
             raise
         await trio.lowlevel.cancel_shielded_checkpoint()
         return engine_id
 
     async def _render(
         self,
-        live: LiveRequest,
         request_id: str,
-        prompt: PromptType,
+        live: LiveRequest,
         params: SamplingParams,
-        *,
-        priority: int,
-        lora_request: LoRARequest | None,
-        tokenization_kwargs: dict[str, Any] | None,
-        prompt_text: str | None,
-    ) -> tuple[RenderedPrompt, list[m.EngineRequest]] | None:
-        """The rendered prompt and its engine requests, or None if it failed (the
+        render: Callable[..., tuple[RenderedPrompt, list[m.EngineRequest]]],
+        inline: bool,
+    ) -> RenderedRequest | None:
+        """The rendered request with its grammar states, or None if it failed (the
         slot has the error). Only a large prompt or a grammar to compile checkpoints."""
-        arrival_time = time.monotonic()
-
-        def render(renderer: Renderer) -> tuple[RenderedPrompt, list[m.EngineRequest]]:
-            rendered = renderer.render_prompt(
-                prompt, tokenization_kwargs=tokenization_kwargs, prompt_text=prompt_text
-            )
-            requests = renderer.make_requests(
-                live.engine_id,
-                rendered,
-                params,
-                priority=priority,
-                arrival_time=arrival_time,
-                lora_name=None if lora_request is None else lora_request.lora_name,
-            )
-            return rendered, requests
-
         try:
-            if renders_inline(prompt):
-                rendered, requests = render(self.renderer)
+            if inline:
+                rendered, requests = render(renderer=self.renderer)
             else:
                 rendered, requests = await trio.to_thread.run_sync(
                     self._render_offloaded,
-                    render,
+                    lambda renderer: render(renderer=renderer),
                     abandon_on_cancel=True,
                     limiter=self._offload_limiter,
                 )
-            grammars = self.renderer.grammars
-            if grammars is not None and params.structured_outputs is not None:
+            grammars: dict[str, GrammarState] = {}
+            if self.renderer.grammars is not None and params.structured_outputs is not None:
                 # Compiling may take from microseconds to a second: off the event loop.
-                await trio.to_thread.run_sync(grammars.compile, requests)
+                grammars = await trio.to_thread.run_sync(self.core.grammars, params, requests)
                 await trio.lowlevel.checkpoint_if_cancelled()
         except ValueError as exc:
             live.slot.put_error(exc)
@@ -274,7 +253,7 @@ class Frontend:
             error.__cause__ = exc
             live.slot.put_error(error)
             return None
-        return rendered, requests
+        return RenderedRequest(rendered, requests, grammars)
 
     async def render_chat_prompt(
         self,
@@ -325,102 +304,13 @@ class Frontend:
             self.offload_renderer = thread_renderer(self.renderer)
         return render(self.offload_renderer)
 
-    def _register(
-        self,
-        request_id: str,
-        live: LiveRequest,
-        params: SamplingParams,
-        lora_request: LoRARequest | None,
-        pooling_params: PoolingParams | None,
-        rendered: RenderedPrompt,
-        requests: list[m.EngineRequest],
-    ) -> None:
-        """Give a rendered request to the output processor, then to the engine core."""
-        for request in requests:
-            request.lora_request, request.pooling_params = lora_request, pooling_params
-        self.processor.add_request(
-            live.engine_id,
-            rendered.text,
-            requests[0].prompt_token_ids,
-            params,
-            requests[0].arrival_time,
-            slot=live.slot,
-            child_ids=[r.request_id for r in requests],
-            output_id=request_id,
-        )
-        live.registered = True
-        self._to_core(AddRequests(requests))
-        if live.abort_asked:
-            self._pass_on(self.processor.abort_requests([live.engine_id]))
-
-    def is_live(self, request_id: str, engine_id: str) -> bool:
-        """Whether ``request_id`` is live as ``engine_id`` (not a later namesake)."""
-        live = self._live.get(request_id)
-        return live is not None and live.engine_id == engine_id
-
-    def release(self, request_id: str, engine_id: str) -> None:
-        """Forget a request whose stream has ended (only this one: not a later namesake)."""
-        if self.is_live(request_id, engine_id):
-            del self._live[request_id]
-
-    def abort_quietly(self, request_id: str, engine_id: str) -> None:
-        """The consumer left: forget the request and abort it in the engine core."""
-        self.release(request_id, engine_id)
-        if self._failed is None:
-            self._pass_on(self.processor.abort_requests([engine_id]))
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        """Abort live requests (the caller's ids): each stream ends with a last output
-        whose finish_reason is "abort". Unknown or finished ids are ignored; so is
-        everything once the engine has failed."""
-        if self._failed is not None:
-            return
-        engine_ids = []
-        for request_id in request_ids:
-            live = self._live.get(request_id)
-            if live is None:
-                continue
-            if live.registered:
-                engine_ids.append(live.engine_id)
-            else:
-                live.abort_asked = True
-        self._pass_on(self.processor.abort_requests(engine_ids))
-
-    def fail_all(self, error: EngineDeadError) -> None:
-        """The engine died or shut down: every open stream raises ``error``; nothing
-        more reaches the engine core. Idempotent (the first error stays)."""
-        if self._failed is None:
-            self._failed = error
-        for live in list(self._live.values()):
-            live.slot.put_error(error)
-
-    def take_pooled(self, engine_id: str) -> list[float] | None:
-        """The pooled vector of a finished embedding request, once; None if there is none."""
-        return self._pooled.pop(engine_id, None)
-
-    @property
-    def num_live(self) -> int:
-        return len(self._live)
-
     # ------------------------------------------------------------- outputs
 
     async def deliver(self, inbox: trio.MemoryReceiveChannel[m.EngineCoreOutputs]) -> None:
-        """The output-delivery actor: process each step's outputs into the slots.
-
-        Runs until ``inbox`` closes; a checkpoint after each step. Stop-string
-        finishes and aborts it decides go back to the engine core.
-        """
+        """The output-delivery actor: each step's outputs into the slots
+        (``FrontendCore.process``); a checkpoint after each step. Runs until
+        cancelled (or until ``inbox`` closes)."""
+        process = self.core.process
         async for outputs in inbox:
-            step = self.processor.process_outputs(outputs)
-            if step.pooled:  # read by encode() when the request ends
-                self._pooled.update(step.pooled)
-            self._pass_on(step)
+            process(outputs)
             await trio.lowlevel.checkpoint()
-
-    def _pass_on(self, step: ProcessedStep) -> None:
-        """Finish in the engine core what the output side finished, and record the figures."""
-        if step.requests_to_stop:
-            self._to_core(FinishRequests(step.requests_to_stop, m.FinishReason.STOP))
-        if step.requests_to_abort:
-            self._to_core(FinishRequests(step.requests_to_abort, m.FinishReason.ABORT))
-        self._record(step.step_stats())

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import PromptTooLongError, ValidationError
 from ..protocol.messages import EngineRequest
-from ..protocol.params import SamplingParams
+from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
+from .request_ids import child_id
 
 if TYPE_CHECKING:
     from ..structured.engine import EngineGrammars
@@ -88,18 +89,6 @@ def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def load_tokenizer(path: str) -> Any:
-    """The Hugging Face tokenizer in ``path``, a model directory or a GGUF file
-    (local only, never the hub)."""
-    if path.lower().endswith(".gguf"):
-        from ..models.gguf_checkpoint import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
 class Renderer:
     """Turns caller prompts into ``EngineRequest``s for one model.
 
@@ -115,7 +104,9 @@ class Renderer:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         max_logprobs: int = 20,
+        grammars: EngineGrammars | None = None,
     ) -> None:
+        """``grammars``: structured outputs, compiled at admission (None: render-only)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -124,8 +115,7 @@ class Renderer:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos_ids = [int(t) for t in eos_token_ids[1:]]
         self.max_logprobs = max_logprobs
-        # Structured outputs, compiled at admission (the engine sets it; None: render-only).
-        self.grammars: EngineGrammars | None = None
+        self.grammars = grammars
 
     # ------------------------------------------------------------ prompts
 
@@ -267,11 +257,13 @@ class Renderer:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
-        lora_name: str | None = None,
+        lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[EngineRequest]:
-        """Validate against the model and fan out n>1 into children.
+        """Validate against the model and fan out n>1 into children, each built whole
+        (nothing is set on them afterwards).
 
-        A single request keeps the caller's id; children are ``f"{i}_{id}"``
+        A single request keeps the caller's id; children are ``child_id(i, id)``
         with ``parent_id`` set, and seed ``seed + i`` when a seed is given.
         """
         if not isinstance(params, SamplingParams):
@@ -308,6 +300,7 @@ class Renderer:
             params = params.clone(stop_token_ids=stop_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         salt = rendered.cache_salt
+        lora_name = None if lora_request is None else lora_request.lora_name
         if params.n == 1:
             return [
                 EngineRequest(
@@ -319,6 +312,8 @@ class Renderer:
                     self.eos_token_id,
                     lora_name,
                     cache_salt=salt,
+                    lora_request=lora_request,
+                    pooling_params=pooling_params,
                 )
             ]
         children = []
@@ -327,7 +322,7 @@ class Renderer:
             child = params.clone(n=1, best_of=None, seed=seed)
             children.append(
                 EngineRequest(
-                    f"{index}_{request_id}",
+                    child_id(index, request_id),
                     token_ids,
                     child,
                     arrival,
@@ -337,6 +332,8 @@ class Renderer:
                     cache_salt=salt,
                     parent_id=request_id,
                     index=index,
+                    lora_request=lora_request,
+                    pooling_params=pooling_params,
                 )
             )
         return children

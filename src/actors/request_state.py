@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..protocol.messages import EngineRequest, FinishReason
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured.grammar import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -56,6 +59,7 @@ class Request:
         "prompt_token_ids",
         "sampling_params",
         "arrival_time",
+        "arrival_seq",
         "priority",
         "eos_token_id",
         "ignore_eos",
@@ -86,8 +90,15 @@ class Request:
         "grammar",
     )
 
-    def __init__(self, request: EngineRequest, seq: int, max_model_len: int | None = None) -> None:
-        """Wrap an admitted request; ``seq`` breaks ties between equal arrival times.
+    def __init__(
+        self,
+        request: EngineRequest,
+        seq: int,
+        max_model_len: int | None = None,
+        grammar: GrammarState | None = None,
+    ) -> None:
+        """Wrap an admitted request; ``seq`` breaks ties between equal arrival times;
+        ``grammar`` constrains its sampling (structured outputs).
 
         ``max_model_len`` (prompt and output tokens) bounds ``token_limit``; None: no bound.
         """
@@ -133,10 +144,11 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         # Priority order: lower value first, then earlier arrival, then admission order.
+        self.arrival_seq = seq  # admission order (a pause holds those after its boundary)
         self.sort_key: tuple[int, float, int] = (request.priority, request.arrival_time, seq)
         self.num_output_placeholders: int = 0
         self.reset_step: int = 0
-        self.grammar: Any = request.grammar  # structured outputs (legato.structured.GrammarState)
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:

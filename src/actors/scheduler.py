@@ -55,12 +55,10 @@ Pure Python, driven synchronously: never imports torch or trio.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
-from typing import Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..protocol.messages import (
@@ -71,129 +69,21 @@ from ..protocol.messages import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
-    PauseMode,
     SchedulerOutput,
     SchedulerStats,
 )
 from .kv_cache import KVCacheManager
 from .lora_admission import AdapterLimit
+from .pause_gate import PauseGate, PauseMode
+from .request_queue import RequestQueue
 from .request_state import Request, RequestStatus
+from .scheduler_counters import SchedulerCounters
+from .step_plan import InFlightStep, StepPlan
 
-__all__ = ["RequestQueue", "Scheduler"]
+if TYPE_CHECKING:
+    from ..structured.grammar import GrammarState
 
-
-class RequestQueue:
-    """Waiting requests in policy order: FCFS (a deque) or priority (a heap on ``sort_key``)."""
-
-    def __init__(self, policy: Literal["fcfs", "priority"]) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[tuple[int, float, int], Request]] = []
-
-    def push(self, request: Request) -> None:
-        """Queue a new arrival at its place in policy order."""
-        if self.policy == "fcfs":
-            self._fifo.append(request)
-        else:
-            heapq.heappush(self._heap, (request.sort_key, request))
-
-    def push_front(self, request: Request) -> None:
-        """Requeue a preempted request: FCFS at the front; priority by its original key."""
-        if self.policy == "fcfs":
-            self._fifo.appendleft(request)
-        else:
-            heapq.heappush(self._heap, (request.sort_key, request))
-
-    def peek(self) -> Request:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][1]
-
-    def pop(self) -> Request:
-        if self.policy == "fcfs":
-            return self._fifo.popleft()
-        return heapq.heappop(self._heap)[1]
-
-    def remove(self, request_ids: set[str]) -> None:
-        """Drop these requests (one pass over the queue)."""
-        if self.policy == "fcfs":
-            self._fifo = deque(r for r in self._fifo if r.request_id not in request_ids)
-        else:
-            self._heap = [item for item in self._heap if item[1].request_id not in request_ids]
-            heapq.heapify(self._heap)
-
-    def ordered(self) -> list[Request]:
-        """A snapshot in the order requests would be taken. O(n log n) for priority."""
-        if self.policy == "fcfs":
-            return list(self._fifo)
-        return [item[1] for item in sorted(self._heap)]
-
-    def __len__(self) -> int:
-        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        """Every queued request, in no particular order for the priority policy."""
-        if self.policy == "fcfs":
-            return iter(self._fifo)
-        return (item[1] for item in self._heap)
-
-
-class _StepPlan:
-    """What one ``schedule()`` call has decided so far.
-
-    Running requests are advanced as they are planned (``_schedule_running``):
-    ``running[i]`` resumes at ``computed[i]`` and samples if ``samples[i]``;
-    ``new_token_ids`` holds the tokens the runner does not know yet. A request
-    planned and then preempted in the same step is taken back with :meth:`drop`.
-    ``num_scheduled`` holds the running requests first, in ``running``'s order,
-    then the ones admitted (``new``).
-    """
-
-    __slots__ = (
-        "budget",
-        "new",
-        "running",
-        "computed",
-        "samples",
-        "num_decode",
-        "num_scheduled",
-        "new_block_ids",
-        "new_token_ids",
-    )
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.new: list[Request] = []
-        self.running: list[Request] = []
-        self.computed: list[int] = []
-        self.samples: list[bool] = []
-        self.num_decode = 0  # running requests' one-token steps past their prefill
-        self.num_scheduled: dict[str, int] = {}
-        self.new_block_ids: dict[str, list[int]] = {}
-        self.new_token_ids: dict[str, list[int]] = {}
-
-    def drop(self, req: Request) -> int:
-        """Take back a running request planned earlier this step (it is being preempted,
-        its state not reset yet); returns its tokens, for the budget."""
-        request_id = req.request_id
-        k = self.running.index(req)
-        n = self.num_scheduled.pop(request_id)
-        # As counted when planned: a placeholder was added if it samples.
-        if n == 1 and self.samples[k] and (req.num_output_placeholders > 1 or req.output_token_ids):
-            self.num_decode -= 1
-        del self.running[k], self.computed[k], self.samples[k]
-        self.new_block_ids.pop(request_id, None)
-        self.new_token_ids.pop(request_id, None)
-        return n
-
-
-class _InFlight:
-    """A planned step the runner has not answered yet: its requests, in the runner's
-    order, and whether each one's scheduled tokens end in a sample."""
-
-    __slots__ = ("requests", "samples")
-
-    def __init__(self, requests: list[Request], samples: list[bool]) -> None:
-        self.requests = requests
-        self.samples = samples
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
@@ -227,25 +117,19 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # for the runner, with the next non-empty step
         self._preempted_ids: list[str] = []
-        self._pause_mode: PauseMode | None = None
-        self._pause_seq = 0  # requests with a later seq arrived during the pause: held
-        self._num_held = 0
+        self.pause_gate = PauseGate()
         self._step_id = 0
         self._seq = 0
-        self._in_flight: dict[int, _InFlight] = {}  # planned steps not answered yet
+        self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
         self._num_constrained = 0  # unfinished requests with a grammar (structured outputs)
-        # Figures since the last make_stats().
-        self._stat_preempted = 0
-        self._stat_prefill_tokens = 0
-        self._stat_decode_tokens = 0
-        self._stat_queries_base = 0
-        self._stat_hits_base = 0
+        self.counters = SchedulerCounters()  # figures since the last make_stats()
 
     # ------------------------------------------------------------ requests
 
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) for an id already
-        in flight, an empty prompt, or a prompt longer than ``max_model_len``."""
+    def add_request(self, request: EngineRequest, grammar: GrammarState | None = None) -> None:
+        """Queue a request (``grammar``: its structured outputs' state). Raises
+        ValueError (and queues nothing) for an id already in flight, an empty prompt,
+        or a prompt longer than ``max_model_len``."""
         request_id = request.request_id
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -257,13 +141,12 @@ class Scheduler:
                 f"prompt_token_ids: {num_prompt} tokens exceed max_model_len={self.max_model_len}"
             )
         self._seq += 1
-        req = Request(request, self._seq, self.max_model_len)
+        req = Request(request, self._seq, self.max_model_len, grammar)
         self.requests[request_id] = req
         if req.grammar is not None:
             self._num_constrained += 1
         self.waiting.push(req)
-        if self._pause_mode is not None:
-            self._num_held += 1
+        self.pause_gate.arrived()
 
     def has_unfinished_requests(self) -> bool:
         """Whether any request is queued, running or paused (held ones included)."""
@@ -284,7 +167,7 @@ class Scheduler:
         A pause in WAIT mode is complete when this turns False: everything added
         before the pause has finished, and what arrived since waits for resume().
         """
-        return len(self.requests) > self._num_held
+        return len(self.requests) > self.pause_gate.num_held
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finish_reason: FinishReason
@@ -358,8 +241,8 @@ class Scheduler:
         """Mark finished and free the blocks; the caller removes it from its queue."""
         if req.status is RequestStatus.RUNNING:
             self._finished_ids.append(req.request_id)
-        elif self._is_held(req):
-            self._num_held -= 1
+        else:
+            self.pause_gate.left(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -383,10 +266,7 @@ class Scheduler:
         paused changes the mode and keeps the first pause's boundary.
         """
         outputs = self.abort(list(self.requests)) if mode is PauseMode.ABORT else []
-        if self._pause_mode is None:
-            self._pause_seq = self._seq
-            self._num_held = 0
-        self._pause_mode = mode
+        self.pause_gate.pause(mode, self._seq)
         return outputs
 
     def abort_in_flight(self) -> list[EngineCoreOutput]:
@@ -394,23 +274,20 @@ class Scheduler:
 
         Held requests stay queued; they hold no blocks.
         """
-        return self.abort([rid for rid, req in self.requests.items() if not self._is_held(req)])
+        held = self.pause_gate.is_held
+        return self.abort([rid for rid, req in self.requests.items() if not held(req)])
 
     def resume(self) -> None:
         """Leave any pause; held requests start on the next step, in policy order."""
-        self._pause_mode = None
-        self._num_held = 0
-
-    def _is_held(self, req: Request) -> bool:
-        return self._pause_mode is not None and req.sort_key[2] > self._pause_seq
+        self.pause_gate.resume()
 
     @property
     def is_paused(self) -> bool:
-        return self._pause_mode is not None
+        return self.pause_gate.mode is not None
 
     @property
     def pause_mode(self) -> PauseMode | None:
-        return self._pause_mode
+        return self.pause_gate.mode
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix. Returns whether the cache was reset.
@@ -435,15 +312,15 @@ class Scheduler:
         scheduled tokens here, in anticipation of the step.
         """
         self._step_id += 1
-        if self._pause_mode is PauseMode.KEEP or not self.requests:
+        if self.pause_gate.mode is PauseMode.KEEP or not self.requests:
             return SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0)
-        plan = _StepPlan(self.max_num_batched_tokens)
+        plan = StepPlan(self.max_num_batched_tokens)
         preempted = self._schedule_running(plan)
         if not preempted and self.waiting and len(self.running) < self.max_num_seqs:
             self._schedule_waiting(plan)
         return self._emit(plan)
 
-    def _schedule_running(self, plan: _StepPlan) -> bool:
+    def _schedule_running(self, plan: StepPlan) -> bool:
         """Give each running request its next tokens, advancing its computed tokens (and
         placeholders) at once; preempt when blocks run out. Returns whether anything
         was preempted.
@@ -535,11 +412,12 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.push_front(req)
         self._preempted_ids.append(req.request_id)
-        self._stat_preempted += 1
+        self.counters.preempted += 1
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in policy order until one does not fit."""
-        if self._pause_mode is None:
+        gate = self.pause_gate
+        if gate.mode is None:
             waiting = self.waiting
             while waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
                 if not self._admit(waiting.peek(), plan):
@@ -547,16 +425,16 @@ class Scheduler:
                 waiting.pop()
             return
         # Paused (WAIT / ABORT): requests that arrived during the pause are held.
-        if len(self.waiting) == self._num_held:
+        if len(self.waiting) == gate.num_held:
             return  # every waiting request is held
-        for req in [r for r in self.waiting.ordered() if not self._is_held(r)]:
+        for req in [r for r in self.waiting.ordered() if not gate.is_held(r)]:
             if plan.budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
             if not self._admit(req, plan):
                 return
             self.waiting.remove({req.request_id})
 
-    def _admit(self, req: Request, plan: _StepPlan) -> bool:
+    def _admit(self, req: Request, plan: StepPlan) -> bool:
         """Start (or resume) a waiting request from its prefix-cache hit, if it fits."""
         if not self.adapter_limit.admits(req, self.running):
             return False
@@ -581,7 +459,7 @@ class Scheduler:
         plan.budget -= num_new
         return True
 
-    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
         """Turn the plan into the runner's message; advance the admitted requests' computed
         tokens (the running ones were advanced as they were planned)."""
         step_id = self._step_id
@@ -613,11 +491,12 @@ class Scheduler:
             if sampling:
                 req.num_output_placeholders = 1
             samples.append(sampling)
-        self._stat_prefill_tokens += total - plan.num_decode
-        self._stat_decode_tokens += plan.num_decode
+        counters = self.counters
+        counters.prefill_tokens += total - plan.num_decode
+        counters.decode_tokens += plan.num_decode
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
-        self._in_flight[step_id] = _InFlight(running + plan.new, samples)
+        self._in_flight[step_id] = InFlightStep(running + plan.new, samples)
         cached = CachedRequestData(
             cached_ids, plan.computed, plan.new_block_ids, plan.new_token_ids
         )
@@ -783,23 +662,4 @@ class Scheduler:
         (prefix-cache queries / hits in tokens, preemptions, scheduled tokens)
         are normally one step's.
         """
-        kv = self.kv
-        stats = SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            num_blocks_total=kv.num_usable_blocks,
-            num_blocks_used=kv.num_used_blocks,
-            prefix_cache_queries=kv.prefix_cache_queries - self._stat_queries_base,
-            prefix_cache_hits=kv.prefix_cache_hits - self._stat_hits_base,
-            num_preempted=self._stat_preempted,
-            num_scheduled_tokens=self._stat_prefill_tokens + self._stat_decode_tokens,
-            num_prefill_tokens=self._stat_prefill_tokens,
-            num_decode_tokens=self._stat_decode_tokens,
-        )
-        self._stat_queries_base = kv.prefix_cache_queries
-        self._stat_hits_base = kv.prefix_cache_hits
-        self._stat_preempted = 0
-        self._stat_prefill_tokens = 0
-        self._stat_decode_tokens = 0
-        return stats
+        return self.counters.report(len(self.running), len(self.waiting), self.kv)

@@ -37,7 +37,8 @@ from ..distributed.rank_worker import RankAddress
 from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
-from .executor import ProcessExecutor, WorkerDiedError, _cpu_threads, reap_process
+from .executor import OnFailure, WorkerDiedError
+from .process_executor import ProcessExecutor, _cpu_threads, reap_process
 
 _STARTUP_GRACE = 5.0  # seconds rank 0 has to report why a rank failed to start
 
@@ -66,12 +67,18 @@ class TensorParallelExecutor(ProcessExecutor):
     # Rank 0's own failure (often a collective cut short by a peer that died) names it.
     worker_name = "tensor-parallel rank 0"
 
-    def __init__(self, config: EngineConfig, *, inject_fault: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        on_failure: OnFailure | None = None,
+        inject_fault: dict[str, Any] | None = None,
+    ):
         if config.node_rank != 0:
             raise ValueError(
                 "node_rank: the engine runs on node 0; start the other nodes with `legato worker`"
             )
-        super().__init__(config, inject_fault=inject_fault)
+        super().__init__(config, on_failure=on_failure, inject_fault=inject_fault)
         self._ranks_on_node = config.tensor_parallel_size // config.nnodes
         self._port = config.master_port or free_port(config.master_addr)
         self._others: dict[int, trio.Process] = {}  # rank -> process, this node's ranks but 0

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import cpu_native_bf16
+from .layers import Embedding, Linear
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,6 @@ def pack_linears(model: nn.Module) -> int:
     the bytes now held packed (0 when nothing was packed: another device or dtype, or no
     oneDNN). A layer whose packing fails or disagrees with ``F.linear`` stays unpacked.
     """
-    from .layers import Embedding, Linear
-
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not packing_available():
         return 0
@@ -132,8 +131,6 @@ def pack_linears(model: nn.Module) -> int:
 
 def unpack_linears(model: nn.Module) -> None:
     """Drop every packed copy (the weights must be reloaded before the next forward)."""
-    from .layers import Linear
-
     for layer in model.modules():
         if isinstance(layer, Linear):
             layer.packed = None

@@ -9,8 +9,8 @@ this module maps it onto what the rest of legato reads from a directory:
   tensor dequantized with ``gguf.quants.dequantize`` (the same numpy code
   transformers uses for its own GGUF loading) and, for the ``llama``
   architecture, with llama.cpp's interleaving of the Q/K rows undone;
-- :func:`load_gguf_tokenizer`: the tokenizer and chat template, which
-  transformers builds from the same file.
+- the tokenizer and chat template, which transformers builds from the same
+  file, are loaded by :func:`legato.tokenizer_loading.load_gguf_tokenizer`.
 
 Architectures (``general.architecture``): ``llama`` (llama.cpp writes Llama,
 Mistral and SmolLM2 under it), ``qwen2``, ``qwen3``. Tensor types: those in
@@ -22,7 +22,7 @@ Parsing a file's metadata takes seconds for a large vocabulary (the ``gguf``
 reader builds one numpy view per token string), so :func:`open_gguf` keeps the
 last file it opened.
 
-Never imports trio; transformers only inside :func:`load_gguf_tokenizer`.
+Never imports trio or transformers.
 """
 
 from __future__ import annotations
@@ -153,22 +153,6 @@ def _check_contents(path: str, reader: Any) -> None:
             raise ModelLoadError(
                 f"model: {path}: tensor {tensor.name!r} has no place in a {arch} model"
             )
-
-
-def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Any:
-    """The tokenizer (vocabulary, merges, special tokens, chat template) stored in a GGUF file.
-
-    Built by transformers' GGUF tokenizer conversion. ``PreTrainedTokenizerFast``
-    is asked directly: ``AutoTokenizer`` would first parse the whole file once
-    more to pick a class (seconds, for the same result). Blocks about 2 s for a
-    49k-token vocabulary.
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    file = Path(path).resolve()
-    return PreTrainedTokenizerFast.from_pretrained(
-        str(file.parent), gguf_file=file.name, local_files_only=True
-    )
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

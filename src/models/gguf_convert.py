@@ -20,10 +20,10 @@ import os
 import sys
 from pathlib import Path
 
+from ..tokenizer_loading import load_gguf_tokenizer
 from .gguf_checkpoint import (
     gguf_hf_config,
     iter_gguf_weights,
-    load_gguf_tokenizer,
     open_gguf,
     stored_dtypes,
 )

@@ -11,6 +11,7 @@ Never imports trio.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,6 @@ from torch import nn
 
 from .attention_backend import Backend, StepContext
 from .config import RopeConfig
-from .cpu_linear import PackedLinear
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -43,7 +43,9 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
-        self.packed: PackedLinear | None = None
+        # Any callable that computes this product (cpu_linear.PackedLinear): layers never
+        # import the packing code, which imports them.
+        self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -65,10 +65,6 @@ class EngineRequest(Message):
     index: int = 0
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
-    # The request's grammar state (legato.structured.GrammarState) when its params ask for
-    # structured outputs; set at admission, owned by the scheduler's Request. Never sent:
-    # an EngineRequest stays in the engine's process.
-    grammar: Any = None
 
 
 # ------------------------------------------------------- scheduler -> runner
@@ -279,44 +275,7 @@ class EngineCoreOutputs(Message):
     scheduler_stats: SchedulerStats | None = None
 
 
-# ----------------------------------------------------------------- control
-
-
-class PauseMode(enum.IntEnum):
-    ABORT = 0  # finish every in-flight request with reason abort
-    WAIT = 1  # admit nothing new, let in-flight requests finish
-    KEEP = 2  # freeze everything until resume
-
-
-class AbortRequests(Message):
-    request_ids: list[str]
-
-
-class PauseGeneration(Message):
-    mode: PauseMode
-    clear_cache: bool = False  # reset the prefix cache once nothing is in flight (not KEEP)
-
-
-class ResumeGeneration(Message):
-    """Leave any pause."""
-
-
-class Sleep(Message):
-    level: int = 1  # 1: drop the KV cache; 2: also drop the weights
-    mode: PauseMode = PauseMode.ABORT  # in-flight requests: abort them, or WAIT for them
-
-
-class WakeUp(Message):
-    tags: list[str] | None = None  # None: everything; else subset of "weights", "kv_cache"
-
-
-class ResetPrefixCache(Message):
-    reset_running_requests: bool = False
-
-
-class Profile(Message):
-    start: bool  # True: start a trace; False: stop and write it
-    trace_dir: str | None = None
+# ------------------------------------------------------------------ health
 
 
 class HealthPing(Message):

@@ -1,7 +1,7 @@
 """Runner: what the model worker needs of a model runner.
 
 Two implement it: ``legato.models.runner.ModelRunner`` (the real model on the
-paged KV cache) and ``legato.testing.null_model.NullModelRunner`` (no model,
+paged KV cache) and ``legato.null_runner.NullModelRunner`` (no model,
 for control-plane benchmarks). ``legato.worker`` is typed against this
 protocol, so ``mypy --strict`` checks both. A runner's further public methods
 (LoRA, ``embedding_size``...) are served by name through ``UtilityCall`` where

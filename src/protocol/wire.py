@@ -38,7 +38,6 @@ import msgspec
 
 from ..config import EngineConfig
 from .messages import (
-    AbortRequests,
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -49,18 +48,11 @@ from .messages import (
     HealthPong,
     ModelRunnerOutput,
     NewRequestData,
-    PauseGeneration,
-    PauseMode,
-    Profile,
-    ResetPrefixCache,
-    ResumeGeneration,
     SchedulerOutput,
     SchedulerStats,
-    Sleep,
     TokenLogprobs,
     UtilityCall,
     UtilityResult,
-    WakeUp,
     WorkerError,
     WorkerInit,
     WorkerReady,
@@ -110,14 +102,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         29: FinishReason,
         30: GrammarBitmask,
         # control
-        40: PauseMode,
-        41: AbortRequests,
-        42: PauseGeneration,
-        43: ResumeGeneration,
-        44: Sleep,
-        45: WakeUp,
-        46: ResetPrefixCache,
-        47: Profile,
+        # 40-47: retired (engine-core controls, which never cross a process)
         48: HealthPing,
         49: HealthPong,
         50: UtilityCall,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
@@ -52,14 +51,12 @@ from .asgi import (
 )
 from .cors import is_preflight
 from .embedding_handler import create_embeddings
-from .state import ServingState, Unavailable
+from .state import Handler, ServingState, Unavailable
 
 if TYPE_CHECKING:
     from .web_ui import WebUI
 
 logger = logging.getLogger("legato.server")
-
-Handler = Callable[[Request, ServingState], Awaitable[None]]
 
 ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/completions": {"POST": handlers.create_completion},

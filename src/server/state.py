@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -29,6 +29,7 @@ from ..engine import AsyncEngine
 from ..protocol.errors import ValidationError
 from ..protocol.params import LoRARequest
 from ..supervise import SupervisedEngine
+from .asgi import Request
 from .cors import CORSPolicy
 from .reasoning import ReasoningParser, reasoning_parser
 from .tool_parsers import ToolParser, tool_parser
@@ -266,3 +267,7 @@ class ServingState:
             time.monotonic() - started,
             outcome,
         )
+
+
+Handler = Callable[[Request, ServingState], Awaitable[None]]
+"""A route: answers one HTTP request (see ``server.http``, ``server.web_ui``)."""

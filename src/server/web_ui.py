@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 from .asgi import Request, dumps, send_body
 
 if TYPE_CHECKING:
-    from .http import Handler
-    from .state import ServingState
+    from .state import Handler, ServingState
 
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",

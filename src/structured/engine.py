@@ -16,7 +16,8 @@ row per constrained request each step, advance the grammars over the sampled tok
   for requests whose grammar failed; the loop fails those requests alone
   (``Scheduler.fail``, the error naming the constraint's field), the engine keeps serving.
 
-A request's grammar state lives on its scheduler ``Request`` (``Request.grammar``) and dies
+A request's grammar state is made by :meth:`EngineGrammars.compile`, travels beside the
+request to the scheduler, lives on its scheduler ``Request`` (``Request.grammar``) and dies
 with it, however the request ends (stop, length, stop string, abort, error). Preemption needs
 nothing: a preempted request recomputes tokens its grammar has already accepted, and samples
 (and advances the grammar) only past them. n > 1 children each get their own state.
@@ -60,17 +61,18 @@ class EngineGrammars:
                 self._compiler = GrammarCompiler(info)
             return self._compiler
 
-    def compile(self, requests: Sequence[EngineRequest]) -> None:
-        """Give each request its own grammar state (``request.grammar``). Blocking.
+    def compile(self, requests: Sequence[EngineRequest]) -> dict[str, GrammarState]:
+        """Each constrained request's own grammar state, by request id (empty when the
+        requests ask for no structured outputs). Blocking. The states travel beside the
+        requests to the scheduler (``AddRequests.grammars``), never inside them.
 
         Raises ValidationError naming the constraint's field when it does not compile.
         """
         params = requests[0].sampling_params.structured_outputs if requests else None
         if params is None:
-            return
+            return {}
         compiler = self.compiler
-        for request in requests:
-            request.grammar = compiler.compile(params)
+        return {request.request_id: compiler.compile(params) for request in requests}
 
     def constrains(self, plan: SchedulerOutput, requests: Mapping[str, Any]) -> bool:
         """Whether ``plan`` schedules a request with a grammar (so it needs ``bitmasks``)."""

@@ -10,8 +10,14 @@ from typing import Any
 
 import trio
 
-from legato.actors.engine_core import AddRequests, CoreSteps, EngineCore, FinishRequests
-from legato.actors.executor import InprocExecutor
+from legato.actors.engine_core import (
+    AbortRequests,
+    AddRequests,
+    CoreSteps,
+    EngineCore,
+    FinishRequests,
+)
+from legato.actors.inproc_executor import InprocExecutor
 from legato.actors.scheduler import Scheduler
 from legato.actors.stats import StepStats
 from legato.config import EngineConfig
@@ -87,7 +93,7 @@ async def run_core(
                 for rid, count in list(pending_aborts.items()):
                     if len(result.tokens.get(rid, [])) >= count:
                         del pending_aborts[rid]
-                        core.submit(m.AbortRequests([rid]))
+                        core.submit(AbortRequests([rid]))
             await core.wait_idle()
         assert core.scheduler.kv.num_used_blocks == 0
         nursery.cancel_scope.cancel()

@@ -18,9 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from legato.actors.detokenizer import OutputProcessor
 from legato.actors.engine_core import AddRequests, CoreMessage, EngineCore
-from legato.actors.executor import InprocExecutor
 from legato.actors.frontend import (
     INLINE_MAX_PROMPT_CHARS,
     INLINE_MAX_PROMPT_TOKENS,
@@ -29,6 +27,8 @@ from legato.actors.frontend import (
     renders_inline,
     thread_renderer,
 )
+from legato.actors.inproc_executor import InprocExecutor
+from legato.actors.output_processor import OutputProcessor
 from legato.actors.output_slot import OutputSlot
 from legato.actors.renderer import Renderer
 from legato.actors.scheduler import Scheduler

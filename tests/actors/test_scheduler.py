@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from legato.actors.pause_gate import PauseMode
 from legato.actors.scheduler import Scheduler
 from legato.config import EngineConfig
 from legato.protocol.messages import (
@@ -21,7 +22,6 @@ from legato.protocol.messages import (
     EngineRequest,
     FinishReason,
     ModelRunnerOutput,
-    PauseMode,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -424,16 +424,13 @@ def test_priority_preemption_takes_the_lowest_priority_even_if_scheduled_earlier
 
 def test_has_constrained_requests_while_a_request_with_a_grammar_is_live() -> None:
     h = Harness(make_config())
-    constrained = make_request("g", 4, max_tokens=2)
-    constrained.grammar = object()  # the scheduler only carries it
-    h.add(constrained, make_request("plain", 4, max_tokens=6))
+    h.sched.add_request(make_request("g", 4, max_tokens=2), object())  # it only carries it
+    h.add(make_request("plain", 4, max_tokens=6))
     assert h.sched.has_constrained_requests
     while "g" not in h.final:
         h.step()
     assert not h.sched.has_constrained_requests and "plain" not in h.final
-    aborted = make_request("g2", 4)
-    aborted.grammar = object()
-    h.add(aborted)
+    h.sched.add_request(make_request("g2", 4), object())
     assert h.sched.has_constrained_requests
     h.sched.abort("g2")
     assert not h.sched.has_constrained_requests

@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from legato.actors.pause_gate import PauseMode
 from legato.actors.request_state import RequestStatus
 from legato.actors.scheduler import Scheduler
 from legato.config import EngineConfig
@@ -31,7 +32,6 @@ from legato.protocol.messages import (
     EngineRequest,
     FinishReason,
     ModelRunnerOutput,
-    PauseMode,
     SchedulerOutput,
 )
 from legato.protocol.params import SamplingParams

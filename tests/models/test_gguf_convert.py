@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from legato.actors.renderer import load_tokenizer
 from legato.models.gguf_checkpoint import iter_gguf_weights, open_gguf
 from legato.models.gguf_convert import convert_gguf
 from legato.models.loader import iter_weights
 from legato.testing.gguf_files import write_gguf
+from legato.tokenizer_loading import load_tokenizer
 from legato.toy_model import ToyModelSpec, build_toy_model
 
 TINY = ToyModelSpec(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2)

@@ -147,7 +147,7 @@ async def test_abort_ends_an_embed_request(
         frame, _ = await receive(ws)
         assert frame["type"] == "embedding" and frame["request_id"] == "e"
         assert frame["finish_reason"] == "abort" and frame["data"] == []
-        assert engine.frontend._live == {}  # the engine streams were closed (their requests aborted)
+        assert engine.frontend.core.live == {}  # the engine streams were closed (their requests aborted)
         gate.open()
         with trio.fail_after(10):
             await engine.wait_until_idle()

@@ -184,11 +184,12 @@ def break_grammars(
     assert grammars is not None
     compile_real = grammars.compile
 
-    def compile_breaking(requests: Any) -> None:
-        compile_real(requests)
-        for request in requests:
-            if request.request_id.startswith("breaks"):
-                request.grammar.__class__ = grammar_class
+    def compile_breaking(requests: Any) -> dict[str, Any]:
+        states = compile_real(requests)
+        for request_id, state in states.items():
+            if request_id.startswith("breaks"):
+                state.__class__ = grammar_class
+        return states
 
     monkeypatch.setattr(grammars, "compile", compile_breaking)
 

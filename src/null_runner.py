@@ -3,7 +3,8 @@
 Selected with ``runner="null"``. It has the ModelRunner's interface and no
 model, so a benchmark through it measures the control plane alone: renderer,
 scheduler, executor frames, detokenizer and streams. It is never a stand-in
-for a real model anywhere else.
+for a real model anywhere else. Reached through ``legato.runner_registry``; never
+imports torch or trio.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 
-from ..config import EngineConfig
-from ..protocol import messages as m
+from .config import EngineConfig
+from .protocol import messages as m
 
 
 class NullModelRunner:

@@ -10,7 +10,8 @@ import pytest
 import trio
 import trio.testing
 
-from legato.actors.executor import ProcessExecutor, WorkerCallError, WorkerDiedError
+from legato.actors.executor import WorkerCallError, WorkerDiedError
+from legato.actors.process_executor import ProcessExecutor
 from legato.config import EngineConfig
 from legato.exception_groups import unwrap_single_error
 from legato.protocol import messages as m
