@@ -797,9 +797,22 @@ class Scheduler:
             num_prefill_tokens=self._stat_prefill_tokens,
             num_decode_tokens=self._stat_decode_tokens,
         )
+        if self.config.enable_lora:
+            stats.running_lora_adapters = _requests_per_adapter(self.running)
+            stats.waiting_lora_adapters = _requests_per_adapter(self.waiting)
         self._stat_queries_base = kv.prefix_cache_queries
         self._stat_hits_base = kv.prefix_cache_hits
         self._stat_preempted = 0
         self._stat_prefill_tokens = 0
         self._stat_decode_tokens = 0
         return stats
+
+
+def _requests_per_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of ``requests`` run through each LoRA adapter, by adapter name."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_request is not None:
+            name = req.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
