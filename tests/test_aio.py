@@ -428,3 +428,16 @@ def test_a_loop_closed_with_the_engine_open_shuts_it_down(toy_model_dir: Any) ->
     loop.close()
     assert runner.done.wait(30), "the engine thread outlived its event loop"
     assert reaped(pid)
+
+
+def test_startup_failure_raises_from_open_engine(tmp_path: Any) -> None:
+    async def main() -> None:
+        async with aio.open_engine(str(tmp_path / "missing"), **ENGINE_ARGS):
+            raise AssertionError("started without a model")  # pragma: no cover
+
+    def run() -> None:
+        with pytest.raises(ValueError, match="model"):
+            asyncio.run(main())
+
+    _in_thread(run, 60)  # a start-up error must reach open_engine, not leave it waiting
+    assert children() == []
