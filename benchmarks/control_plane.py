@@ -12,6 +12,10 @@ paused engine).
     python benchmarks/control_plane.py --streams 256 --rounds 9  # a row per round, and the median
     python benchmarks/control_plane.py --streams 256 --no-async-scheduling
     python benchmarks/control_plane.py --streams 256 --default-gc  # CPython's collector settings
+    python benchmarks/control_plane.py --streams 256 --rounds 5 --asyncio  # through legato.aio
+
+``--asyncio`` drives the same workload from an asyncio event loop through
+``legato.aio`` (the trio engine in its own thread; CPU time counts both threads).
 """
 
 from __future__ import annotations
@@ -79,6 +83,51 @@ async def run(
             assert total == streams * output_len, total
             results.append((total / elapsed, elapsed, cpu))
     return results
+
+
+def run_asyncio(
+    streams: int,
+    output_len: int,
+    executor: str,
+    rounds: int = 1,
+    default_gc: bool = False,
+    **extra: Any,
+) -> list[tuple[float, float, float]]:
+    """``run``'s workload and figures, consumed by asyncio tasks through ``legato.aio``."""
+    import asyncio
+
+    import legato.aio
+    from legato.protocol.params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    threshold = gc.get_threshold()
+
+    async def main() -> list[tuple[float, float, float]]:
+        results = []
+        args = engine_args(streams, output_len, executor, **extra)
+        async with legato.aio.open_engine(None, **args) as engine:
+            if default_gc:
+                gc.unfreeze()
+                gc.set_threshold(*threshold)
+
+            async def one(request_id: str, counts: list[int], i: int) -> None:
+                async with engine.generate("The quick brown fox", params, request_id) as stream:
+                    async for out in stream:
+                        counts[i] += len(out.outputs[0].token_ids)
+
+            for round_ in range(rounds):
+                counts = [0] * streams
+                start, start_cpu = time.perf_counter(), time.process_time()
+                await asyncio.gather(*(one(f"{round_}-{i}", counts, i) for i in range(streams)))
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                total = sum(counts)
+                assert total == streams * output_len, total
+                results.append((total / elapsed, elapsed, cpu))
+        return results
+
+    return asyncio.run(main())
 
 
 async def idle_stream_bytes(streams: int, executor: str) -> float:
@@ -150,26 +199,32 @@ def main() -> None:
         "thresholds): the collector rescans the start-up heap and runs young collections "
         "every few hundred allocations, as it did before engines tuned it",
     )
+    parser.add_argument(
+        "--asyncio",
+        action="store_true",
+        help="consume the streams from asyncio tasks through legato.aio",
+    )
     args = parser.parse_args()
     import torch
     import trio
 
     extra = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}
-    results = trio.run(
-        functools.partial(
-            run,
-            args.streams,
-            args.output_len,
-            args.executor,
-            args.rounds,
-            args.default_gc,
-            **extra,
-        )
+    workload = (
+        args.streams,
+        args.output_len,
+        args.executor,
+        args.rounds,
+        args.default_gc,
     )
+    if args.asyncio:
+        results = run_asyncio(*workload, **extra)
+    else:
+        results = trio.run(functools.partial(run, *workload, **extra))
     steps = args.output_len  # one token per stream per decode step (the first from prefill)
     overlap = "default" if args.async_scheduling is None else str(args.async_scheduling)
     if args.default_gc:
         overlap += ",default-gc"
+    print(f"driver: {'asyncio (legato.aio)' if args.asyncio else 'trio'}")
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores")
     print(
         f"{'streams':>8} {'tokens/stream':>14} {'executor':>9} {'overlap':>8} {'seconds':>8} "

@@ -286,3 +286,16 @@ async def test_embeddings_match_transformers_beside_generation(
     with pytest.raises(ValidationError, match="task: "):
         [o async for o in engine.encode("hi", PoolingParams(task="classify"), "task")]
     await engine.check_health()
+
+
+async def test_vllm_lora_requests_info_names_the_running_adapter(
+    toy_model_dir: Path, adapters: dict[str, Any]
+) -> None:
+    """``vllm:lora_requests_info`` (with vLLM metric names) has a series naming the
+    adapter a request ran through."""
+    lora = LoRARequest("a", 1, str(adapters["a"].path))
+    async with open_engine(str(toy_model_dir), vllm_metric_names=True, **ENGINE_ARGS) as engine:
+        await run(engine, PROMPTS[0], "r", lora)
+        metrics = engine.stats.exposition().decode()
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a"' in metrics
+    assert "vllm:cache_config_info{" in metrics

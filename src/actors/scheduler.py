@@ -662,4 +662,18 @@ class Scheduler:
         (prefix-cache queries / hits in tokens, preemptions, scheduled tokens)
         are normally one step's.
         """
-        return self.counters.report(len(self.running), len(self.waiting), self.kv)
+        stats = self.counters.report(len(self.running), len(self.waiting), self.kv)
+        if self.config.enable_lora:
+            stats.running_lora_adapters = _requests_per_adapter(self.running)
+            stats.waiting_lora_adapters = _requests_per_adapter(self.waiting)
+        return stats
+
+
+def _requests_per_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of ``requests`` run through each LoRA adapter, by adapter name."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_request is not None:
+            name = req.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts

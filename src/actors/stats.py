@@ -6,7 +6,8 @@ built-in loggers, and the collector that feeds them.
   once the engine has started.
 - ``PrometheusStatLogger``: series in a registry of the engine's own, named by
   Prometheus conventions under ``legato:`` with units in the names, and, with
-  ``vllm_metric_names``, the same figures under vLLM's names (``vllm:``) too.
+  ``vllm_metric_names``, the same figures under vLLM's names (``vllm:``) too,
+  with vLLM's ``vllm:cache_config_info`` and ``vllm:lora_requests_info``.
 - ``BatchHistogram``: the histograms of those series, fed a whole engine step's samples
   at once and exposed exactly as prometheus_client's ``Histogram``.
 - ``LoggingStatLogger``: the periodic line (throughput, queues, KV usage).
@@ -307,19 +308,90 @@ class PrometheusStatLogger(StatLoggerBase):
     inference gateway written for vLLM read them unchanged.
     """
 
-    def __init__(self, model_name: str = "legato", *, vllm_names: bool = False) -> None:
+    def __init__(
+        self,
+        model_name: str = "legato",
+        *,
+        vllm_names: bool = False,
+        cache_config: dict[str, str] | None = None,
+        max_loras: int | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._series = [_Series(self.registry, "legato:", model_name, full=True)]
+        self._cache_info: CacheConfigInfo | None = None
+        self._lora_info: Any = None
+        self._max_lora = str(max_loras)
         if vllm_names:
             self._series.append(_Series(self.registry, "vllm:", model_name, full=False))
+            self._cache_info = CacheConfigInfo(cache_config or {}, self.registry)
+            if max_loras is not None:
+                self._lora_info = Gauge(
+                    "vllm:lora_requests_info",
+                    "Running stats on lora requests.",
+                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                    registry=self.registry,
+                )
 
     def record(self, step: StepStats) -> None:
         for series in self._series:
             series.record(step)
+        s = step.scheduler
+        if s is not None and self._cache_info is not None:
+            if self._cache_info.num_blocks is None:
+                self._cache_info.num_blocks = s.num_blocks_total + 1  # with the null block
+            if self._lora_info is not None and s.running_lora_adapters is not None:
+                waiting = s.waiting_lora_adapters or {}
+                self._lora_info.labels(
+                    self._max_lora, ",".join(waiting), ",".join(s.running_lora_adapters)
+                ).set_to_current_time()
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus text format."""
         return generate_latest(self.registry)
+
+
+class CacheConfigInfo(Collector):
+    """vLLM's ``vllm:cache_config_info``: a gauge of 1 whose labels are the KV-cache
+    configuration (what the Kubernetes inference gateway reads a replica's capacity
+    from). ``num_gpu_blocks`` is the engine's KV block count, null block included as
+    vLLM counts it: from ``num_kv_blocks`` when that was given, else from the first
+    step's figures (the block count is sized at start-up; "None" until then)."""
+
+    def __init__(self, labels: dict[str, str], registry: CollectorRegistry) -> None:
+        self._labels = labels
+        self.num_blocks: int | None = (
+            int(labels["num_gpu_blocks"])
+            if labels.get("num_gpu_blocks", "None") != "None"
+            else None
+        )
+        registry.register(self)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.metrics_core import GaugeMetricFamily
+
+        labels = {**self._labels, "num_gpu_blocks": str(self.num_blocks), "engine": "0"}
+        family = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(labels),
+        )
+        family.add_metric(list(labels.values()), 1.0)
+        yield family
+
+    def describe(self) -> Iterator[Any]:
+        return self.collect()
+
+
+def cache_config_labels(config: EngineConfig) -> dict[str, str]:
+    """``vllm:cache_config_info``'s labels for ``config`` (vLLM's CacheConfig field names)."""
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "num_gpu_blocks": str(config.num_kv_blocks),
+        "num_gpu_blocks_override": str(config.num_kv_blocks),
+        "num_cpu_blocks": "None",
+    }
 
 
 class LoggingStatLogger(StatLoggerBase):
@@ -400,9 +472,13 @@ class StatsCollector:
         log_interval: float = 10.0,
         vllm_names: bool = False,
         loggers: Iterable[StatLoggerBase] = (),
+        cache_config: dict[str, str] | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.log_stats = log_stats
-        self.prometheus = PrometheusStatLogger(model_name, vllm_names=vllm_names)
+        self.prometheus = PrometheusStatLogger(
+            model_name, vllm_names=vllm_names, cache_config=cache_config, max_loras=max_loras
+        )
         self.log_line_logger = LoggingStatLogger(log_interval) if log_stats else None
         self._loggers: list[StatLoggerBase] = [self.prometheus]
         if self.log_line_logger is not None:
@@ -422,6 +498,8 @@ class StatsCollector:
             log_interval=config.log_stats_interval,
             vllm_names=config.vllm_metric_names,
             loggers=[make_stat_logger(arg, config) for arg in stat_loggers],
+            cache_config=cache_config_labels(config),
+            max_loras=config.max_loras if config.enable_lora else None,
         )
 
     @property

@@ -245,6 +245,9 @@ class SchedulerStats(Message):
     num_scheduled_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # With enable_lora: requests per adapter name, as vLLM's (vllm:lora_requests_info).
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
 
 
 class EngineCoreOutput(Message):

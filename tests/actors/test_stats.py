@@ -441,3 +441,35 @@ def test_a_scrape_from_another_thread_sees_whole_batches() -> None:
         sys.setswitchinterval(switch_interval)
     assert broken == []
     assert len(set(scrapes)) > 10  # the scrapes did land between batches
+
+
+def test_vllm_cache_config_and_lora_requests_info() -> None:
+    """The two info series the Kubernetes inference gateway reads, under vLLM's names
+    and labels: the KV-cache configuration (block count from the first step when not
+    configured), and per step which adapters run and wait (the value: the time)."""
+    config = EngineConfig(
+        model="m", vllm_metric_names=True, enable_lora=True, max_loras=3, disable_log_stats=True
+    )
+    collector = StatsCollector.for_config(config, "m")
+    lora_step = step(5.0)
+    assert lora_step.scheduler is not None
+    lora_step.scheduler.running_lora_adapters = {"a": 2, "b": 1}
+    lora_step.scheduler.waiting_lora_adapters = {"c": 1}
+    before = time.time()
+    collector.record(lora_step)
+    got = samples(collector.exposition())
+    info = [labels for name, labels in got if name == "vllm:cache_config_info"]
+    assert len(info) == 1
+    labels = dict(info[0])
+    assert labels["block_size"] == str(config.block_size)
+    assert labels["enable_prefix_caching"] == "True"
+    assert labels["num_gpu_blocks"] == "9"  # 8 usable and the null block
+    assert got[("vllm:cache_config_info", info[0])] == 1
+    lora = (("max_lora", "3"), ("running_lora_adapters", "a,b"), ("waiting_lora_adapters", "c"))
+    assert got[("vllm:lora_requests_info", lora)] >= before
+    # Without LoRA there is no lora series; without vLLM names, neither series.
+    plain = StatsCollector.for_config(EngineConfig(model="m", vllm_metric_names=True), "m")
+    plain.record(step(1.0))
+    assert not any(name == "vllm:lora_requests_info" for name, _ in samples(plain.exposition()))
+    legato_only = StatsCollector.for_config(EngineConfig(model="m"), "m")
+    assert not any("_info" in name for name, _ in samples(legato_only.exposition()))

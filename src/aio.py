@@ -1,0 +1,720 @@
+"""legato.aio: the engine for asyncio code (FastAPI, aiohttp, Ray Serve ...).
+
+``open_engine`` here is an asyncio ``async with`` that yields ``AioEngine``, an
+``EngineClient`` with the trio engine's methods and contract, spelled for
+asyncio::
+
+    async with legato.aio.open_engine(model="toy") as engine:
+        async with engine.generate("Hello", SamplingParams(max_tokens=8), "r1") as stream:
+            async for out in stream:
+                ...
+
+How: the trio engine (``legato.engine.open_engine``) runs in a thread of its
+own, one ``trio.run`` per engine. Calls cross into it with
+``TrioToken.run_sync_soon``; answers and stream outputs cross back through one
+outbox that the event loop drains with a single ``call_soon_threadsafe`` per
+batch (one engine step's outputs for every stream arrive together). Each asyncio
+stream is served by one trio task that iterates the trio ``RequestStream``, so
+everything the trio engine promises holds: cancelling the asyncio task that
+waits on a stream cancels that trio task, which aborts the request within one
+engine step; a dead engine ends every stream with its ``EngineDeadError``.
+The app's event loop never runs engine work, and an app that blocks its loop
+for a while does not stall the engine (or trip its heartbeat).
+
+Shutdown: leaving ``open_engine`` (also by cancellation, as ``asyncio.run``
+does to tasks still open when its main coroutine returns) shuts the engine
+down, ends open streams with EngineDeadError and reaps the worker. If the event
+loop is closed while the engine is still open, the engine thread notices
+(within a second, or at once when it next has output) and shuts down by itself;
+an engine still open at interpreter exit is shut down by an ``atexit`` hook.
+
+The only module of legato that imports asyncio; never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import threading
+import uuid
+import weakref
+from collections import deque
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from types import TracebackType
+from typing import Any, Generic, TypeVar, cast
+
+import trio
+
+from .actors.output_slot import merge_delta_outputs
+from .engine import AsyncEngine, RequestStream
+from .engine import open_engine as open_trio_engine
+from .protocol.client import EngineClient, PauseModeName, SupportedTask
+from .protocol.errors import EngineDeadError
+from .protocol.outputs import PoolingRequestOutput, RequestOutput
+from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("legato.aio")
+
+T = TypeVar("T")
+OutputT = TypeVar("OutputT", bound=RequestOutput | PoolingRequestOutput)
+
+# How often an idle engine thread checks that its host event loop still exists.
+_HOST_LOOP_CHECK_SECONDS = 1.0
+# At interpreter exit, how long each engine still open may take to shut down.
+_EXIT_JOIN_SECONDS = 30.0
+
+_SHUT_DOWN = "the engine has been shut down"
+
+
+class _Crossing:
+    """One piece of work started from the event loop in the engine thread: a stream's
+    trio task or a control call. ``cancel`` (engine thread) cancels it, also before it
+    has started."""
+
+    __slots__ = ("cancel_requested", "scope")
+
+    def __init__(self) -> None:
+        self.cancel_requested = False
+        self.scope: trio.CancelScope | None = None
+
+    def cancel(self) -> None:
+        self.cancel_requested = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+class _EngineThread:
+    """The trio engine in its own thread, and the two ways across.
+
+    Event loop -> engine: ``call_soon`` (``TrioToken.run_sync_soon``: never blocks,
+    any thread). Engine -> event loop: ``post`` queues a callback in the outbox and,
+    if no drain is pending, schedules one drain on the loop; the loop runs every
+    queued callback in order. A closed loop makes the engine shut down.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, model: str | None, engine_args: dict[str, Any]
+    ) -> None:
+        self.loop = loop
+        self._model = model
+        self._engine_args = engine_args
+        self._outbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._drain_pending = False
+        self.started: asyncio.Future[AsyncEngine] = loop.create_future()
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self.engine: AsyncEngine | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stop_requested = False
+        self._stop: trio.Event | None = None
+        self.done = threading.Event()  # set when trio.run has returned
+        self.thread = threading.Thread(target=self._run, name="legato-engine", daemon=True)
+
+    # ------------------------------------------------------- engine -> loop
+
+    def post(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run ``callback(*args)`` on the event loop, after everything posted before. Never blocks."""
+        self._outbox.append((callback, args))
+        if not self._drain_pending:
+            self._drain_pending = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the loop is closed: nobody is left to read anything
+                self._outbox.clear()
+                if not self.done.is_set():
+                    self.request_stop()
+
+    def _drain(self) -> None:
+        self._drain_pending = False  # before draining: a later post schedules another drain
+        outbox = self._outbox
+        while outbox:
+            callback, args = outbox.popleft()
+            callback(*args)
+
+    # ------------------------------------------------------- loop -> engine
+
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` in the engine thread. Raises EngineDeadError once it has ended."""
+        if self._token is None:
+            raise EngineDeadError(_SHUT_DOWN)
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            raise EngineDeadError(_SHUT_DOWN) from None
+
+    def start_task(
+        self, crossing: _Crossing, fn: Callable[..., Awaitable[object]], *args: Any
+    ) -> None:
+        """Start ``fn(*args)`` as a task of the engine thread, cancellable through ``crossing``."""
+        self.call_soon(self._spawn, crossing, fn, args)
+
+    def _spawn(
+        self, crossing: _Crossing, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...]
+    ) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._in_scope, crossing, fn, args)
+
+    async def _in_scope(
+        self, crossing: _Crossing, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...]
+    ) -> None:
+        with trio.CancelScope() as crossing.scope:
+            if crossing.cancel_requested:
+                crossing.scope.cancel()
+            await fn(*args)
+
+    def request_stop(self) -> None:
+        """Shut the engine down and end the thread. Idempotent; any thread; never blocks."""
+        self._stop_requested = True  # seen by _main if the engine is still starting
+        if threading.current_thread() is self.thread:
+            self._stop_now()
+        else:
+            with contextlib.suppress(EngineDeadError):
+                self.call_soon(self._stop_now)
+
+    def _stop_now(self) -> None:
+        self._stop_requested = True
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self._stop is not None:
+            self._stop.set()
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:
+            if self.started.done():  # after start-up: nobody awaits it any more
+                logger.exception("the engine thread failed while shutting down")
+            else:  # start-up failed: open_engine raises it
+                self.post(_set_exception, self.started, exc)
+        finally:
+            self.done.set()
+            self.post(_set_result, self.finished, None)
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with open_trio_engine(self._model, **self._engine_args) as engine:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.engine = engine
+                if self._stop_requested:  # stopped while starting
+                    engine.shutdown()
+                    self._stop.set()
+                self.post(_set_result, self.started, engine)
+                nursery.start_soon(self._watch_host_loop)
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
+
+    async def _watch_host_loop(self) -> None:
+        """Shut down once the event loop is closed (an app that never left ``open_engine``)."""
+        # asyncio has no hook for a loop's closing: polled (cheap, and only while idle
+        # matters: a closed loop with output pending is noticed by ``post`` at once).
+        while not self.loop.is_closed():  # noqa: ASYNC110 - no event to wait on
+            await trio.sleep(_HOST_LOOP_CHECK_SECONDS)
+        self._stop_now()
+
+
+def _set_result(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+class _Mailbox(Generic[OutputT]):
+    """What the engine thread leaves for one stream's consumer (touched on the event
+    loop only, through posted callbacks). The engine-thread task holds this, never the
+    ``AioStream``, so a stream dropped unfinished is collected and aborts itself."""
+
+    def __init__(self, submitted: asyncio.Future[None]) -> None:
+        self.pending: list[OutputT] = []
+        self.error: BaseException | None = None
+        self.ended = False  # the engine side has nothing more to send
+        self.waiter: asyncio.Future[None] | None = None
+        self.submitted = submitted
+
+    def on_submitted(self) -> None:
+        _set_result(self.submitted, None)
+
+    def on_output(self, output: OutputT) -> None:
+        self.pending.append(output)
+        self.wake()
+
+    def on_end(self, error: BaseException | None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if error is not None and self.error is None:
+            self.error = error
+            self.pending.clear()
+        if not self.submitted.done():
+            if error is not None:
+                self.submitted.set_exception(error)
+                self.submitted.exception()  # retrieved, whether or not anyone entered
+            else:
+                self.submitted.set_result(None)
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+async def _serve_stream(
+    runner: _EngineThread,
+    engine: AsyncEngine,
+    open_stream: Callable[[AsyncEngine], AsyncIterator[OutputT]],
+    mailbox: _Mailbox[OutputT],
+) -> None:
+    """The trio task behind one stream: submit, forward every output, report the end.
+
+    Cancelled by the consumer (it left) or by shutdown; either way the mailbox ends
+    with the shutdown error (a consumer that left no longer reads it)."""
+    post = runner.post
+    error: BaseException | None = EngineDeadError(_SHUT_DOWN)
+    try:
+        stream = open_stream(engine)
+        async with contextlib.AsyncExitStack() as stack:
+            if isinstance(stream, RequestStream):
+                await stack.enter_async_context(stream)
+            else:
+                stack.push_async_callback(cast(AsyncGenerator[OutputT, None], stream).aclose)
+            post(mailbox.on_submitted)
+            async for output in stream:
+                post(mailbox.on_output, output)
+        error = None
+    except Exception as exc:
+        error = exc
+    finally:
+        post(mailbox.on_end, error)
+
+
+class AioStream(Generic[OutputT]):
+    """One request's outputs for asyncio: an async iterator that is also an async
+    context manager (the counterpart of ``legato.engine.RequestStream``).
+
+    The request is submitted on ``__aenter__`` (which raises what submission
+    raises: ValidationError, EngineDeadError) or on the first ``__anext__``.
+    News merges until taken, per the output kind (DELTA joins deltas, else the
+    newest wins). Cancelling the task waiting in ``__anext__``, ``aclose()``,
+    leaving the ``async with``, or dropping the stream unfinished (``break``)
+    aborts the request; the engine frees its KV blocks within one step. A dead
+    engine raises its ``EngineDeadError`` from ``__anext__``.
+    """
+
+    def __init__(
+        self,
+        client: AioEngine,
+        open_stream: Callable[[AsyncEngine], AsyncIterator[OutputT]],
+        request_id: str,
+        merge_deltas: bool,
+    ) -> None:
+        self._client = client
+        self._open_stream = open_stream
+        self.request_id = request_id
+        self._merge_deltas = merge_deltas
+        self._crossing = _Crossing()
+        self._box: _Mailbox[OutputT] = _Mailbox(client._loop.create_future())
+        self._started = False
+        self._done = False  # the consumer side is finished with it
+
+    async def __aenter__(self) -> AioStream[OutputT]:
+        self._start()
+        try:
+            await self._box.submitted
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+        except BaseException:
+            self._done = True
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> AioStream[OutputT]:
+        return self
+
+    async def __anext__(self) -> OutputT:
+        if self._done:
+            raise StopAsyncIteration
+        self._start()
+        box = self._box
+        while not box.pending and box.error is None and not box.ended:
+            box.waiter = self._client._loop.create_future()
+            try:
+                await box.waiter
+            except asyncio.CancelledError:
+                self._abandon()
+                raise
+            finally:
+                box.waiter = None
+        if box.error is not None:
+            self._done = True
+            raise box.error
+        if not box.pending:  # ended without a finished output (an aborted encode)
+            self._done = True
+            raise StopAsyncIteration
+        pending, box.pending = box.pending, []
+        output = pending[0] if len(pending) == 1 else self._merge(pending)
+        if output.finished:
+            self._done = True
+        return output
+
+    def _merge(self, pending: list[OutputT]) -> OutputT:
+        if self._merge_deltas:
+            return cast(OutputT, merge_delta_outputs(cast(list[RequestOutput], pending)))
+        return pending[-1]
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running. Idempotent."""
+        self._abandon()
+        await asyncio.sleep(0)
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        client = self._client
+        try:
+            client._check_alive()
+            client._runner.start_task(
+                self._crossing,
+                _serve_stream,
+                client._runner,
+                client._engine,
+                self._open_stream,
+                self._box,
+            )
+        except BaseException as exc:
+            self._box.on_end(exc)
+
+    def _abandon(self) -> None:
+        if self._started and not self._done:
+            self._done = True
+            with contextlib.suppress(EngineDeadError):
+                self._client._runner.call_soon(self._crossing.cancel)
+
+    def __del__(self) -> None:
+        # `break` out of `async for` without `async with`: abort from wherever GC runs.
+        if self._started and not self._done:
+            self._done = True
+            with contextlib.suppress(Exception):
+                self._client._runner.call_soon(self._crossing.cancel)
+
+
+class AioEngine(EngineClient):
+    """The legato engine for asyncio code: every method of the trio ``AsyncEngine``,
+    with the same contract (``legato.protocol.client``), awaited from an event loop.
+
+    Build it with ``legato.aio.open_engine``. Every method must be called from the
+    event loop that opened it. Control calls run in the engine thread; a caller
+    cancelled while waiting stops waiting, and the call completes there (as in
+    trio). Once the engine is dead, new requests and control calls raise its
+    ``dead_error`` at once, without crossing threads.
+    """
+
+    def __init__(self, runner: _EngineThread, engine: AsyncEngine) -> None:
+        self._runner = runner
+        self._loop = runner.loop
+        self._engine = engine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The trio engine behind this client (call it only through ``call_in_engine``)."""
+        return self._engine
+
+    async def call_in_engine(self, fn: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+        """``await fn(trio_engine)`` as a task of the engine's trio thread; its result.
+
+        For what has no asyncio method here (tests, custom probes). Cancelling
+        the caller cancels that task.
+        """
+        future: asyncio.Future[T] = self._loop.create_future()
+        crossing = _Crossing()
+        runner = self._runner
+
+        async def call() -> None:
+            try:
+                result = await fn(self._engine)
+            except trio.Cancelled:  # the caller gave up (its future is done), or shutdown
+                runner.post(_set_exception, future, EngineDeadError(_SHUT_DOWN))
+                raise
+            except Exception as exc:
+                runner.post(_set_exception, future, exc)
+            else:
+                runner.post(_set_result, future, result)
+
+        runner.start_task(crossing, call)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            with contextlib.suppress(EngineDeadError):
+                runner.call_soon(crossing.cancel)
+            raise
+
+    async def _control(self, fn: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+        self._check_alive()
+        return await self.call_in_engine(fn)
+
+    def _check_alive(self) -> None:
+        if self._engine.errored:
+            raise self._engine.dead_error
+        if self._engine.is_stopped or self._runner.done.is_set():
+            raise EngineDeadError(_SHUT_DOWN)
+
+    # ------------------------------------------------------------- state
+
+    @property
+    def is_running(self) -> bool:
+        return self._engine.is_running and not self._runner.done.is_set()
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._engine.is_stopped or self._runner.done.is_set()
+
+    @property
+    def errored(self) -> bool:
+        return self._engine.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        return self._engine.dead_error
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    # ------------------------------------------------------------- requests
+
+    def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_text: str | None = None,
+        lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+    ) -> AioStream[RequestOutput]:
+        """Stream the request's outputs (see ``AioStream``). Not a coroutine.
+
+        As the trio ``AsyncEngine.generate``, except that bad arguments raise
+        their ValidationError on submission (``__aenter__`` or the first
+        ``__anext__``) rather than here: they are checked in the engine thread.
+        """
+        rid = str(request_id) if request_id is not None else uuid.uuid4().hex
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        delta = isinstance(params, SamplingParams) and params.output_kind == RequestOutputKind.DELTA
+
+        def open_stream(engine: AsyncEngine) -> AsyncIterator[RequestOutput]:
+            return engine.generate(
+                prompt,
+                params,
+                rid,
+                prompt_text=prompt_text,
+                lora_request=lora_request,
+                tokenization_kwargs=tokenization_kwargs,
+                trace_headers=trace_headers,
+                priority=priority,
+                data_parallel_rank=data_parallel_rank,
+            )
+
+        return AioStream(self, open_stream, rid, delta)
+
+    def encode(
+        self,
+        prompt: Any,
+        pooling_params: PoolingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> AioStream[PoolingRequestOutput]:
+        """Embed ``prompt``: a stream yielding one PoolingRequestOutput (see ``AsyncEngine.encode``)."""
+
+        def open_stream(engine: AsyncEngine) -> AsyncIterator[PoolingRequestOutput]:
+            return engine.encode(
+                prompt,
+                pooling_params,
+                request_id,
+                lora_request=lora_request,
+                trace_headers=trace_headers,
+                priority=priority,
+                tokenization_kwargs=tokenization_kwargs,
+            )
+
+        return AioStream(self, open_stream, request_id, False)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (their streams end with finish_reason "abort"); never raises
+        EngineDeadError."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self.is_stopped:
+            await asyncio.sleep(0)
+            return
+        with contextlib.suppress(EngineDeadError):
+            await self.call_in_engine(lambda e: e.abort(ids))
+
+    async def check_health(self) -> None:
+        """Raise the engine's EngineDeadError if it is dead or shut down; return otherwise."""
+        await asyncio.sleep(0)
+        self._check_alive()
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    async def do_log_stats(self) -> None:
+        await self.call_in_engine(lambda e: e.do_log_stats())
+
+    async def start_profile(self) -> None:
+        await self._control(lambda e: e.start_profile())
+
+    async def stop_profile(self) -> None:
+        await self._control(lambda e: e.stop_profile())
+
+    async def reset_mm_cache(self) -> None:
+        await self.call_in_engine(lambda e: e.reset_mm_cache())
+
+    async def reset_encoder_cache(self) -> None:
+        await self.call_in_engine(lambda e: e.reset_encoder_cache())
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        return await self._control(
+            lambda e: e.reset_prefix_cache(reset_running_requests, reset_connector)
+        )
+
+    # ---------------------------------------------------------- lifecycle
+
+    async def pause_generation(
+        self,
+        *,
+        mode: PauseModeName = "abort",
+        wait_for_inflight_requests: bool = False,
+        clear_cache: bool = True,
+    ) -> None:
+        """See ``AsyncEngine.pause_generation``."""
+        await self._control(
+            lambda e: e.pause_generation(
+                mode=mode,
+                wait_for_inflight_requests=wait_for_inflight_requests,
+                clear_cache=clear_cache,
+            )
+        )
+
+    async def resume_generation(self) -> None:
+        await self._control(lambda e: e.resume_generation())
+
+    async def is_paused(self) -> bool:
+        return await self.call_in_engine(lambda e: e.is_paused())
+
+    async def sleep(self, level: int = 1, mode: PauseModeName = "abort") -> None:
+        """See ``AsyncEngine.sleep``."""
+        await self._control(lambda e: e.sleep(level, mode))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._control(lambda e: e.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self.call_in_engine(lambda e: e.is_sleeping())
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """See ``AsyncEngine.add_lora``."""
+        return await self._control(lambda e: e.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._control(lambda e: e.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self.call_in_engine(lambda e: e.list_loras())
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._control(lambda e: e.pin_lora(lora_id))
+
+    async def get_tokenizer(self) -> Any:
+        await asyncio.sleep(0)
+        return self._engine.tokenizer
+
+    async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
+        return await self.call_in_engine(lambda e: e.get_supported_tasks())
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - vLLM's signature
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return await self._control(lambda e: e.collective_rpc(method, timeout, args, kwargs))
+
+    async def wait_until_idle(self) -> None:
+        """Return once the scheduler holds no request (every KV block free)."""
+        await self._control(lambda e: e.wait_until_idle())
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Ask the engine to stop (open streams end with EngineDeadError). Never blocks;
+        idempotent. ``open_engine``'s exit waits for the thread and reaps the worker."""
+        self._runner.request_stop()
+
+
+_open_runners: weakref.WeakSet[_EngineThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_open_engines() -> None:
+    """Interpreter exit with engines still open (a loop closed without leaving
+    ``open_engine``): shut them down and reap their workers."""
+    for runner in list(_open_runners):
+        runner.request_stop()
+        runner.thread.join(_EXIT_JOIN_SECONDS)
+
+
+@contextlib.asynccontextmanager
+async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIterator[AioEngine]:
+    """Start an engine for ``model`` in a thread of its own and yield its asyncio client.
+
+    ``engine_args`` are those of ``legato.open_engine`` (EngineConfig's fields,
+    ``stat_loggers``, ``faults``). Start-up failures raise here. On exit
+    (also by cancellation) the engine shuts down: open streams end with
+    EngineDeadError, the worker is reaped, and the thread ends before this
+    returns (the wait is shielded from a second cancellation's effect on the
+    engine: it finishes shutting down regardless).
+    """
+    runner = _EngineThread(asyncio.get_running_loop(), model, engine_args)
+    _open_runners.add(runner)
+    runner.thread.start()
+    try:
+        engine = await asyncio.shield(runner.started)
+        yield AioEngine(runner, engine)
+    finally:
+        runner.request_stop()
+        await asyncio.shield(runner.finished)
+        _open_runners.discard(runner)
