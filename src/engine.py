@@ -208,6 +208,8 @@ class AsyncEngine(EngineClient):
         self.adapters = EngineAdapters(config.enable_lora, self._worker_call, WorkerCallError)
         self._embedding_size: int | None = None
         self._stopped = False
+        self._worker_started = False  # the executor actor has begun (a worker may exist)
+        self._worker_gone = trio.Event()  # ...and has ended: its worker is reaped
         self.supervisor.on_death(self._on_death)
 
     # ------------------------------------------------------------ start-up
@@ -224,7 +226,7 @@ class AsyncEngine(EngineClient):
         ready: m.WorkerReady = await self._nursery.start(
             functools.partial(self.supervisor.run_actor, uses_task_status=True),
             "executor",
-            self.executor.run,
+            self._run_executor,
         )
         self.ready = ready
         # Block 0 is the scheduler's null block: a request can use the others.
@@ -274,6 +276,16 @@ class AsyncEngine(EngineClient):
         tune_gc_for_serving()
         self.stats.log_engine_initialized()
         await trio.lowlevel.checkpoint()
+
+    async def _run_executor(
+        self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The executor actor; ``_worker_gone`` is set once it has ended (worker reaped)."""
+        self._worker_started = True
+        try:
+            await self.executor.run(task_status=task_status)
+        finally:
+            self._worker_gone.set()
 
     async def _ping_core(self) -> None:
         await self.core.call(m.HealthPing(seq=0, sent_time=time.monotonic()))
@@ -650,7 +662,18 @@ class AsyncEngine(EngineClient):
         self._check_alive()
         return await self.adapters.pin(lora_id)
 
-    async def get_tokenizer(self) -> Any:
+    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
+        """The tokenizer requests are rendered with. A checkpoint.
+
+        ``lora_request`` (vLLM's parameter) is accepted: an adapter runs with
+        the base model's tokenizer here (adapters that add tokens are not
+        served), so the answer is the same tokenizer. Anything but a
+        LoRARequest or None raises ValidationError.
+        """
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValidationError(
+                "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
+            )
         await trio.lowlevel.checkpoint()
         return self.tokenizer
 
@@ -673,18 +696,37 @@ class AsyncEngine(EngineClient):
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine: open streams end with EngineDeadError, the worker is reaped.
 
-        Synchronous and idempotent; the actors finish within the nursery's exit,
-        the worker gets a few seconds to exit by itself before it is killed.
+        Synchronous and idempotent; the actors finish within the nursery's exit.
+        The worker gets ``timeout`` seconds to exit by itself before it is
+        killed (vLLM's parameter), at most the executor's own grace of 5 s; None:
+        that grace. With the in-process executor there is no process to kill,
+        so ``timeout`` bounds nothing there. Only the first call's ``timeout``
+        counts.
         """
         if self._stopped:
             return
         self._stopped = True
+        if timeout is not None and self._worker_started and not self._worker_gone.is_set():
+            try:
+                self._nursery.start_soon(self._kill_worker_after, max(0.0, timeout))
+            except RuntimeError:  # the nursery has closed: the worker is long gone
+                pass
         self.supervisor.stopping = True
         frontend: Frontend | None = getattr(self, "frontend", None)  # None: never started
         if frontend is not None:
             frontend.fail_all(EngineDeadError("the engine has been shut down"))
         self.executor.begin_shutdown()
         self.supervisor.cancel_all()
+
+    async def _kill_worker_after(self, timeout: float) -> None:  # noqa: ASYNC109 - a deadline
+        """Kill the worker if it has not been reaped ``timeout`` seconds from now."""
+        with trio.move_on_after(timeout):
+            await self._worker_gone.wait()
+            return
+        try:
+            self.executor.kill()
+        except (WorkerCallError, ProcessLookupError):  # in-process; or it has just gone
+            pass
 
     async def wait_until_idle(self) -> None:
         """Return once the scheduler holds no request (every KV block free). A checkpoint."""

@@ -309,8 +309,9 @@ class EngineClient(abc.ABC):
 
     # ------------------------------------------------------------- optional
 
-    async def get_tokenizer(self) -> Any:
-        """The tokenizer requests are rendered with (a transformers tokenizer)."""
+    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
+        """The tokenizer requests are rendered with (a transformers tokenizer); for
+        ``lora_request``, the one that adapter's requests are rendered with."""
         raise _unsupported(self, "get_tokenizer", "this client has no tokenizer")
 
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:

@@ -1,0 +1,61 @@
+"""AsyncEngine where vLLM's engines define the behaviour: errors, shutdown, getters, arguments."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psutil
+import pytest
+import trio
+
+from legato import EngineDeadError, LoRARequest
+from legato.engine import AsyncEngine, open_engine
+from legato.protocol.errors import ValidationError
+
+ENGINE_ARGS: dict[str, Any] = dict(max_model_len=256, num_kv_blocks=64, disable_log_stats=True)
+
+
+@pytest.fixture
+async def engine(toy_model_dir: Any) -> AsyncIterator[AsyncEngine]:
+    async with open_engine(str(toy_model_dir), executor="inproc", **ENGINE_ARGS) as eng:
+        yield eng
+
+
+async def test_check_health_raises_a_runtime_error_carrying_the_cause(
+    engine: AsyncEngine,
+) -> None:
+    await engine.check_health()
+    cause = KeyError("injected")
+    engine.inject_fault("scheduler", cause)
+    with trio.fail_after(10):
+        await engine.supervisor.dead.wait()
+    # vLLM's AsyncLLM raises EngineDeadError; its multiprocess client a RuntimeError.
+    with pytest.raises(RuntimeError) as info:
+        await engine.check_health()
+    assert isinstance(info.value, EngineDeadError) and info.value.__cause__ is cause
+
+
+async def test_get_tokenizer_takes_a_lora_request(engine: AsyncEngine) -> None:
+    base = await engine.get_tokenizer()
+    adapter = LoRARequest("adapter", 1, "/nonexistent")
+    assert await engine.get_tokenizer(adapter) is base
+    assert await engine.get_tokenizer(lora_request=None) is base
+    with pytest.raises(ValidationError, match="lora_request"):
+        await engine.get_tokenizer("adapter")
+
+
+async def test_shutdown_timeout_bounds_the_wait_for_a_stuck_worker(toy_model_dir: Any) -> None:
+    # A worker that stops answering (SIGSTOP: it never reads its closed stdin) would
+    # otherwise get the executor's full grace of 5 s before it is killed.
+    with trio.CancelScope() as bound:
+        async with open_engine(str(toy_model_dir), **ENGINE_ARGS) as engine:
+            pid = engine.executor.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            bound.deadline = trio.current_time() + 3  # timeout + kill and reap, short of 5 s
+            engine.shutdown(timeout=0.2)
+    assert not bound.cancelled_caught, "shutdown(timeout=0.2) waited out the 5 s grace"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
