@@ -20,10 +20,13 @@ within one engine step and nothing more is computed for it.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 import os
+import sys
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -75,6 +78,16 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(
         config, model=source.path, served_model_name=config.served_model_name or source.name
     )
+
+
+async def _import_torch() -> types.ModuleType:
+    """torch, imported in a worker thread the first time: the engine's process needs it
+    only to hand out ``PoolingOutput.data`` as a tensor, and the import takes seconds
+    that must not hold the event loop."""
+    module = sys.modules.get("torch")
+    if module is None:
+        module = await trio.to_thread.run_sync(importlib.import_module, "torch")
+    return module
 
 
 class RequestStream:
@@ -140,6 +153,10 @@ class RequestStream:
             raise
         if output.finished:
             self._finish()
+        if self._lora is not None:  # vLLM's outputs name the adapter they came through
+            output.lora_request = self._lora
+            for completion in output.outputs:
+                completion.lora_request = self._lora
         return output
 
     async def aclose(self) -> None:
@@ -440,6 +457,7 @@ class AsyncEngine(EngineClient):
         request yields nothing. Cancellation aborts it, as for ``generate``.
         """
         params = await self._check_pooling(pooling_params)
+        torch = await _import_torch()
         sampling = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = self.generate(
             prompt,
@@ -459,9 +477,10 @@ class AsyncEngine(EngineClient):
                     if vector is not None:
                         yield PoolingRequestOutput(
                             stream.request_id,
-                            PoolingOutput(vector),
+                            PoolingOutput(torch.tensor(vector, dtype=torch.float32)),
                             list(output.prompt_token_ids or []),
-                            True,
+                            num_cached_tokens=output.num_cached_tokens or 0,
+                            finished=True,
                         )
         finally:  # a vector that came while nobody read it any more
             self.frontend.take_pooled(stream.engine_id)
