@@ -61,6 +61,7 @@ from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
 from .structured.engine import EngineGrammars
+from .vllm_config import DecodingConfig, EngineArgs, ModelConfig, VllmConfig
 
 logger = logging.getLogger("legato.engine")
 
@@ -230,6 +231,31 @@ class AsyncEngine(EngineClient):
         self.supervisor.on_death(self._on_death)
 
     # ------------------------------------------------------------ start-up
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """vLLM's read-only view of this engine's configuration (legato.vllm_config),
+        with the values learnt from the model (max_model_len, KV blocks, dtype) once
+        it has started."""
+        ready: m.WorkerReady | None = getattr(self, "ready", None)
+        return VllmConfig.of(self.config, dtype=ready.dtype if ready is not None else None)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """``vllm_config.model_config``."""
+        return self.vllm_config.model_config
+
+    async def get_vllm_config(self) -> VllmConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config
+
+    async def get_model_config(self) -> ModelConfig:
+        await trio.lowlevel.checkpoint()
+        return self.model_config
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config.decoding_config
 
     @property
     def model_name(self) -> str:
@@ -767,7 +793,7 @@ class AsyncEngine(EngineClient):
 
 @asynccontextmanager
 async def open_engine(
-    model: str | None = None,
+    model: str | EngineArgs | None = None,
     *,
     faults: dict[str, Any] | None = None,
     stat_loggers: Sequence[StatLoggerArg] = (),
@@ -775,7 +801,9 @@ async def open_engine(
 ) -> AsyncIterator[AsyncEngine]:
     """Start an engine for ``model`` (None: the default model; see legato.model_source) and yield it.
 
-    ``engine_args`` are EngineConfig's fields (vLLM's names). Start-up
+    ``engine_args`` are EngineConfig's fields (vLLM's names). ``model`` may
+    instead be vLLM's ``EngineArgs`` (legato.vllm_config), which then holds every
+    setting: ``engine_args`` must be empty. Start-up
     failures (a bad model directory, weights that fail to load) raise here.
     On exit every request is ended, the actors stop and the worker is reaped.
     ``faults`` is for chaos testing only (``legato.testing.chaos``).
@@ -783,7 +811,15 @@ async def open_engine(
     or vLLM-style factories ``(config, engine_index) -> logger``, fed besides the
     built-in Prometheus and log-line loggers.
     """
-    config = EngineConfig.from_kwargs(model=model, **engine_args)
+    if isinstance(model, EngineArgs):
+        if engine_args:
+            raise TypeError(
+                f"open_engine: with EngineArgs, pass every setting in it, not as "
+                f"{', '.join(sorted(engine_args))}"
+            )
+        config = model.to_engine_config()
+    else:
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
     config = await trio.to_thread.run_sync(resolve_model, config)
     # The actors never raise into this nursery: a group here wraps one error from
     # start-up or from the caller's own block.

@@ -19,10 +19,12 @@ from typing import Any
 import trio
 
 from .actors.renderer import PromptType, RenderedPrompt, Renderer, load_tokenizer
+from .config import EngineConfig
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, SamplingParams
+from .vllm_config import DecodingConfig, ModelConfig, VllmConfig
 
 
 def _no_model(what: str) -> NotImplementedError:
@@ -54,14 +56,46 @@ class RenderOnlyClient(EngineClient):
             or _max_positions(model)
             or int(getattr(self.tokenizer, "model_max_length", 0))
         )
+        max_model_len = limit if 0 < limit < 10**9 else 2048
+        self.config = EngineConfig(model=model, tokenizer=tokenizer, max_model_len=max_model_len)
         self.renderer = Renderer(
             self.tokenizer,
-            max_model_len=limit if 0 < limit < 10**9 else 2048,
+            max_model_len=max_model_len,
             vocab_size=len(self.tokenizer),
             eos_token_ids=[]
             if self.tokenizer.eos_token_id is None
             else [self.tokenizer.eos_token_id],
         )
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfig) -> RenderOnlyClient:
+        """vLLM's constructor: a client for ``vllm_config``'s model, tokenizer and
+        max_model_len (legato.vllm_config; ``EngineArgs.create_engine_config()``)."""
+        model = vllm_config.model_config
+        return cls(model.model, tokenizer=model.tokenizer, max_model_len=model.max_model_len)
+
+    # ------------------------------------------------------------ configuration
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """vLLM's read-only view of the client's configuration (legato.vllm_config)."""
+        return VllmConfig.of(self.config)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
+
+    async def get_vllm_config(self) -> VllmConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config
+
+    async def get_model_config(self) -> ModelConfig:
+        await trio.lowlevel.checkpoint()
+        return self.model_config
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config.decoding_config
 
     # ------------------------------------------------------------ rendering
 

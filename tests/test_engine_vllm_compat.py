@@ -11,7 +11,7 @@ import psutil
 import pytest
 import trio
 
-from legato import EngineDeadError, LoRARequest
+from legato import EngineArgs, EngineDeadError, LoRARequest
 from legato.engine import AsyncEngine, open_engine
 from legato.protocol.errors import ValidationError
 
@@ -20,8 +20,30 @@ ENGINE_ARGS: dict[str, Any] = dict(max_model_len=256, num_kv_blocks=64, disable_
 
 @pytest.fixture
 async def engine(toy_model_dir: Any) -> AsyncIterator[AsyncEngine]:
-    async with open_engine(str(toy_model_dir), executor="inproc", **ENGINE_ARGS) as eng:
+    args = EngineArgs(
+        model=str(toy_model_dir),
+        max_model_len=256,
+        num_gpu_blocks_override=64,
+        disable_log_stats=True,
+        legato_options={"executor": "inproc"},
+    )
+    async with open_engine(args) as eng:  # vLLM's EngineArgs
         yield eng
+
+
+async def test_config_attributes_and_getters_under_vllms_names(engine: AsyncEngine) -> None:
+    vllm_config = await engine.get_vllm_config()
+    model_config = await engine.get_model_config()
+    assert engine.model_config == model_config == vllm_config.model_config
+    assert model_config.max_model_len == engine.config.max_model_len == 256
+    assert model_config.dtype == engine.ready.dtype != "auto"  # as loaded
+    assert model_config.served_model_name == engine.model_name
+    assert vllm_config.cache_config.num_gpu_blocks == 64
+    assert (await engine.get_decoding_config()).backend == "guidance"
+    assert engine.vllm_config.engine_config is engine.config
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        async with open_engine(EngineArgs(model="toy"), max_num_seqs=4):
+            pass
 
 
 async def test_check_health_raises_a_runtime_error_carrying_the_cause(

@@ -48,3 +48,16 @@ async def test_a_null_object_as_vllms_launch_engine_client(toy_model_dir: Any) -
     assert str(client.dead_error) == "RenderOnlyClient does not support inference"
     client.shutdown(timeout=1.0)
     assert client.is_running and not client.is_stopped  # nothing to stop, as vLLM's
+
+
+async def test_vllm_config_surface(toy_model_dir: Any) -> None:
+    client = RenderOnlyClient(str(toy_model_dir), max_model_len=300)
+    model_config = await client.get_model_config()
+    assert model_config == client.model_config == (await client.get_vllm_config()).model_config
+    assert (model_config.model, model_config.max_model_len) == (str(toy_model_dir), 300)
+    assert (await client.get_decoding_config()).backend == "guidance"
+    # vLLM's constructor: from a VllmConfig (here EngineArgs' view).
+    args = legato.EngineArgs(model=str(toy_model_dir), max_model_len=200)
+    again = RenderOnlyClient.from_vllm_config(args.create_engine_config())
+    assert again.model_config.max_model_len == 200 == again.renderer.max_model_len
+    assert again.tokenize("hello") == client.tokenize("hello")
