@@ -91,6 +91,25 @@ async def _import_torch() -> types.ModuleType:
     return module
 
 
+def _check_vllm_extras(prompt: object, priority: object, policy: str) -> None:
+    """Refuse, as vLLM does, what a text-only, fcfs engine cannot honour (ValidationError)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValidationError("priority", f"must be an integer, got {type(priority).__name__}")
+    if priority != 0 and policy != "priority":
+        raise ValidationError(
+            "priority",
+            f"got {priority}, but priority scheduling is not enabled "
+            "(scheduling_policy='priority')",
+        )
+    if isinstance(prompt, Mapping):
+        for key in ("multi_modal_data", "mm_processor_kwargs"):
+            if prompt.get(key):
+                raise ValidationError(
+                    f"prompt.{key}",
+                    "multimodal inputs are not supported: legato serves text-only models",
+                )
+
+
 class RequestStream:
     """One request's outputs: an async iterator that is also an async context manager.
 
@@ -353,6 +372,8 @@ class AsyncEngine(EngineClient):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Stream the request's outputs (see ``RequestStream``).
 
@@ -365,7 +386,25 @@ class AsyncEngine(EngineClient):
         ``truncation`` and ``max_length`` for text prompts; anything else, or
         ``sampling_params`` that are not SamplingParams, raise ValidationError
         at once.
+
+        As vLLM's: a ``priority`` other than 0 is refused unless the engine
+        schedules by priority; a prompt carrying ``multi_modal_data`` (or
+        ``mm_processor_kwargs``) is refused, legato serving text-only models.
+        ``reasoning_ended`` and ``reasoning_parser_kwargs`` are accepted and
+        checked: the engine has no reasoning parser (``legato serve
+        --reasoning-parser`` splits reasoning in the server), so a structured
+        output constrains from the first token, as vLLM's does without one.
         """
+        _check_vllm_extras(prompt, priority, self.config.scheduling_policy)
+        if reasoning_ended is not None and not isinstance(reasoning_ended, bool):
+            raise ValidationError(
+                "reasoning_ended", f"must be a bool, got {type(reasoning_ended).__name__}"
+            )
+        if reasoning_parser_kwargs is not None and not isinstance(reasoning_parser_kwargs, dict):
+            raise ValidationError(
+                "reasoning_parser_kwargs",
+                f"must be a dict, got {type(reasoning_parser_kwargs).__name__}",
+            )
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValidationError(
                 "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
@@ -471,6 +510,7 @@ class AsyncEngine(EngineClient):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
+        reasoning_ended: bool | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Embed ``prompt``: yields one PoolingRequestOutput (the pooled, by default
         L2-normalised final hidden state; see legato.models.pooling).
@@ -492,6 +532,7 @@ class AsyncEngine(EngineClient):
             lora_request=lora_request,
             tokenization_kwargs=tokenization_kwargs,
             priority=priority,
+            reasoning_ended=reasoning_ended,
         )
         stream._pooling = params
         try:

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import trio
 
-from legato import EngineArgs, EngineDeadError, LoRARequest
+from legato import EngineArgs, EngineDeadError, LoRARequest, SamplingParams
 from legato.engine import AsyncEngine, open_engine
 from legato.protocol.errors import ValidationError
 
@@ -81,3 +81,32 @@ async def test_shutdown_timeout_bounds_the_wait_for_a_stuck_worker(toy_model_dir
             engine.shutdown(timeout=0.2)
     assert not bound.cancelled_caught, "shutdown(timeout=0.2) waited out the 5 s grace"
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_generate_checks_vllms_extra_arguments(engine: AsyncEngine) -> None:
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    # vLLM's ValueError for a priority under fcfs scheduling; 0 is fine.
+    with pytest.raises(ValidationError, match="priority scheduling is not enabled") as info:
+        engine.generate("hi", params, "p", priority=1)
+    assert info.value.field == "priority"
+    # A multimodal prompt is refused, not silently run as text.
+    image = {"prompt": "<image> what is this?", "multi_modal_data": {"image": b"png"}}
+    with pytest.raises(ValidationError, match="multimodal") as info:
+        engine.generate(image, params, "mm")
+    assert info.value.field == "prompt.multi_modal_data"
+    with pytest.raises(ValidationError, match="reasoning_ended"):
+        engine.generate("hi", params, "r", reasoning_ended="yes")  # type: ignore[arg-type]
+    # reasoning_ended / reasoning_parser_kwargs are accepted (no engine-side parser).
+    async with engine.generate(
+        "hi", params, "ok", priority=0, reasoning_ended=True, reasoning_parser_kwargs={}
+    ) as stream:
+        outputs = [out async for out in stream]
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 2
+
+
+async def test_priority_is_accepted_under_priority_scheduling(toy_model_dir: Any) -> None:
+    args = dict(ENGINE_ARGS, scheduling_policy="priority")
+    async with open_engine(str(toy_model_dir), executor="inproc", **args) as engine:
+        params = SamplingParams(max_tokens=1)
+        async with engine.generate("hi", params, "p", priority=3) as stream:
+            assert [out async for out in stream][-1].finished
