@@ -29,7 +29,7 @@ import time
 import types
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any
 
@@ -263,6 +263,19 @@ class AsyncEngine(EngineClient):
     def model_config(self) -> ModelConfig:
         """``vllm_config.model_config``."""
         return self.vllm_config.model_config
+
+    @property
+    def decoding_config(self) -> DecodingConfig:
+        """``vllm_config.decoding_config`` (structured outputs)."""
+        return self.vllm_config.decoding_config
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, *, stat_loggers: Sequence[StatLoggerArg] = ()
+    ) -> AbstractAsyncContextManager[AsyncEngine]:
+        """vLLM's constructor in trio's form: ``async with AsyncEngine.from_engine_args(args)
+        as engine:`` starts the engine and stops it on exit (``open_engine(args)``)."""
+        return open_engine(engine_args, stat_loggers=stat_loggers)
 
     async def get_vllm_config(self) -> VllmConfig:
         await trio.lowlevel.checkpoint()
@@ -600,8 +613,11 @@ class AsyncEngine(EngineClient):
         await trio.lowlevel.checkpoint()
         self._check_alive()
 
-    async def do_log_stats(self) -> None:
-        """Every stat logger's ``log()``; silent when ``disable_log_stats``. A checkpoint."""
+    async def do_log_stats(self, scheduler_outputs: Any = None, model_output: Any = None) -> None:
+        """Every stat logger's ``log()``; silent when ``disable_log_stats``. A checkpoint.
+
+        ``scheduler_outputs`` and ``model_output`` are vLLM's older parameters,
+        accepted and unused (the figures come from the engine's own steps)."""
         self.stats.log()
         await trio.lowlevel.checkpoint()
 

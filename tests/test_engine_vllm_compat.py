@@ -41,6 +41,8 @@ async def test_config_attributes_and_getters_under_vllms_names(engine: AsyncEngi
     assert vllm_config.cache_config.num_gpu_blocks == 64
     assert (await engine.get_decoding_config()).backend == "guidance"
     assert engine.vllm_config.engine_config is engine.config
+    assert engine.decoding_config == await engine.get_decoding_config()
+    await engine.do_log_stats(None, None)  # vLLM's older parameters, accepted
     with pytest.raises(TypeError, match="max_num_seqs"):
         async with open_engine(EngineArgs(model="toy"), max_num_seqs=4):
             pass
@@ -110,3 +112,14 @@ async def test_priority_is_accepted_under_priority_scheduling(toy_model_dir: Any
         params = SamplingParams(max_tokens=1)
         async with engine.generate("hi", params, "p", priority=3) as stream:
             assert [out async for out in stream][-1].finished
+
+
+async def test_from_engine_args_is_an_async_context_manager(toy_model_dir: Any) -> None:
+    args = EngineArgs(
+        model=str(toy_model_dir), max_model_len=128, legato_options={"executor": "inproc"}
+    )
+    async with AsyncEngine.from_engine_args(args) as engine:
+        assert engine.model_config.max_model_len == 128
+        async with engine.generate("hi", SamplingParams(max_tokens=1), "r") as stream:
+            assert [out async for out in stream][-1].finished
+    assert engine.is_stopped
