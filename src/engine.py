@@ -251,6 +251,13 @@ class AsyncEngine(EngineClient):
 
     # ------------------------------------------------------------ start-up
 
+    log_requests = False  # vLLM's flag: legato never logs each request
+
+    @property
+    def log_stats(self) -> bool:
+        """vLLM's flag: whether the stat loggers are fed (not ``disable_log_stats``)."""
+        return self.stats.log_stats
+
     @property
     def vllm_config(self) -> VllmConfig:
         """vLLM's read-only view of this engine's configuration (legato.vllm_config),
@@ -378,12 +385,13 @@ class AsyncEngine(EngineClient):
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        prompt_adapter_request: None = None,
+        priority: int = 0,
         *,
         prompt_text: str | None = None,
-        lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        priority: int = 0,
         data_parallel_rank: int | None = None,
         reasoning_ended: bool | None = None,
         reasoning_parser_kwargs: dict[str, Any] | None = None,
@@ -400,6 +408,11 @@ class AsyncEngine(EngineClient):
         ``sampling_params`` that are not SamplingParams, raise ValidationError
         at once.
 
+        Every argument up to ``priority`` may also be passed by position, in
+        the order of vLLM's AsyncLLM / multiprocess client
+        (``prompt_adapter_request``: None only); the rest, as in vLLM's
+        EngineClient protocol, by keyword.
+
         As vLLM's: a ``priority`` other than 0 is refused unless the engine
         schedules by priority; a prompt carrying ``multi_modal_data`` (or
         ``mm_processor_kwargs``) is refused, legato serving text-only models.
@@ -409,6 +422,8 @@ class AsyncEngine(EngineClient):
         output constrains from the first token, as vLLM's does without one.
         """
         _check_vllm_extras(prompt, priority, self.config.scheduling_policy)
+        if prompt_adapter_request is not None:
+            raise ValidationError("prompt_adapter_request", "prompt adapters are not supported")
         if reasoning_ended is not None and not isinstance(reasoning_ended, bool):
             raise ValidationError(
                 "reasoning_ended", f"must be a bool, got {type(reasoning_ended).__name__}"

@@ -98,6 +98,13 @@ async def test_generate_checks_vllms_extra_arguments(engine: AsyncEngine) -> Non
     assert info.value.field == "prompt.multi_modal_data"
     with pytest.raises(ValidationError, match="reasoning_ended"):
         engine.generate("hi", params, "r", reasoning_ended="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="prompt_adapter_request"):
+        engine.generate("hi", params, "pa", prompt_adapter_request=object())  # type: ignore[arg-type]
+    # vLLM's AsyncLLM order, by position: lora_request, trace_headers,
+    # prompt_adapter_request, priority.
+    async with engine.generate("hi", params, "v0", None, {"traceparent": "x"}, None, 0) as v0:
+        assert [out async for out in v0][-1].finished
+    assert engine.log_stats is False and engine.log_requests is False  # disable_log_stats
     # reasoning_ended / reasoning_parser_kwargs are accepted (no engine-side parser).
     async with engine.generate(
         "hi", params, "ok", priority=0, reasoning_ended=True, reasoning_parser_kwargs={}
