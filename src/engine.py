@@ -806,9 +806,21 @@ class AsyncEngine(EngineClient):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Call ``method`` on every worker (there is one) and return their results."""
-        with trio.fail_after(math.inf if timeout is None else timeout):
-            return [await self._worker_call(method, *args, **(kwargs or {}))]
+        """Call ``method`` on the model worker and return its result in a list.
+
+        Under tensor parallelism every rank runs it; rank 0's result is returned.
+        As vLLM's: a method that raises fails the call with RuntimeError (the
+        worker's message; the engine keeps serving), and no answer within
+        ``timeout`` seconds raises TimeoutError (the call still completes on
+        the worker). A dead engine raises its EngineDeadError.
+        """
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                return [await self._worker_call(method, *args, **(kwargs or {}))]
+        except WorkerCallError as exc:
+            raise RuntimeError(f"collective_rpc {method!r} failed: {exc}") from exc
+        except trio.TooSlowError:
+            raise TimeoutError(f"collective_rpc {method!r}: no answer within {timeout} s") from None
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine: open streams end with EngineDeadError, the worker is reaped.

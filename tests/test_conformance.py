@@ -171,7 +171,7 @@ ROWS: list[Row] = [
       "(new_data_parallel_size, drain_timeout=300)", NIE),
     r("001", 30, "collective_rpc", "eng.collective_rpc", "async",
       "(method, timeout=None, args=(), kwargs=None)", DIFFER,
-      "rank 0's result only under TP; no callables; WorkerCallError / trio.TooSlowError"),
+      "rank 0's result only under TP; no callables; msgpack arguments"),
     r("001", 31, "get_supported_tasks", "eng.get_supported_tasks", "async", "()", SAME),
     r("001", 32, "init_weight_transfer_engine", "eng.init_weight_transfer_engine", "async",
       "(init_request)", NIE),

@@ -130,3 +130,12 @@ async def test_from_engine_args_is_an_async_context_manager(toy_model_dir: Any) 
         async with engine.generate("hi", SamplingParams(max_tokens=1), "r") as stream:
             assert [out async for out in stream][-1].finished
     assert engine.is_stopped
+
+
+async def test_collective_rpc_raises_vllms_error_types(engine: AsyncEngine) -> None:
+    assert await engine.collective_rpc("held_requests") == [[]]
+    with pytest.raises(RuntimeError, match="unknown worker method '_private'"):
+        await engine.collective_rpc("_private")
+    with pytest.raises(TimeoutError, match="held_requests"):
+        await engine.collective_rpc("held_requests", timeout=0)
+    await engine.check_health()  # neither failure hurts the engine
