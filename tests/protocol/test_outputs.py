@@ -24,7 +24,10 @@ def test_vllms_fields_with_their_defaults() -> None:
     assert out.multi_modal_placeholders == {}
     assert out.outputs[0].lora_request is None
     lora = LoRARequest("a", 1, "/adapters/a")
-    full = RequestOutput("r", None, [1], None, [], True, 3, None, lora, kv_transfer_params={"k": 1})
+    full = RequestOutput(
+        "r", None, [1], None, [], True, num_cached_tokens=3, lora_request=lora,
+        kv_transfer_params={"k": 1},
+    )  # fmt: skip
     assert full.lora_request is lora and full.kv_transfer_params == {"k": 1}
     assert decode(encode(full)) == full  # the new fields cross the wire
 
