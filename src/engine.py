@@ -81,35 +81,6 @@ def resolve_model(config: EngineConfig) -> EngineConfig:
     )
 
 
-async def _import_torch() -> types.ModuleType:
-    """torch, imported in a worker thread the first time: the engine's process needs it
-    only to hand out ``PoolingOutput.data`` as a tensor, and the import takes seconds
-    that must not hold the event loop."""
-    module = sys.modules.get("torch")
-    if module is None:
-        module = await trio.to_thread.run_sync(importlib.import_module, "torch")
-    return module
-
-
-def _check_vllm_extras(prompt: object, priority: object, policy: str) -> None:
-    """Refuse, as vLLM does, what a text-only, fcfs engine cannot honour (ValidationError)."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValidationError("priority", f"must be an integer, got {type(priority).__name__}")
-    if priority != 0 and policy != "priority":
-        raise ValidationError(
-            "priority",
-            f"got {priority}, but priority scheduling is not enabled "
-            "(scheduling_policy='priority')",
-        )
-    if isinstance(prompt, Mapping):
-        for key in ("multi_modal_data", "mm_processor_kwargs"):
-            if prompt.get(key):
-                raise ValidationError(
-                    f"prompt.{key}",
-                    "multimodal inputs are not supported: legato serves text-only models",
-                )
-
-
 class RequestStream:
     """One request's outputs: an async iterator that is also an async context manager.
 
@@ -873,6 +844,35 @@ class AsyncEngine(EngineClient):
         """KV blocks held by requests now. Reads the pool only: the per-step figures
         that /metrics counts are left alone."""
         return self.scheduler.kv.num_used_blocks
+
+
+async def _import_torch() -> types.ModuleType:
+    """torch, imported in a worker thread the first time: the engine's process needs it
+    only to hand out ``PoolingOutput.data`` as a tensor, and the import takes seconds
+    that must not hold the event loop."""
+    module = sys.modules.get("torch")
+    if module is None:
+        module = await trio.to_thread.run_sync(importlib.import_module, "torch")
+    return module
+
+
+def _check_vllm_extras(prompt: object, priority: object, policy: str) -> None:
+    """Refuse, as vLLM does, what a text-only, fcfs engine cannot honour (ValidationError)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValidationError("priority", f"must be an integer, got {type(priority).__name__}")
+    if priority != 0 and policy != "priority":
+        raise ValidationError(
+            "priority",
+            f"got {priority}, but priority scheduling is not enabled "
+            "(scheduling_policy='priority')",
+        )
+    if isinstance(prompt, Mapping):
+        for key in ("multi_modal_data", "mm_processor_kwargs"):
+            if prompt.get(key):
+                raise ValidationError(
+                    f"prompt.{key}",
+                    "multimodal inputs are not supported: legato serves text-only models",
+                )
 
 
 @asynccontextmanager
