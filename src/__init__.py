@@ -23,14 +23,17 @@ from .protocol import (
 from .protocol.errors import ValidationError
 from .render_only import RenderOnlyClient
 from .supervise import open_supervised_engine
+from .vllm_config import AsyncEngineArgs, EngineArgs, VllmConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "AsyncEngineArgs",
     "CompletionOutput",
     "EngineClient",
+    "EngineArgs",
     "EngineConfig",
     "EngineDeadError",
     "EngineGenerateError",
@@ -46,6 +49,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "ValidationError",
+    "VllmConfig",
     "__version__",
     "open_engine",
     "open_supervised_engine",

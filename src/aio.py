@@ -514,13 +514,16 @@ class AioEngine(EngineClient):
         prompt: Any,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        prompt_adapter_request: None = None,
+        priority: int = 0,
         *,
         prompt_text: str | None = None,
-        lora_request: LoRARequest | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        priority: int = 0,
         data_parallel_rank: int | None = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> AioStream[RequestOutput]:
         """Stream the request's outputs (see ``AioStream``). Not a coroutine.
 
@@ -541,8 +544,11 @@ class AioEngine(EngineClient):
                 lora_request=lora_request,
                 tokenization_kwargs=tokenization_kwargs,
                 trace_headers=trace_headers,
+                prompt_adapter_request=prompt_adapter_request,
                 priority=priority,
                 data_parallel_rank=data_parallel_rank,
+                reasoning_ended=reasoning_ended,
+                reasoning_parser_kwargs=reasoning_parser_kwargs,
             )
 
         return AioStream(self, open_stream, rid, delta)
@@ -556,6 +562,7 @@ class AioEngine(EngineClient):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
+        reasoning_ended: bool | None = None,
     ) -> AioStream[PoolingRequestOutput]:
         """Embed ``prompt``: a stream yielding one PoolingRequestOutput (see ``AsyncEngine.encode``)."""
 
@@ -568,6 +575,7 @@ class AioEngine(EngineClient):
                 trace_headers=trace_headers,
                 priority=priority,
                 tokenization_kwargs=tokenization_kwargs,
+                reasoning_ended=reasoning_ended,
             )
 
         return AioStream(self, open_stream, request_id, False)
@@ -659,9 +667,9 @@ class AioEngine(EngineClient):
     async def pin_lora(self, lora_id: int) -> bool:
         return await self._control(lambda e: e.pin_lora(lora_id))
 
-    async def get_tokenizer(self) -> Any:
-        await asyncio.sleep(0)
-        return self._engine.tokenizer
+    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
+        """As ``AsyncEngine.get_tokenizer``: adapters share the base model's tokenizer."""
+        return await self.call_in_engine(lambda e: e.get_tokenizer(lora_request))
 
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         return await self.call_in_engine(lambda e: e.get_supported_tasks())

@@ -20,12 +20,15 @@ within one engine step and nothing more is computed for it.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 import os
+import sys
+import types
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -54,6 +57,7 @@ from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
 from .tokenizer_loading import load_tokenizer
+from .vllm_config import DecodingConfig, EngineArgs, ModelConfig, VllmConfig
 
 logger = logging.getLogger("legato.engine")
 
@@ -149,6 +153,10 @@ class RequestStream:
             raise
         if output.finished:
             self._finish()
+        if self._lora is not None:  # vLLM's outputs name the adapter they came through
+            output.lora_request = self._lora
+            for completion in output.outputs:
+                completion.lora_request = self._lora
         return output
 
     async def aclose(self) -> None:
@@ -217,9 +225,56 @@ class AsyncEngine(EngineClient):
         self.adapters = EngineAdapters(config.enable_lora, self._worker_call, WorkerCallError)
         self._embedding_size: int | None = None
         self._stopped = False
+        self._worker_started = False  # the executor actor has begun (a worker may exist)
+        self._worker_gone = trio.Event()  # ...and has ended: its worker is reaped
         self.supervisor.on_death(self._on_death)
 
     # ------------------------------------------------------------ start-up
+
+    log_requests = False  # vLLM's flag: legato never logs each request
+
+    @property
+    def log_stats(self) -> bool:
+        """vLLM's flag: whether the stat loggers are fed (not ``disable_log_stats``)."""
+        return self.stats.log_stats
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """vLLM's read-only view of this engine's configuration (legato.vllm_config),
+        with the values learnt from the model (max_model_len, KV blocks, dtype) once
+        it has started."""
+        ready: m.WorkerReady | None = getattr(self, "ready", None)
+        return VllmConfig.of(self.config, dtype=ready.dtype if ready is not None else None)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """``vllm_config.model_config``."""
+        return self.vllm_config.model_config
+
+    @property
+    def decoding_config(self) -> DecodingConfig:
+        """``vllm_config.decoding_config`` (structured outputs)."""
+        return self.vllm_config.decoding_config
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, *, stat_loggers: Sequence[StatLoggerArg] = ()
+    ) -> AbstractAsyncContextManager[AsyncEngine]:
+        """vLLM's constructor in trio's form: ``async with AsyncEngine.from_engine_args(args)
+        as engine:`` starts the engine and stops it on exit (``open_engine(args)``)."""
+        return open_engine(engine_args, stat_loggers=stat_loggers)
+
+    async def get_vllm_config(self) -> VllmConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config
+
+    async def get_model_config(self) -> ModelConfig:
+        await trio.lowlevel.checkpoint()
+        return self.model_config
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config.decoding_config
 
     @property
     def model_name(self) -> str:
@@ -233,7 +288,7 @@ class AsyncEngine(EngineClient):
         ready: m.WorkerReady = await self._nursery.start(
             functools.partial(self.supervisor.run_actor, uses_task_status=True),
             "executor",
-            self.executor.run,
+            self._run_executor,
         )
         self.ready = ready
         parts = build_engine_parts(config, ready, tokenizer)
@@ -274,6 +329,16 @@ class AsyncEngine(EngineClient):
         self.stats.log_engine_initialized()
         await trio.lowlevel.checkpoint()
 
+    async def _run_executor(
+        self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The executor actor; ``_worker_gone`` is set once it has ended (worker reaped)."""
+        self._worker_started = True
+        try:
+            await self.executor.run(task_status=task_status)
+        finally:
+            self._worker_gone.set()
+
     async def _ping_core(self) -> None:
         await self.core.ping()
 
@@ -290,13 +355,16 @@ class AsyncEngine(EngineClient):
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        prompt_adapter_request: None = None,
+        priority: int = 0,
         *,
         prompt_text: str | None = None,
-        lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        priority: int = 0,
         data_parallel_rank: int | None = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Stream the request's outputs (see ``RequestStream``).
 
@@ -309,7 +377,32 @@ class AsyncEngine(EngineClient):
         ``truncation`` and ``max_length`` for text prompts; anything else, or
         ``sampling_params`` that are not SamplingParams, raise ValidationError
         at once.
+
+        Every argument up to ``priority`` may also be passed by position, in
+        the order of vLLM's AsyncLLM / multiprocess client
+        (``prompt_adapter_request``: None only); the rest, as in vLLM's
+        EngineClient protocol, by keyword.
+
+        As vLLM's: a ``priority`` other than 0 is refused unless the engine
+        schedules by priority; a prompt carrying ``multi_modal_data`` (or
+        ``mm_processor_kwargs``) is refused, legato serving text-only models.
+        ``reasoning_ended`` and ``reasoning_parser_kwargs`` are accepted and
+        checked: the engine has no reasoning parser (``legato serve
+        --reasoning-parser`` splits reasoning in the server), so a structured
+        output constrains from the first token, as vLLM's does without one.
         """
+        _check_vllm_extras(prompt, priority, self.config.scheduling_policy)
+        if prompt_adapter_request is not None:
+            raise ValidationError("prompt_adapter_request", "prompt adapters are not supported")
+        if reasoning_ended is not None and not isinstance(reasoning_ended, bool):
+            raise ValidationError(
+                "reasoning_ended", f"must be a bool, got {type(reasoning_ended).__name__}"
+            )
+        if reasoning_parser_kwargs is not None and not isinstance(reasoning_parser_kwargs, dict):
+            raise ValidationError(
+                "reasoning_parser_kwargs",
+                f"must be a dict, got {type(reasoning_parser_kwargs).__name__}",
+            )
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValidationError(
                 "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
@@ -415,6 +508,7 @@ class AsyncEngine(EngineClient):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
+        reasoning_ended: bool | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Embed ``prompt``: yields one PoolingRequestOutput (the pooled, by default
         L2-normalised final hidden state; see legato.models.pooling).
@@ -427,6 +521,7 @@ class AsyncEngine(EngineClient):
         request yields nothing. Cancellation aborts it, as for ``generate``.
         """
         params = await self._check_pooling(pooling_params)
+        torch = await _import_torch()
         sampling = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = self.generate(
             prompt,
@@ -435,6 +530,7 @@ class AsyncEngine(EngineClient):
             lora_request=lora_request,
             tokenization_kwargs=tokenization_kwargs,
             priority=priority,
+            reasoning_ended=reasoning_ended,
         )
         stream._pooling = params
         try:
@@ -446,9 +542,10 @@ class AsyncEngine(EngineClient):
                     if vector is not None:
                         yield PoolingRequestOutput(
                             stream.request_id,
-                            PoolingOutput(vector),
+                            PoolingOutput(torch.tensor(vector, dtype=torch.float32)),
                             list(output.prompt_token_ids or []),
-                            True,
+                            num_cached_tokens=output.num_cached_tokens or 0,
+                            finished=True,
                         )
         finally:  # a vector that came while nobody read it any more
             self.frontend.take_pooled(stream.engine_id)
@@ -501,8 +598,11 @@ class AsyncEngine(EngineClient):
         await trio.lowlevel.checkpoint()
         self._check_alive()
 
-    async def do_log_stats(self) -> None:
-        """Every stat logger's ``log()``; silent when ``disable_log_stats``. A checkpoint."""
+    async def do_log_stats(self, scheduler_outputs: Any = None, model_output: Any = None) -> None:
+        """Every stat logger's ``log()``; silent when ``disable_log_stats``. A checkpoint.
+
+        ``scheduler_outputs`` and ``model_output`` are vLLM's older parameters,
+        accepted and unused (the figures come from the engine's own steps)."""
         self.stats.log()
         await trio.lowlevel.checkpoint()
 
@@ -649,7 +749,18 @@ class AsyncEngine(EngineClient):
         self._check_alive()
         return await self.adapters.pin(lora_id)
 
-    async def get_tokenizer(self) -> Any:
+    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
+        """The tokenizer requests are rendered with. A checkpoint.
+
+        ``lora_request`` (vLLM's parameter) is accepted: an adapter runs with
+        the base model's tokenizer here (adapters that add tokens are not
+        served), so the answer is the same tokenizer. Anything but a
+        LoRARequest or None raises ValidationError.
+        """
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValidationError(
+                "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
+            )
         await trio.lowlevel.checkpoint()
         return self.tokenizer
 
@@ -665,25 +776,56 @@ class AsyncEngine(EngineClient):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Call ``method`` on every worker (there is one) and return their results."""
-        with trio.fail_after(math.inf if timeout is None else timeout):
-            return [await self._worker_call(method, *args, **(kwargs or {}))]
+        """Call ``method`` on the model worker and return its result in a list.
+
+        Under tensor parallelism every rank runs it; rank 0's result is returned.
+        As vLLM's: a method that raises fails the call with RuntimeError (the
+        worker's message; the engine keeps serving), and no answer within
+        ``timeout`` seconds raises TimeoutError (the call still completes on
+        the worker). A dead engine raises its EngineDeadError.
+        """
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                return [await self._worker_call(method, *args, **(kwargs or {}))]
+        except WorkerCallError as exc:
+            raise RuntimeError(f"collective_rpc {method!r} failed: {exc}") from exc
+        except trio.TooSlowError:
+            raise TimeoutError(f"collective_rpc {method!r}: no answer within {timeout} s") from None
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine: open streams end with EngineDeadError, the worker is reaped.
 
-        Synchronous and idempotent; the actors finish within the nursery's exit,
-        the worker gets a few seconds to exit by itself before it is killed.
+        Synchronous and idempotent; the actors finish within the nursery's exit.
+        The worker gets ``timeout`` seconds to exit by itself before it is
+        killed (vLLM's parameter), at most the executor's own grace of 5 s; None:
+        that grace. With the in-process executor there is no process to kill,
+        so ``timeout`` bounds nothing there. Only the first call's ``timeout``
+        counts.
         """
         if self._stopped:
             return
         self._stopped = True
+        if timeout is not None and self._worker_started and not self._worker_gone.is_set():
+            try:
+                self._nursery.start_soon(self._kill_worker_after, max(0.0, timeout))
+            except RuntimeError:  # the nursery has closed: the worker is long gone
+                pass
         self.supervisor.stopping = True
         frontend: Frontend | None = getattr(self, "frontend", None)  # None: never started
         if frontend is not None:
             frontend.fail_all(EngineDeadError("the engine has been shut down"))
         self.executor.begin_shutdown()
         self.supervisor.cancel_all()
+
+    async def _kill_worker_after(self, timeout: float) -> None:  # noqa: ASYNC109 - a deadline
+        """Kill the worker if it has not been reaped ``timeout`` seconds from now."""
+        with trio.move_on_after(timeout):
+            await self._worker_gone.wait()
+            return
+        try:
+            self.executor.kill()
+        except (WorkerCallError, ProcessLookupError):  # in-process; or it has just gone
+            pass
 
     async def wait_until_idle(self) -> None:
         """Return once the scheduler holds no request (every KV block free). A checkpoint."""
@@ -703,9 +845,38 @@ class AsyncEngine(EngineClient):
         return self.scheduler.kv.num_used_blocks
 
 
+async def _import_torch() -> types.ModuleType:
+    """torch, imported in a worker thread the first time: the engine's process needs it
+    only to hand out ``PoolingOutput.data`` as a tensor, and the import takes seconds
+    that must not hold the event loop."""
+    module = sys.modules.get("torch")
+    if module is None:
+        module = await trio.to_thread.run_sync(importlib.import_module, "torch")
+    return module
+
+
+def _check_vllm_extras(prompt: object, priority: object, policy: str) -> None:
+    """Refuse, as vLLM does, what a text-only, fcfs engine cannot honour (ValidationError)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValidationError("priority", f"must be an integer, got {type(priority).__name__}")
+    if priority != 0 and policy != "priority":
+        raise ValidationError(
+            "priority",
+            f"got {priority}, but priority scheduling is not enabled "
+            "(scheduling_policy='priority')",
+        )
+    if isinstance(prompt, Mapping):
+        for key in ("multi_modal_data", "mm_processor_kwargs"):
+            if prompt.get(key):
+                raise ValidationError(
+                    f"prompt.{key}",
+                    "multimodal inputs are not supported: legato serves text-only models",
+                )
+
+
 @asynccontextmanager
 async def open_engine(
-    model: str | None = None,
+    model: str | EngineArgs | None = None,
     *,
     faults: dict[str, Any] | None = None,
     stat_loggers: Sequence[StatLoggerArg] = (),
@@ -713,7 +884,9 @@ async def open_engine(
 ) -> AsyncIterator[AsyncEngine]:
     """Start an engine for ``model`` (None: the default model; see legato.model_source) and yield it.
 
-    ``engine_args`` are EngineConfig's fields (vLLM's names). Start-up
+    ``engine_args`` are EngineConfig's fields (vLLM's names). ``model`` may
+    instead be vLLM's ``EngineArgs`` (legato.vllm_config), which then holds every
+    setting: ``engine_args`` must be empty. Start-up
     failures (a bad model directory, weights that fail to load) raise here.
     On exit every request is ended, the actors stop and the worker is reaped.
     ``faults`` is for chaos testing only (``legato.testing.chaos``).
@@ -721,7 +894,15 @@ async def open_engine(
     or vLLM-style factories ``(config, engine_index) -> logger``, fed besides the
     built-in Prometheus and log-line loggers.
     """
-    config = EngineConfig.from_kwargs(model=model, **engine_args)
+    if isinstance(model, EngineArgs):
+        if engine_args:
+            raise TypeError(
+                f"open_engine: with EngineArgs, pass every setting in it, not as "
+                f"{', '.join(sorted(engine_args))}"
+            )
+        config = model.to_engine_config()
+    else:
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
     config = await trio.to_thread.run_sync(resolve_model, config)
     # The actors never raise into this nursery: a group here wraps one error from
     # start-up or from the caller's own block.

@@ -2,7 +2,11 @@
 
 The GPU-less client: a front end that renders prompts (and counts tokens)
 while the model runs elsewhere. It speaks EngineClient so it can stand where
-an engine would; every inference method raises a clear NotImplementedError.
+an engine would, as vLLM's ``LaunchEngineClient``, a null object: ``generate``
+and ``encode`` raise a clear NotImplementedError; every control call (pause,
+sleep, profile, caches) does nothing, ``reset_prefix_cache`` answers True and
+``add_lora`` False; it never stops or dies, so ``shutdown`` does nothing and
+``dead_error`` is the RuntimeError vLLM's gives.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from typing import Any
 import trio
 
 from .actors.renderer import PromptType, RenderedPrompt, Renderer
+from .config import EngineConfig
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
-from .protocol.params import PoolingParams, SamplingParams
+from .protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .tokenizer_loading import load_tokenizer
+from .vllm_config import DecodingConfig, ModelConfig, VllmConfig
 
 
 def _no_model(what: str) -> NotImplementedError:
@@ -51,15 +57,46 @@ class RenderOnlyClient(EngineClient):
             or _max_positions(model)
             or int(getattr(self.tokenizer, "model_max_length", 0))
         )
+        max_model_len = limit if 0 < limit < 10**9 else 2048
+        self.config = EngineConfig(model=model, tokenizer=tokenizer, max_model_len=max_model_len)
         self.renderer = Renderer(
             self.tokenizer,
-            max_model_len=limit if 0 < limit < 10**9 else 2048,
+            max_model_len=max_model_len,
             vocab_size=len(self.tokenizer),
             eos_token_ids=[]
             if self.tokenizer.eos_token_id is None
             else [self.tokenizer.eos_token_id],
         )
-        self._stopped = False
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: VllmConfig) -> RenderOnlyClient:
+        """vLLM's constructor: a client for ``vllm_config``'s model, tokenizer and
+        max_model_len (legato.vllm_config; ``EngineArgs.create_engine_config()``)."""
+        model = vllm_config.model_config
+        return cls(model.model, tokenizer=model.tokenizer, max_model_len=model.max_model_len)
+
+    # ------------------------------------------------------------ configuration
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """vLLM's read-only view of the client's configuration (legato.vllm_config)."""
+        return VllmConfig.of(self.config)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
+
+    async def get_vllm_config(self) -> VllmConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config
+
+    async def get_model_config(self) -> ModelConfig:
+        await trio.lowlevel.checkpoint()
+        return self.model_config
+
+    async def get_decoding_config(self) -> DecodingConfig:
+        await trio.lowlevel.checkpoint()
+        return self.vllm_config.decoding_config
 
     # ------------------------------------------------------------ rendering
 
@@ -88,11 +125,11 @@ class RenderOnlyClient(EngineClient):
 
     @property
     def is_running(self) -> bool:
-        return not self._stopped
+        return True
 
     @property
     def is_stopped(self) -> bool:
-        return self._stopped
+        return False
 
     @property
     def errored(self) -> bool:
@@ -100,7 +137,13 @@ class RenderOnlyClient(EngineClient):
 
     @property
     def dead_error(self) -> EngineDeadError:
-        return EngineDeadError("RenderOnlyClient never dies")
+        """A RuntimeError (EngineDeadError is one), with vLLM's LaunchEngineClient's message."""
+        return EngineDeadError("RenderOnlyClient does not support inference")
+
+    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
+        """The tokenizer prompts are rendered with (adapters share it). A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        return self.tokenizer
 
     def generate(
         self,
@@ -121,7 +164,7 @@ class RenderOnlyClient(EngineClient):
     ) -> AsyncIterator[PoolingRequestOutput]:
         raise _no_model("encode")
 
-    async def abort(self, request_id: str | Iterable[str]) -> None:
+    async def abort(self, request_id: str | Iterable[str], internal: bool = False) -> None:
         await trio.lowlevel.checkpoint()  # nothing runs here, so nothing to abort
 
     async def check_health(self) -> None:
@@ -134,10 +177,10 @@ class RenderOnlyClient(EngineClient):
         await trio.lowlevel.checkpoint()
 
     async def start_profile(self) -> None:
-        raise _no_model("start_profile")
+        await trio.lowlevel.checkpoint()  # nothing runs here, so nothing to profile
 
     async def stop_profile(self) -> None:
-        raise _no_model("stop_profile")
+        await trio.lowlevel.checkpoint()
 
     async def reset_mm_cache(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -148,19 +191,23 @@ class RenderOnlyClient(EngineClient):
     async def reset_prefix_cache(
         self, reset_running_requests: bool = False, reset_connector: bool = False
     ) -> bool:
-        raise _no_model("reset_prefix_cache")
+        """True: there is no prefix cache, so it is empty."""
+        await trio.lowlevel.checkpoint()
+        return True
 
     async def sleep(self, level: int = 1, mode: PauseModeName = "abort") -> None:
-        raise _no_model("sleep")
+        await trio.lowlevel.checkpoint()  # no accelerator memory to free
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        raise _no_model("wake_up")
+        await trio.lowlevel.checkpoint()
 
     async def is_sleeping(self) -> bool:
         return False
 
     async def add_lora(self, lora_request: Any) -> bool:
-        raise _no_model("add_lora")
+        """False: no model, so no adapter is loaded."""
+        await trio.lowlevel.checkpoint()
+        return False
 
     async def pause_generation(
         self,
@@ -169,16 +216,16 @@ class RenderOnlyClient(EngineClient):
         wait_for_inflight_requests: bool = False,
         clear_cache: bool = True,
     ) -> None:
-        raise _no_model("pause_generation")
+        await trio.lowlevel.checkpoint()  # nothing generates here
 
     async def resume_generation(self) -> None:
-        raise _no_model("resume_generation")
+        await trio.lowlevel.checkpoint()
 
     async def is_paused(self) -> bool:
         return False
 
     def shutdown(self, timeout: float | None = None) -> None:
-        self._stopped = True
+        """Nothing to stop: the client holds no process or task."""
 
 
 def _max_positions(model: str | None) -> int:

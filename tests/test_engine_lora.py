@@ -112,9 +112,12 @@ async def test_prefix_cache_is_keyed_by_adapter(
     and one cached under the adapter is."""
     lora = LoRARequest("a", 1, str(adapters["a"].path))
     prompt = PROMPTS[0] * 3  # several full blocks
-    await run(engine, prompt, "base")
+    base = await run(engine, prompt, "base")
     first = await run(engine, prompt, "a1", lora)
     assert first.num_cached_tokens == 0
+    # As vLLM's, the output and each completion name the adapter they came through.
+    assert base.lora_request is None and base.outputs[0].lora_request is None
+    assert first.lora_request == lora and first.outputs[0].lora_request == lora
     assert first.outputs[0].token_ids == adapters["a"].greedy(prompt, NEW_TOKENS)
     second = await run(engine, prompt, "a2", lora)
     assert second.num_cached_tokens > 0
@@ -271,12 +274,14 @@ async def test_embeddings_match_transformers_beside_generation(
     for i, prompt in enumerate(PROMPTS):
         out = vectors[f"e{i}"]
         assert out.request_id == f"e{i}" and out.prompt_token_ids == prompt
-        got = torch.tensor(out.outputs.data)
+        got = out.outputs.data
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.float32  # as vLLM's
+        assert out.outputs.embedding == got.tolist()
         torch.testing.assert_close(got, hf_embedding(toy_model_dir, prompt), atol=1e-5, rtol=0)
     assert vectors["gen"].outputs[0].token_ids == peft_base(adapters["a"], PROMPTS[0])
     through = await embed(engine, PROMPTS[2], "lora", lora_request=lora)
     torch.testing.assert_close(
-        torch.tensor(through.outputs.data),
+        through.outputs.data,
         hf_embedding(toy_model_dir, PROMPTS[2], adapters["b"]),
         atol=1e-5,
         rtol=0,

@@ -42,8 +42,8 @@ def hidden_states(toy_model_dir: Path) -> list[torch.Tensor]:
         ]
 
 
-def close(got: list[float], want: torch.Tensor) -> None:
-    torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)
+def close(got: Any, want: torch.Tensor) -> None:
+    torch.testing.assert_close(torch.as_tensor(got), want, atol=1e-5, rtol=0)
 
 
 def test_llm_embed_and_encode_match_transformers(
@@ -60,7 +60,7 @@ def test_llm_embed_and_encode_match_transformers(
         assert caught.value.field == "dimensions"
     for i, hidden in enumerate(hidden_states):
         assert embedded[i].prompt_token_ids == PROMPTS[i]
-        assert embedded[i].outputs.embedding == embedded[i].outputs.data
+        assert embedded[i].outputs.embedding == embedded[i].outputs.data.tolist()
         close(embedded[i].outputs.data, torch.nn.functional.normalize(hidden[-1], dim=-1))
         close(raw[i].outputs.data, hidden[-1])
 

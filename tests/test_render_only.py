@@ -25,9 +25,39 @@ async def test_renders_tokenizes_and_refuses_inference(toy_model_dir: Any) -> No
         client.render({"prompt_token_ids": [10**9]})
     with pytest.raises(NotImplementedError, match="no model"):
         client.generate("hi", legato.SamplingParams(), "r")
-    with pytest.raises(NotImplementedError, match="no model"):
-        await client.sleep()
     await client.check_health()
     assert client.is_running and not client.errored
-    client.shutdown()
-    assert client.is_stopped
+
+
+async def test_a_null_object_as_vllms_launch_engine_client(toy_model_dir: Any) -> None:
+    """Control calls do nothing and answer vLLM's constants; only inference raises."""
+    client = RenderOnlyClient(str(toy_model_dir))
+    await client.pause_generation(mode="keep")
+    await client.resume_generation()
+    await client.sleep(2)
+    await client.wake_up(["weights"])
+    await client.start_profile()
+    await client.stop_profile()
+    assert await client.reset_prefix_cache(reset_running_requests=True) is True
+    assert await client.add_lora(legato.LoRARequest("a", 1, "/adapters/a")) is False
+    await client.abort(["r1", "r2"], internal=True)
+    assert not await client.is_paused() and not await client.is_sleeping()
+    assert await client.get_tokenizer() is client.tokenizer
+    assert await client.get_tokenizer(legato.LoRARequest("a", 1, "/a")) is client.tokenizer
+    assert isinstance(client.dead_error, RuntimeError)
+    assert str(client.dead_error) == "RenderOnlyClient does not support inference"
+    client.shutdown(timeout=1.0)
+    assert client.is_running and not client.is_stopped  # nothing to stop, as vLLM's
+
+
+async def test_vllm_config_surface(toy_model_dir: Any) -> None:
+    client = RenderOnlyClient(str(toy_model_dir), max_model_len=300)
+    model_config = await client.get_model_config()
+    assert model_config == client.model_config == (await client.get_vllm_config()).model_config
+    assert (model_config.model, model_config.max_model_len) == (str(toy_model_dir), 300)
+    assert (await client.get_decoding_config()).backend == "guidance"
+    # vLLM's constructor: from a VllmConfig (here EngineArgs' view).
+    args = legato.EngineArgs(model=str(toy_model_dir), max_model_len=200)
+    again = RenderOnlyClient.from_vllm_config(args.create_engine_config())
+    assert again.model_config.max_model_len == 200 == again.renderer.max_model_len
+    assert again.tokenize("hello") == client.tokenize("hello")

@@ -101,6 +101,8 @@ class EngineClient(abc.ABC):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        reasoning_ended: bool | None = None,
+        reasoning_parser_kwargs: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs: an async iterator of RequestOutput.
 
@@ -129,7 +131,8 @@ class EngineClient(abc.ABC):
         ``prompt_text`` is the prompt's text when ``prompt`` is token ids;
         ``tokenization_kwargs`` are passed to the tokenizer by the renderer;
         ``priority`` orders admission under ``scheduling_policy="priority"``
-        (lower first) and is ignored under "fcfs"; ``trace_headers`` are
+        (lower first); under "fcfs" anything but 0 raises ValidationError, as
+        vLLM's ValueError; ``trace_headers`` are
         accepted and ignored (no tracing); ``data_parallel_rank`` must be None
         or 0 (one engine core).
         """
@@ -144,6 +147,7 @@ class EngineClient(abc.ABC):
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
         tokenization_kwargs: dict[str, Any] | None = None,
+        reasoning_ended: bool | None = None,
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Run a pooling request: an async iterator yielding one PoolingRequestOutput.
 
@@ -309,8 +313,9 @@ class EngineClient(abc.ABC):
 
     # ------------------------------------------------------------- optional
 
-    async def get_tokenizer(self) -> Any:
-        """The tokenizer requests are rendered with (a transformers tokenizer)."""
+    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
+        """The tokenizer requests are rendered with (a transformers tokenizer); for
+        ``lora_request``, the one that adapter's requests are rendered with."""
         raise _unsupported(self, "get_tokenizer", "this client has no tokenizer")
 
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:

@@ -1,4 +1,15 @@
-"""The public errors. Never imports torch or trio."""
+"""The public errors, on vLLM's base classes so vLLM's ``except`` clauses catch them.
+
+- ``EngineDeadError`` is a RuntimeError: vLLM v1's EngineDeadError is an Exception, the
+  multiprocess client's ``MQEngineDeadError`` and ``LaunchEngineClient.dead_error`` are
+  RuntimeErrors, so ``except RuntimeError`` and ``except Exception`` both hold.
+- ``EngineGenerateError`` is an Exception, constructible with no arguments as vLLM's.
+- ``ValidationError`` (bad input) is a ValueError, as vLLM's input checks raise.
+- ``EngineStartupError`` is a RuntimeError, as vLLM's "Engine core initialization
+  failed" is.
+
+Never imports torch or trio.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +18,34 @@ class LegatoError(Exception):
     """Base of every error legato raises on purpose."""
 
 
-class EngineDeadError(LegatoError):
+class EngineDeadError(LegatoError, RuntimeError):
     """The engine has died and cannot serve again.
 
     Raised by every open stream, every new call and ``check_health`` once the
     engine is dead. ``__cause__`` is the first failure that killed it.
+    ``EngineDeadError()`` with no arguments works, as vLLM's does;
+    ``suppress_context`` is vLLM's keyword (hide the implicit context in tracebacks).
     """
 
-    def __init__(self, message: str = "the engine is dead; see __cause__ for why") -> None:
+    def __init__(
+        self,
+        message: str = "the engine is dead; see __cause__ for why",
+        *,
+        suppress_context: bool = False,
+    ) -> None:
         super().__init__(message)
+        self.__suppress_context__ = suppress_context
 
 
 class EngineGenerateError(LegatoError):
-    """One request failed; the engine is healthy and keeps serving others."""
+    """One request failed; the engine is healthy and keeps serving others.
 
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(f"request {request_id!r}: {message}")
+    ``request_id`` names it when known; ``EngineGenerateError()`` with no
+    arguments works, as vLLM's does.
+    """
+
+    def __init__(self, request_id: str | None = None, message: str = "the request failed") -> None:
+        super().__init__(message if request_id is None else f"request {request_id!r}: {message}")
         self.request_id = request_id
 
 
@@ -69,7 +92,7 @@ class PromptTooLongError(ValidationError):
     """prompt + max_tokens exceed max_model_len."""
 
 
-class EngineStartupError(LegatoError):
+class EngineStartupError(LegatoError, RuntimeError):
     """The engine could not start (bad model directory, weights failed to load...)."""
 
 

@@ -75,7 +75,7 @@ async def embed_inputs(
                 inputs[i], params, engine_ids[i], lora, priority=priority,
                 tokenization_kwargs=kwargs,
             ):  # fmt: skip
-                vectors[i] = out.outputs.data
+                vectors[i] = out.outputs.embedding
                 tokens[i] = len(out.prompt_token_ids)
             if not vectors[i]:  # aborted (a shutdown past its grace period)
                 raise Unavailable("shutting_down", "the request was aborted")

@@ -143,6 +143,13 @@ position_logprobs = st.dictionaries(small, logprob, max_size=3)
 token_logprobs = st.builds(
     TokenLogprobs, token_ids=token_ids, logprobs=st.lists(floats), ranks=token_ids
 )
+lora_request = st.builds(
+    LoRARequest,
+    lora_name=text.filter(bool),
+    lora_int_id=st.integers(1, 2**31 - 1),
+    lora_path=text,
+    base_model_name=optional(text),
+)
 completion = st.builds(
     CompletionOutput,
     index=small,
@@ -152,6 +159,7 @@ completion = st.builds(
     logprobs=optional(st.lists(position_logprobs, max_size=3)),
     finish_reason=optional(st.sampled_from(["stop", "length", "abort"])),
     stop_reason=optional(ints | text),
+    lora_request=optional(lora_request),
 )
 metrics = st.builds(
     RequestMetrics,
@@ -167,13 +175,6 @@ pooling_params = st.builds(
     task=st.sampled_from(["embed", "classify", "score", "encode"]),
     dimensions=optional(st.integers(1, 4096)),
     normalize=st.booleans(),
-)
-lora_request = st.builds(
-    LoRARequest,
-    lora_name=text.filter(bool),
-    lora_int_id=st.integers(1, 2**31 - 1),
-    lora_path=text,
-    base_model_name=optional(text),
 )
 new_request = st.builds(
     NewRequestData,
@@ -241,6 +242,10 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         finished=st.booleans(),
         num_cached_tokens=optional(small),
         metrics=optional(metrics),
+        lora_request=optional(lora_request),
+        encoder_prompt=optional(text),
+        encoder_prompt_token_ids=optional(token_ids),
+        kv_transfer_params=optional(st.dictionaries(text, ints, max_size=2)),
     ),
     PoolingOutput: pooling_output,
     PoolingRequestOutput: st.builds(
@@ -248,6 +253,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         request_id=text,
         outputs=pooling_output,
         prompt_token_ids=token_ids,
+        num_cached_tokens=small,
         finished=st.booleans(),
     ),
     EngineRequest: st.builds(
