@@ -100,7 +100,7 @@ def test_outputs_are_identical_to_the_trio_engines(toy_model_dir: Any) -> None:
                 for job in jobs:
                     nursery.start_soon(one, *job)
             async for e in engine.encode(PROMPTS[0], embed, "emb"):
-                got["emb"] = e.outputs.data
+                got["emb"] = e.outputs.data.tolist()
         return got
 
     async def aio_side(engine: aio.AioEngine) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def test_outputs_are_identical_to_the_trio_engines(toy_model_dir: Any) -> None:
 
         await asyncio.gather(*(one(*job) for job in jobs))
         async for e in engine.encode(PROMPTS[0], embed, "emb"):
-            got["emb"] = e.outputs.data
+            got["emb"] = e.outputs.data.tolist()
         return got
 
     expected = trio.run(trio_side)

@@ -193,7 +193,7 @@ ROWS: list[Row] = [
     r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER, "named processor"),
     r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER, "named core (CoreSteps)"),
     r("002", 9, "logger_manager", "llm.stats", "attr", None, DIFFER, "named stats"),
-    r("002", 10, "model_executor", "llm.runner", "attr", None, DIFFER, "named runner"),
+    r("002", 10, "model_executor", "llm.worker", "attr", None, DIFFER, "named worker (in-process)"),
     r("002", 11, "from_vllm_config", "LLM.from_vllm_config", "cls", None, MISSING, ISSUE_27),
     r("002", 12, "from_engine_args", "LLM.from_engine_args", "cls",
       "(engine_args, usage_context=None, stat_loggers=None, enable_multiprocessing=False)",
