@@ -36,9 +36,23 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+"""Rotary scalings legato computes (:mod:`legato.models.rotary`), named as transformers does."""
+
+_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs
+
+
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary settings: ``rope_type`` is "default", "linear" or "llama3"."""
+    """Rotary settings, as transformers' ``rope_parameters`` names them.
+
+    ``rope_type`` is one of :data:`ROPE_TYPES`. ``original_max_position_embeddings``
+    is the pre-training window (llama3, yarn, longrope); ``max_position_embeddings``
+    the config's, which dynamic NTK scales past and which yarn / longrope derive
+    their factor from when the config gives none. ``freq_factors`` divide the
+    inverse frequencies one by one (a GGUF file's ``rope_freqs`` tensor, which is
+    how llama.cpp stores Llama 3's scaling).
+    """
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -46,6 +60,16 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +123,9 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _rope_from(raw: dict[str, Any]) -> RopeConfig:
+    """The rotary settings in ``raw`` (config.json): ``rope_parameters`` (transformers 5,
+    possibly per layer type) or the older ``rope_theta`` + ``rope_scaling`` (``type`` or
+    ``rope_type``). Raises ``ValueError`` naming an unknown rope type or a missing field."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -106,14 +133,46 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = str(params.get("rope_type", params.get("type", "default")) or "default")
-    orig = params.get("original_max_position_embeddings")
+    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_parameters.rope_type: {rope_type!r} is not supported "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    # Phi-3 keeps the pre-training window at top level, and it wins (as in transformers)
+    orig = raw.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings"
+    )
+    if orig is None and rope_type in ("llama3", "yarn", "longrope"):
+        orig = max_pos
+    factor = params.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope") and orig:
+        factor = max_pos / int(orig)
+    if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+        raise ValueError("rope_parameters: longrope needs short_factor and long_factor")
+
+    def optional(key: str) -> float | None:
+        value = params.get(key)
+        return float(value) if value is not None else None
+
     return RopeConfig(
         theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0) or 1.0),
+        factor=float(factor or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig is not None else None,
+        max_position_embeddings=max_pos,
+        attention_factor=optional("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+        freq_factors=tuple(float(f) for f in params.get("freq_factors") or ()),
     )
 
 

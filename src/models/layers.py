@@ -1,4 +1,4 @@
-"""Small model building blocks: linear, embedding, RMSNorm, rotary, MLP, attention.
+"""Small model building blocks: linear, embedding, RMSNorm, MLP, attention (rotary: rotary.py).
 
 Each is a tiny ``nn.Module`` whose parameters are allocated empty (no random
 init) in the target dtype and device, to be filled by the loader. The maths
@@ -10,14 +10,11 @@ Never imports trio.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention_backend import Backend, StepContext
-from .config import RopeConfig
 from .cpu_linear import PackedLinear
 
 
@@ -81,47 +78,6 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += x``; returns ``(norm(residual), residual)``."""
         return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (fp32), with linear or llama3 scaling.
-
-    Mirrors transformers' rope initialisation step for step so fp32 matches it bit
-    for bit.
-    """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
-    inv_freq = 1.0 / (rope.theta**exponent)
-    if rope.rope_type == "default":
-        return inv_freq
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        if rope.original_max_position_embeddings is None:
-            raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
-        old_len = rope.original_max_position_embeddings
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(
-        f"rope scaling {rope.rope_type!r} is not supported (supported: default, linear, llama3)"
-    )
-
-
-def rope_cos_sin_cache(
-    head_dim: int, rope: RopeConfig, max_positions: int, device: torch.device
-) -> torch.Tensor:
-    """``[max_positions, head_dim]`` fp32: cos in the first half of the columns, sin in the last."""
-    inv_freq = rope_inv_freq(head_dim, rope)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
 
 class MLP(nn.Module):

@@ -18,7 +18,8 @@ from torch import nn
 
 from .attention_backend import AttentionMetadata, Backend, StepContext
 from .config import ModelConfig
-from .layers import MLP, Attention, Embedding, Linear, RMSNorm, rope_cos_sin_cache
+from .layers import MLP, Attention, Embedding, Linear, RMSNorm
+from .rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -99,8 +100,6 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits`` applies the LM head to the rows that need logits.
     """
 
-    cos_sin_cache: torch.Tensor
-
     def __init__(
         self,
         cfg: ModelConfig,
@@ -119,11 +118,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
-        self.register_buffer(
-            "cos_sin_cache",
-            rope_cos_sin_cache(cfg.head_dim, cfg.rope, max_positions, device),
-            persistent=False,
-        )
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, device)
 
     def forward(
         self,
@@ -135,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
 
         Writes each layer's new K/V into ``kv_caches`` at ``meta.slot_mapping``.
         """
-        step = self.backend.begin_step(meta, self.cos_sin_cache, self.dtype)
+        cos_sin_cache, meta = self.rotary.for_step(meta)
+        step = self.backend.begin_step(meta, cos_sin_cache, self.dtype)
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -9,7 +9,7 @@ from legato.kernels import reference
 from legato.models import torch_ops
 from legato.models.attention_backend import select_backend
 from legato.models.config import RopeConfig
-from legato.models.layers import rope_cos_sin_cache
+from legato.models.rotary import rope_cos_sin_cache
 
 H, HKV, D, BS = 4, 2, 16, 4
 
