@@ -95,6 +95,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer: "sliding_attention" or "full_attention"
     config_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -107,6 +108,13 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (it attends to its last that many positions,
+        its own included), or None for full attention."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -198,6 +206,25 @@ def load_model_config(model: str | Path) -> ModelConfig:
     return model_config_from_dict(raw, gen)
 
 
+def _layer_types(
+    raw: dict[str, Any], model_type: str, num_layers: int, sliding: Any
+) -> tuple[str, ...]:
+    """Which layers use the sliding window, as transformers decides: ``layer_types``
+    where the config lists them; Qwen2/Qwen3 from ``max_window_layers`` on; else
+    (Mistral) every layer once a window is set."""
+    if not sliding:
+        return ("full_attention",) * num_layers
+    listed = raw.get("layer_types")
+    if isinstance(listed, list) and len(listed) == num_layers:
+        return tuple(str(t) for t in listed)
+    if model_type in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        )
+    return ("sliding_attention",) * num_layers
+
+
 def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from config.json's and generation_config.json's contents."""
     architectures = raw.get("architectures") or []
@@ -209,13 +236,15 @@ def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelCon
     sliding = raw.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         sliding = None
+    num_layers = int(raw["num_hidden_layers"])
+    layer_types = _layer_types(raw, model_type, num_layers, sliding)
     return ModelConfig(
         architecture=str(architectures[0]) if architectures else "",
         model_type=model_type,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
@@ -228,6 +257,7 @@ def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelCon
         o_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         sliding_window=int(sliding) if sliding else None,
+        layer_types=layer_types,
         config_dtype=_DTYPES.get(str(dtype_name)) if dtype_name else None,
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,

@@ -106,6 +106,7 @@ class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache, fused qkv projection.
 
     ``qk_norm`` adds per-head RMSNorm of queries and keys before rotary (Qwen3).
+    ``sliding_window``: each query sees only its last that many positions (None: all).
     """
 
     def __init__(
@@ -121,8 +122,10 @@ class Attention(nn.Module):
         backend: Backend,
         dtype: torch.dtype,
         device: torch.device,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -149,6 +152,8 @@ class Attention(nn.Module):
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
             )
         q, k = step.rotary(qk, self.num_heads)
-        out = step.attention(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        out = step.attention(
+            q, k, v, kv_cache[0], kv_cache[1], self.scale, sliding_window=self.sliding_window
+        )
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected

@@ -1,7 +1,8 @@
 """The Llama-family decoder on the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3.
 
 One class covers them all; the differences are flags in :class:`ModelConfig`
-(qkv bias for Qwen2, per-head q/k RMSNorm for Qwen3, rope scaling for Llama 3).
+(qkv bias for Qwen2, per-head q/k RMSNorm for Qwen3, rope scaling for Llama 3,
+the sliding window of Mistral's and Qwen2's windowed layers).
 Weight names follow the Hugging Face checkpoints; ``q/k/v_proj`` and
 ``gate/up_proj`` load into fused ``qkv_proj`` and ``gate_up_proj``.
 
@@ -41,7 +42,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, residual carried separately."""
 
     def __init__(
-        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -58,6 +64,7 @@ class DecoderLayer(nn.Module):
             backend,
             dtype,
             device,
+            sliding_window=cfg.window_of(layer),
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, backend, dtype, device)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, backend, dtype, device)
@@ -88,7 +95,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype, device)
 

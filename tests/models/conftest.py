@@ -87,7 +87,7 @@ def _make(kind: str, path: Path, max_shard_size: str | None = None, **overrides:
         config = tf.LlamaConfig(**kwargs)
         cls = tf.LlamaForCausalLM
     elif kind == "mistral":
-        config = tf.MistralConfig(**{**kwargs, "sliding_window": None})
+        config = tf.MistralConfig(**{"sliding_window": None, **kwargs})
         cls = tf.MistralForCausalLM
     elif kind == "qwen2":
         config = tf.Qwen2Config(**kwargs)
