@@ -142,6 +142,8 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = str(params.get("rope_type", params.get("type", "default")) or "default")
     rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+    if raw.get("model_type") == "phi3" and rope_type == "yarn":
+        rope_type = "longrope"  # early Phi-3 configs, as transformers reads them
     if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"rope_parameters.rope_type: {rope_type!r} is not supported "
@@ -157,6 +159,9 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     factor = params.get("factor")
     if factor is None and rope_type in ("yarn", "longrope") and orig:
         factor = max_pos / int(orig)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
+    if float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor: {partial} is not supported (only 1.0)")
     if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
         raise ValueError("rope_parameters: longrope needs short_factor and long_factor")
 

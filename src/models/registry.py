@@ -18,6 +18,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .phi3 import Phi3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(LlamaForCausalLM),
     "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, {"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, {"qk_norm": True}),
+    "Phi3ForCausalLM": ArchSpec(Phi3ForCausalLM),
 }
 
 
