@@ -191,16 +191,22 @@ def plan_attention(
             decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=device)
     elif num_decodes:
         dec_lens = seq_lens[:num_decodes]
-        decode_blocks = (max(dec_lens) + block_size - 1) // block_size
-        table = block_tables[:num_decodes, :decode_blocks].long()
+        # each row gathers from the block holding its first visible key (0 without a window)
+        firsts = [max(n - window, 0) // block_size if window else 0 for n in dec_lens]
+        decode_blocks = max(
+            (n + block_size - 1) // block_size - f for n, f in zip(dec_lens, firsts, strict=True)
+        )
         lens = torch.tensor(dec_lens, device=device)
+        first = torch.tensor(firsts, device=device)
         needed = (lens + block_size - 1) // block_size
-        cols = torch.arange(decode_blocks, device=device)
-        decode_block_ids = torch.where(cols[None, :] < needed[:, None], table, 0).reshape(-1)
-        keys = torch.arange(decode_blocks * block_size, device=device)
-        valid = keys[None, :] < lens[:, None]
+        cols = first[:, None] + torch.arange(decode_blocks, device=device)[None, :]
+        table = block_tables[:num_decodes].long()
+        table = table.gather(1, cols.clamp(max=table.shape[1] - 1))
+        decode_block_ids = torch.where(cols < needed[:, None], table, 0).reshape(-1)
+        keys = first[:, None] * block_size + torch.arange(decode_blocks * block_size, device=device)
+        valid = keys < lens[:, None]
         if window is not None:  # the query sits at lens - 1
-            valid &= keys[None, :] >= lens[:, None] - window
+            valid &= keys >= lens[:, None] - window
         valid = valid[:, None, None, :]
         if dtype == torch.float32:
             decode_mask = valid
