@@ -70,6 +70,11 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     freq_factors: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's ``head_dim`` dims rotate (the first ones, as transformers)."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -159,9 +164,7 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     factor = params.get("factor")
     if factor is None and rope_type in ("yarn", "longrope") and orig:
         factor = max_pos / int(orig)
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0
-    if float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor: {partial} is not supported (only 1.0)")
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0)
     if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
         raise ValueError("rope_parameters: longrope needs short_factor and long_factor")
 
@@ -186,6 +189,7 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
         short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
         long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
         freq_factors=tuple(float(f) for f in params.get("freq_factors") or ()),
+        partial_rotary_factor=partial,
     )
 
 

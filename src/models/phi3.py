@@ -9,6 +9,10 @@ config, none in the forward pass:
 - LongRoPE scaling (``rope_scaling`` type "longrope", Phi-3's 128k models) and a
   sliding window on every layer (Phi-3-mini-4k), both read by the shared config
   code (:mod:`legato.models.rotary`, :mod:`legato.models.config`);
+- a partial rotary (``partial_rotary_factor``, Phi-4-mini: 0.75): each head's
+  query and key rows are reordered at load so that the shared full-width rotary
+  rotates exactly the dims transformers rotates
+  (:func:`legato.models.rotary.partial_rotary_order`);
 - ``resid_pdrop`` / ``attention_dropout``: training only.
 
 transformers' Phi-3 ``generate`` drops its KV cache and recomputes the whole
@@ -31,6 +35,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from .llama import LlamaForCausalLM
+from .rotary import partial_rotary_order
 
 _QKV = "self_attn.qkv_proj.weight"
 _GATE_UP = "mlp.gate_up_proj.weight"
@@ -48,11 +53,16 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
         qkv_rows = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        rotary_dim = cfg.rope.rotary_dim(cfg.head_dim)
+        order = partial_rotary_order(cfg.head_dim, rotary_dim)
         for name, tensor in weights:
             if name.endswith(_QKV):
                 prefix = name[: -len(_QKV)]
                 self._check_rows(name, tensor, sum(qkv_rows))
                 q, k, v = torch.split(tensor, qkv_rows)
+                if rotary_dim != cfg.head_dim:  # partial rotary (Phi-4-mini): see rotary.py
+                    q, k = (x.view(-1, cfg.head_dim, x.shape[-1])[:, order].flatten(0, 1)
+                            for x in (q, k))  # fmt: skip
                 yield f"{prefix}self_attn.q_proj.weight", q
                 yield f"{prefix}self_attn.k_proj.weight", k
                 yield f"{prefix}self_attn.v_proj.weight", v

@@ -106,7 +106,8 @@ def longrope_attention_factor(rope: RopeConfig) -> float:
 def rope_inv_freq(
     head_dim: int, rope: RopeConfig, *, long: bool = False
 ) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [head_dim // 2] fp32, attention_factor)`` for ``rope``.
+    """``(inv_freq [head_dim // 2] fp32, attention_factor)`` for ``rope``, where
+    ``head_dim`` is the number of rotated dims (all of a head's, or its rotary part).
 
     ``attention_factor`` scales cos and sin (YaRN, LongRoPE; 1.0 otherwise).
     ``long`` picks LongRoPE's long factors. Dynamic NTK gives its frequencies at
@@ -159,24 +160,56 @@ def dynamic_inv_freq(head_dim: int, rope: RopeConfig, seq_lens: torch.Tensor) ->
 
 
 def cos_sin_rows(
-    positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_factor: float = 1.0,
+    head_dim: int | None = None,
 ) -> torch.Tensor:
-    """``[N, D]`` fp32, cos | sin of ``positions * inv_freq`` (``inv_freq`` ``[D/2]`` or
-    ``[N, D/2]``), each times ``attention_factor``."""
+    """``[N, head_dim]`` fp32, cos | sin of ``positions * inv_freq`` (``inv_freq`` ``[R/2]``
+    or ``[N, R/2]``), each times ``attention_factor``. With ``head_dim`` > R (partial
+    rotary) each half is padded with cos 1, sin 0: pairs that do not rotate."""
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     cos, sin = freqs.cos(), freqs.sin()
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
+    pad = (head_dim or 2 * freqs.shape[-1]) // 2 - freqs.shape[-1]
+    if pad:
+        cos = torch.cat((cos, cos.new_ones(*cos.shape[:-1], pad)), dim=-1)
+        sin = torch.cat((sin, sin.new_zeros(*sin.shape[:-1], pad)), dim=-1)
     return torch.cat((cos, sin), dim=-1)
 
 
 def rope_cos_sin_cache(
     head_dim: int, rope: RopeConfig, max_positions: int, device: torch.device, *, long: bool = False
 ) -> torch.Tensor:
-    """``[max_positions, head_dim]`` fp32: cos in the first half of the columns, sin in the last."""
-    inv_freq, attention_factor = rope_inv_freq(head_dim, rope, long=long)
+    """``[max_positions, head_dim]`` fp32: cos in the first half of the columns, sin in the
+    last (with partial rotary, see :func:`cos_sin_rows` and :func:`partial_rotary_order`)."""
+    inv_freq, attention_factor = rope_inv_freq(rope.rotary_dim(head_dim), rope, long=long)
     positions = torch.arange(max_positions, dtype=torch.float32)
-    return cos_sin_rows(positions, inv_freq, attention_factor).to(device)
+    return cos_sin_rows(positions, inv_freq, attention_factor, head_dim).to(device)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under which partial rotary is full-width neox rotary.
+
+    transformers rotates the first ``rotary_dim`` dims of a head in neox pairs
+    ``(i, i + rotary_dim / 2)`` and passes the rest through. Reordered so, the
+    rotary pairs sit at ``(j, j + head_dim / 2)`` for ``j < rotary_dim / 2`` and the
+    passed-through dims fill the other columns, which the padded cos/sin table
+    leaves alone; applied to the query and key projection rows of each head (the
+    scores are the same under one order applied to both), the kernels need no
+    partial-rotary variant. ``new[j] = old[order[j]]``.
+    """
+    half, rhalf = head_dim // 2, rotary_dim // 2
+    rest = torch.arange(rotary_dim, head_dim)
+    return torch.cat(
+        (
+            torch.arange(rhalf),
+            rest[: half - rhalf],
+            torch.arange(rhalf, rotary_dim),
+            rest[half - rhalf :],
+        )
+    )
 
 
 def _token_seq_lens(meta: AttentionMetadata) -> torch.Tensor:
@@ -225,7 +258,7 @@ class RotaryEmbedding(nn.Module):
             assert orig is not None
             offset = (seq_lens > orig).to(torch.int64) * self.max_positions
             return self.cos_sin_cache, dataclasses.replace(meta, positions=meta.positions + offset)
-        inv_freq = dynamic_inv_freq(self.head_dim, self.rope, seq_lens)
-        rows = cos_sin_rows(meta.positions, inv_freq)
+        inv_freq = dynamic_inv_freq(self.rope.rotary_dim(self.head_dim), self.rope, seq_lens)
+        rows = cos_sin_rows(meta.positions, inv_freq, head_dim=self.head_dim)
         positions = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
         return rows, dataclasses.replace(meta, positions=positions)

@@ -107,6 +107,47 @@ def test_longrope_and_sliding_window_past_the_original_window(
         assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"prompt {i}"
 
 
+@pytest.mark.parametrize("longrope", [False, True])
+def test_partial_rotary_matches_transformers(
+    longrope: bool,
+    make_checkpoint: Callable[..., Any],
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+) -> None:
+    """Phi-4-mini rotates part of each head (here half: 8 of 16 dims), with and without
+    LongRoPE; without it in chunks, so that cached keys are read back too."""
+    overrides: dict[str, Any] = dict(partial_rotary_factor=0.5)
+    if longrope:
+        overrides.update(
+            max_position_embeddings=256,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.1, 1.2, 1.4],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+            },
+        )
+    ck = make_checkpoint("phi3", **overrides)
+    assert load_model_config(ck.path).rope.rotary_dim(16) == 8
+    prompts = _prompts([9, 150 if longrope else 40], seed=44)
+    # chunks would cross LongRoPE's original window mid-prompt (see legato.models.rotary)
+    sched = mini_scheduler(make_runner(ck, max_model_len=256), chunk=None if longrope else 16)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+    outputs = sched.run()
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"prompt {i}"
+
+
+def test_partial_rotary_refused_for_other_architectures(tmp_path: Path, llama: Any) -> None:
+    raw = json.loads((llama.path / "config.json").read_text())
+    raw["partial_rotary_factor"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="partial_rotary_factor: 0.5 is not supported"):
+        resolve_architecture(load_model_config(tmp_path))
+
+
 def test_unsupported_architecture_fails_at_start_naming_it(tmp_path: Path, phi3: Any) -> None:
     raw = json.loads((phi3.path / "config.json").read_text())
     raw["architectures"] = ["Gemma2ForCausalLM"]
