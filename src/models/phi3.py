@@ -23,7 +23,8 @@ generation that crosses the original window departs from transformers there.
 Prompts already past it, and sequences that stay within it, match.
 
 Tensor parallelism is not offered: the fused tensors would have to be sliced per
-rank in three (q/k/v) or two (gate/up) places; a sharded load fails with that reason.
+rank in three (q/k/v) or two (gate/up) places; building a rank's share fails with
+that reason.
 
 Never imports trio or transformers.
 """
@@ -34,6 +35,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from .attention_backend import Backend
+from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .rotary import partial_rotary_order
 
@@ -42,7 +45,26 @@ _GATE_UP = "mlp.gate_up_proj.weight"
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 / Phi-4 causal LM on the paged KV cache (the Llama forward, fused weights)."""
+    """Phi-3 / Phi-4 causal LM on the paged KV cache (the Llama forward, fused weights).
+
+    Built with one tensor-parallel rank's share of the heads, it raises ``ValueError``
+    at once: the fused tensors are not sliced per rank.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+    ) -> None:
+        if cfg.num_heads != int(cfg.raw.get("num_attention_heads", cfg.num_heads)):
+            raise ValueError(
+                f"tensor_parallel_size: {cfg.architecture} is not supported with tensor "
+                "parallelism (its qkv_proj and gate_up_proj are stored fused)"
+            )
+        super().__init__(cfg, backend, dtype, device, max_positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors."""
@@ -79,6 +101,5 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
         if tensor.shape[0] != rows:
             raise ValueError(
-                f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected {rows} "
-                "(Phi-3's fused projections are not split across tensor-parallel ranks)"
+                f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected {rows}"
             )

@@ -148,6 +148,19 @@ def test_partial_rotary_refused_for_other_architectures(tmp_path: Path, llama: A
         resolve_architecture(load_model_config(tmp_path))
 
 
+def test_tensor_parallel_load_fails_with_the_reason(phi3: Any) -> None:
+    """A rank's share of Phi-3 is refused when it is built, naming the reason."""
+    from legato.distributed.sharding import TensorParallelPlan
+    from legato.models.attention_backend import select_backend
+    from legato.models.loader import build_model
+
+    cfg = load_model_config(phi3.path)
+    rank_cfg = TensorParallelPlan.for_model(cfg, 2, 0).rank_config(cfg)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="Phi3ForCausalLM is not supported with tensor paral"):
+        build_model(rank_cfg, select_backend("torch", cpu), torch.float32, cpu, 64)
+
+
 def test_unsupported_architecture_fails_at_start_naming_it(tmp_path: Path, phi3: Any) -> None:
     raw = json.loads((phi3.path / "config.json").read_text())
     raw["architectures"] = ["Gemma2ForCausalLM"]
