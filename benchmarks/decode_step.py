@@ -19,9 +19,13 @@ preparation (metadata and attention plan), sampling, and the rest of
 ``execute`` (overhead). The run ends with ``other_cpu_frac``: the share of the
 machine other processes used meanwhile (figures above 0.1 are void).
 
+``--sliding-window N`` makes the checkpoint a Mistral with that window on every
+layer (both sides attend to the last N positions only).
+
 Prints a table; never asserted in tests. Example::
 
     python benchmarks/decode_step.py --batch-sizes 1 16 64 --dtypes float32 bfloat16 --profile
+    python benchmarks/decode_step.py --context 2048 --sliding-window 256 --batch-sizes 1 16
 """
 
 from __future__ import annotations
@@ -58,9 +62,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_checkpoint(args: argparse.Namespace, path: str) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    config = LlamaConfig(
+    windowed = args.sliding_window is not None  # Mistral: the window on every layer
+    config_class = MistralConfig if windowed else LlamaConfig
+    extra = {"sliding_window": args.sliding_window} if windowed else {}
+    config = config_class(
+        **extra,
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.intermediate,
@@ -74,7 +82,7 @@ def make_checkpoint(args: argparse.Namespace, path: str) -> Any:
         pad_token_id=None,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = (MistralForCausalLM if windowed else LlamaForCausalLM)(config).eval()
     model.save_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
     print(f"checkpoint: {params / 1e6:.1f}M parameters in {path}")
@@ -297,6 +305,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--profile", action="store_true", help="legato's step by category")
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="a Mistral checkpoint with this window on every layer (default: Llama, none)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

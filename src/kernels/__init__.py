@@ -54,7 +54,8 @@ class PagedAttentionFn(Protocol):
     """``paged_attention`` as the model calls it: reference positional args plus optional hints.
 
     ``max_query_len`` / ``max_seq_len`` are host-side upper bounds that let the
-    Triton path avoid a device sync; the torch path ignores them.
+    Triton path avoid a device sync; the torch path ignores them. ``sliding_window``:
+    each query sees only keys at ``q_pos - sliding_window < k_pos <= q_pos`` (None: all).
     """
 
     def __call__(
@@ -69,6 +70,7 @@ class PagedAttentionFn(Protocol):
         *,
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 

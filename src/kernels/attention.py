@@ -104,6 +104,12 @@ def _check_inputs(
 
 
 @triton.jit
+def _window_start(seq_len, window):
+    """The first key a sequence's last query sees: ``seq_len - window``, or 0 (no window: 0)."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -119,6 +125,7 @@ def _decode_split_kernel(
     split_tokens,
     num_splits,
     num_heads,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -149,7 +156,9 @@ def _decode_split_kernel(
     online softmax. With one split it writes the normalised output; otherwise
     the unnormalised ``acc`` and its ``(max, sum)`` in the log2 domain go to
     the partial buffers ``[num_seqs, num_heads, num_splits(, head_dim)]`` for
-    the reduce pass. Sequences whose query length is not 1 are skipped.
+    the reduce pass. Sequences whose query length is not 1 are skipped. With a
+    sliding ``window`` (> 0) the splits start at the window's first key,
+    ``seq_len - window``, instead of 0.
     """
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -157,7 +166,7 @@ def _decode_split_kernel(
     q_row = tl.load(query_start_loc_ptr + seq)
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo = split * split_tokens
+    lo = _window_start(seq_len, window) + split * split_tokens
     if (q_end - q_row == 1) & (lo < seq_len):
         # The last split runs to the end, so an underestimated plan is slow, never wrong.
         hi = tl.where(split == num_splits - 1, seq_len, tl.minimum(lo + split_tokens, seq_len))
@@ -231,6 +240,7 @@ def _decode_reduce_kernel(
     split_tokens,
     num_splits,
     num_heads,
+    window,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
@@ -249,7 +259,8 @@ def _decode_reduce_kernel(
     q_end = tl.load(query_start_loc_ptr + seq + 1)
     if q_end - q_row == 1:
         seq_len = tl.load(seq_lens_ptr + seq)
-        used = tl.minimum((seq_len + split_tokens - 1) // split_tokens, num_splits)
+        span = seq_len - _window_start(seq_len, window)
+        used = tl.minimum((span + split_tokens - 1) // split_tokens, num_splits)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
         s_mask = offs_s < used
@@ -298,6 +309,7 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     split_tokens: int | None = None,
     tiles: DecodeTiles | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention for a batch where every sequence has query length 1 (or 0).
 
@@ -320,6 +332,9 @@ def paged_attention_decode(
         return out
     tiles = tiles or DECODE_TILES
     max_ctx = max(1, max_seq_len if max_seq_len is not None else block_tables.shape[1] * page)
+    if sliding_window is not None:
+        max_ctx = min(max_ctx, sliding_window)
+    window = sliding_window or 0
     if split_tokens is None:
         num_splits, split_tokens = _plan_splits(
             num_seqs, num_kv_heads, max_ctx, query.device, tiles
@@ -348,6 +363,7 @@ def paged_attention_decode(
         split_tokens,
         num_splits,
         num_heads,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -381,6 +397,7 @@ def paged_attention_decode(
             split_tokens,
             num_splits,
             num_heads,
+            window,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
@@ -420,6 +437,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     scale_log2,
     num_seqs,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -450,7 +468,10 @@ def _prefill_kernel(
     ``[BLOCK_N, BLOCK_D]`` K/V tile gathered through the block table serves the
     whole group. KV tiles run from position 0 to the tile's last query
     position; the causal mask ``key_pos <= query_pos`` covers both the cached
-    prefix and the new tokens.
+    prefix and the new tokens. A sliding ``window`` (> 0) adds
+    ``key_pos > query_pos - window`` and starts the tiles at the tile's first
+    query's window; a row with no visible key in a tile keeps its running max at
+    -inf and adds nothing (``m_safe``).
     """
     program = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -485,8 +506,9 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, first_pos + (q_tile + 1) * BLOCK_Q)
+        kv_start = _window_start(first_pos + q_tile * BLOCK_Q + 1, window) // BLOCK_N * BLOCK_N
         table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(kv_start, kv_end, BLOCK_N):
             keys = start + offs_n
             n_mask = keys < kv_end
             blocks = tl.load(table_row + keys // PAGE, mask=n_mask, other=0).to(tl.int64)
@@ -499,11 +521,15 @@ def _prefill_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             visible = (keys[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if window > 0:
+                visible = visible & (keys[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s * scale_log2, float("-inf"))
-            # Key 0 is visible to every row, so m_new is finite from the first tile on.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            # Without a window key 0 is visible to every row, so m_new is finite from the
+            # first tile on; with one, a row may see nothing in a tile: keep it at zero.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v_offs = blocks * stride_vb + in_page * stride_vt + kvh * stride_vh
             v = tl.load(v_cache_ptr + v_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -514,7 +540,7 @@ def _prefill_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0: a padding row saw no key
         o_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -530,6 +556,7 @@ def paged_attention_prefill(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Paged attention for any flat batch (prefill, chunked prefill, decode, mixed).
 
@@ -562,6 +589,7 @@ def paged_attention_prefill(
         query_start_loc,
         scale * _LOG2E,
         num_seqs,
+        sliding_window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -598,6 +626,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; the reference's contract, on the Triton kernels.
 
@@ -622,7 +651,15 @@ def paged_attention(
             query_start_loc,
             scale,
             max_seq_len=max_seq_len,
+            sliding_window=sliding_window,
         )
     return paged_attention_prefill(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window=sliding_window,
     )

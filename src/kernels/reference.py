@@ -55,6 +55,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
 
@@ -64,7 +65,9 @@ def paged_attention(
     written. GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
     Returns ``[T, num_heads, head_dim]`` in the query's dtype.
     ``max_query_len`` / ``max_seq_len`` are the Triton path's sync-free hints;
-    the reference reads the lengths itself and ignores them.
+    the reference reads the lengths itself and ignores them. With ``sliding_window``
+    a query at position ``p`` sees only keys at ``p - sliding_window < k <= p`` (as
+    transformers' sliding-window mask).
     """
     del max_query_len, max_seq_len
     num_tokens, num_heads, head_dim = query.shape
@@ -88,6 +91,8 @@ def paged_attention(
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         k_pos = torch.arange(ctx_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = torch.matmul(q, k.transpose(1, 2)) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -73,8 +73,13 @@ class StepContext(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into the layer's cache, attend; ``[T, H, D]``."""
+        """Write this step's K/V into the layer's cache, attend; ``[T, H, D]``.
+
+        ``sliding_window``: a query at position ``p`` sees keys ``p - window < k <= p``.
+        """
         ...
 
 
@@ -109,21 +114,32 @@ class _TorchStep:
         native: bool,
     ) -> None:
         self.native = native
+        self.meta = meta
+        self.dtype = dtype
         self.positions = meta.positions
         self.cos_sin_cache = cos_sin_cache
         if not native:
             self.cos, self.sin = torch_ops.rotary_tables(cos_sin_cache, meta.positions, dtype)
-        self.plan = torch_ops.plan_attention(
-            meta.block_tables,
-            meta.seq_lens_host,
-            meta.query_start_loc_host,
-            meta.slot_mapping,
-            meta.block_size,
-            dtype,
-            meta.num_decodes,
-            seq_lens_tensor=meta.seq_lens,
-            native=native,
-        )
+        # one plan per window size the layers use (full attention: None), built on first use
+        self.plans: dict[int | None, torch_ops.AttentionPlan] = {}
+
+    def _plan(self, sliding_window: int | None) -> torch_ops.AttentionPlan:
+        plan = self.plans.get(sliding_window)
+        if plan is None:
+            meta = self.meta
+            plan = self.plans[sliding_window] = torch_ops.plan_attention(
+                meta.block_tables,
+                meta.seq_lens_host,
+                meta.query_start_loc_host,
+                meta.slot_mapping,
+                meta.block_size,
+                self.dtype,
+                meta.num_decodes,
+                seq_lens_tensor=meta.seq_lens,
+                native=self.native,
+                sliding_window=sliding_window,
+            )
+        return plan
 
     def rotary(self, qk: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.native:  # in place: qk is this layer's fresh projection
@@ -140,8 +156,11 @@ class _TorchStep:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return torch_ops.attend(query, key, value, key_cache, value_cache, self.plan, scale)
+        plan = self._plan(sliding_window)
+        return torch_ops.attend(query, key, value, key_cache, value_cache, plan, scale)
 
 
 class TorchBackend:
@@ -216,9 +235,12 @@ class _KernelStep:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         scale: float,
+        *,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         self.kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        window = {"sliding_window": sliding_window} if sliding_window is not None else {}
         out: torch.Tensor = self.kernels.paged_attention(
             query,
             key_cache,
@@ -228,6 +250,7 @@ class _KernelStep:
             meta.query_start_loc,
             scale,
             **self.hints,
+            **window,
         )
         return out
 

@@ -36,9 +36,23 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+"""Rotary scalings legato computes (:mod:`legato.models.rotary`), named as transformers does."""
+
+_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs
+
+
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary settings: ``rope_type`` is "default", "linear" or "llama3"."""
+    """Rotary settings, as transformers' ``rope_parameters`` names them.
+
+    ``rope_type`` is one of :data:`ROPE_TYPES`. ``original_max_position_embeddings``
+    is the pre-training window (llama3, yarn, longrope); ``max_position_embeddings``
+    the config's, which dynamic NTK scales past and which yarn / longrope derive
+    their factor from when the config gives none. ``freq_factors`` divide the
+    inverse frequencies one by one (a GGUF file's ``rope_freqs`` tensor, which is
+    how llama.cpp stores Llama 3's scaling).
+    """
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -46,6 +60,21 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    freq_factors: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotate
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's ``head_dim`` dims rotate (the first ones, as transformers)."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -71,6 +100,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer: "sliding_attention" or "full_attention"
     config_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -83,6 +113,13 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (it attends to its last that many positions,
+        its own included), or None for full attention."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -99,6 +136,9 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def _rope_from(raw: dict[str, Any]) -> RopeConfig:
+    """The rotary settings in ``raw`` (config.json): ``rope_parameters`` (transformers 5,
+    possibly per layer type) or the older ``rope_theta`` + ``rope_scaling`` (``type`` or
+    ``rope_type``). Raises ``ValueError`` naming an unknown rope type or a missing field."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
@@ -106,14 +146,50 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = str(params.get("rope_type", params.get("type", "default")) or "default")
-    orig = params.get("original_max_position_embeddings")
+    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+    if raw.get("model_type") == "phi3" and rope_type == "yarn":
+        rope_type = "longrope"  # early Phi-3 configs, as transformers reads them
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_parameters.rope_type: {rope_type!r} is not supported "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    # Phi-3 keeps the pre-training window at top level, and it wins (as in transformers)
+    orig = raw.get("original_max_position_embeddings") or params.get(
+        "original_max_position_embeddings"
+    )
+    if orig is None and rope_type in ("llama3", "yarn", "longrope"):
+        orig = max_pos
+    factor = params.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope") and orig:
+        factor = max_pos / int(orig)
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor")) or 1.0)
+    if rope_type == "longrope" and not (params.get("short_factor") and params.get("long_factor")):
+        raise ValueError("rope_parameters: longrope needs short_factor and long_factor")
+
+    def optional(key: str) -> float | None:
+        value = params.get(key)
+        return float(value) if value is not None else None
+
     return RopeConfig(
         theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0) or 1.0),
+        factor=float(factor or 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(orig) if orig is not None else None,
+        max_position_embeddings=max_pos,
+        attention_factor=optional("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+        freq_factors=tuple(float(f) for f in params.get("freq_factors") or ()),
+        partial_rotary_factor=partial,
     )
 
 
@@ -139,6 +215,25 @@ def load_model_config(model: str | Path) -> ModelConfig:
     return model_config_from_dict(raw, gen)
 
 
+def _layer_types(
+    raw: dict[str, Any], model_type: str, num_layers: int, sliding: Any
+) -> tuple[str, ...]:
+    """Which layers use the sliding window, as transformers decides: ``layer_types``
+    where the config lists them; Qwen2/Qwen3 from ``max_window_layers`` on; else
+    (Mistral) every layer once a window is set."""
+    if not sliding:
+        return ("full_attention",) * num_layers
+    listed = raw.get("layer_types")
+    if isinstance(listed, list) and len(listed) == num_layers:
+        return tuple(str(t) for t in listed)
+    if model_type in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        )
+    return ("sliding_attention",) * num_layers
+
+
 def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from config.json's and generation_config.json's contents."""
     architectures = raw.get("architectures") or []
@@ -150,13 +245,15 @@ def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelCon
     sliding = raw.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         sliding = None
+    num_layers = int(raw["num_hidden_layers"])
+    layer_types = _layer_types(raw, model_type, num_layers, sliding)
     return ModelConfig(
         architecture=str(architectures[0]) if architectures else "",
         model_type=model_type,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
@@ -169,6 +266,7 @@ def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelCon
         o_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         sliding_window=int(sliding) if sliding else None,
+        layer_types=layer_types,
         config_dtype=_DTYPES.get(str(dtype_name)) if dtype_name else None,
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,

@@ -81,8 +81,11 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 _IGNORED_TENSORS = {"rope_freqs.weight"}
-"""Present in Llama 3.1+ files: llama.cpp's per-frequency rotary factors. legato, like
-transformers' GGUF loading, does not apply them (plain rotary embeddings); a warning says so."""
+"""Not weights: Llama 3.1+ files' per-frequency rotary divisors (llama.cpp's way of storing
+llama3 rope scaling), read into the config as ``rope_parameters.freq_factors`` instead."""
+
+_YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+_YARN_UNSUPPORTED = ("attn_factor", "yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor")
 
 
 def is_gguf_path(path: str | os.PathLike[str]) -> bool:
@@ -181,7 +184,8 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
 
     ``dtype`` is the type the weights are stored in once dequantized: float16 or
     bfloat16 when every matrix is stored so, else float32. Raises ModelLoadError
-    for rotary settings legato cannot honour (partial rotary, YaRN).
+    for rotary settings legato cannot honour (partial rotary, YaRN with llama.cpp's own
+    attention-factor keys).
     """
     arch = str(_field(reader, "general.architecture"))
     path = str(reader.data.filename)
@@ -210,12 +214,29 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     scaling = meta("rope.scaling.type", "none")
     if scaling == "linear":
         rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor", 1.0)))
+    elif scaling == "yarn":
+        unsupported = [k for k in _YARN_UNSUPPORTED if meta(f"rope.scaling.{k}") is not None]
+        if unsupported:
+            raise ModelLoadError(
+                f"model: {path}: YaRN with rope.scaling.{unsupported[0]} is not supported"
+            )
+        original = meta("rope.scaling.original_context_length")
+        if original is None:
+            raise ModelLoadError(
+                f"model: {path}: YaRN without rope.scaling.original_context_length"
+            )
+        rope.update(
+            rope_type="yarn",
+            factor=float(meta("rope.scaling.factor", 1.0)),
+            original_max_position_embeddings=int(original),
+        )
+        for key, name in _YARN_KEYS.items():
+            if (value := meta(f"rope.scaling.{key}")) is not None:
+                rope[name] = float(value)
     elif scaling != "none":
         raise ModelLoadError(f"model: {path}: rotary scaling {scaling!r} is not supported")
     if "rope_freqs.weight" in shapes:
-        logger.warning(
-            "%s: ignoring rope_freqs (Llama 3 rotary scaling factors), as transformers does", path
-        )
+        rope["freq_factors"] = _rope_freqs(reader)
     vocab = meta("vocab_size") or shapes["token_embd.weight"][0]
     eos_ids = [
         int(v)
@@ -250,6 +271,15 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     if arch == "qwen2":
         config["use_sliding_window"] = False
     return config
+
+
+def _rope_freqs(reader: Any) -> list[float]:
+    """The ``rope_freqs`` tensor's values: llama.cpp divides each inverse frequency by one."""
+    from gguf.quants import dequantize
+
+    (tensor,) = (t for t in reader.tensors if t.name == "rope_freqs.weight")
+    values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    return [float(v) for v in values.reshape(-1)]
 
 
 def iter_gguf_weights(reader: Any) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Small model building blocks: linear, embedding, RMSNorm, rotary, MLP, attention.
+"""Small model building blocks: linear, embedding, RMSNorm, MLP, attention (rotary: rotary.py).
 
 Each is a tiny ``nn.Module`` whose parameters are allocated empty (no random
 init) in the target dtype and device, to be filled by the loader. The maths
@@ -10,7 +10,6 @@ Never imports trio.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -18,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_backend import Backend, StepContext
-from .config import RopeConfig
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -85,47 +83,6 @@ class RMSNorm(nn.Module):
         return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` (fp32), with linear or llama3 scaling.
-
-    Mirrors transformers' rope initialisation step for step so fp32 matches it bit
-    for bit.
-    """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
-    inv_freq = 1.0 / (rope.theta**exponent)
-    if rope.rope_type == "default":
-        return inv_freq
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        if rope.original_max_position_embeddings is None:
-            raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
-        old_len = rope.original_max_position_embeddings
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(
-        f"rope scaling {rope.rope_type!r} is not supported (supported: default, linear, llama3)"
-    )
-
-
-def rope_cos_sin_cache(
-    head_dim: int, rope: RopeConfig, max_positions: int, device: torch.device
-) -> torch.Tensor:
-    """``[max_positions, head_dim]`` fp32: cos in the first half of the columns, sin in the last."""
-    inv_freq = rope_inv_freq(head_dim, rope)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
-
-
 class MLP(nn.Module):
     """SwiGLU feed-forward with fused gate/up projection: ``down(silu(gate) * up)``."""
 
@@ -152,6 +109,7 @@ class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache, fused qkv projection.
 
     ``qk_norm`` adds per-head RMSNorm of queries and keys before rotary (Qwen3).
+    ``sliding_window``: each query sees only its last that many positions (None: all).
     """
 
     def __init__(
@@ -167,8 +125,10 @@ class Attention(nn.Module):
         backend: Backend,
         dtype: torch.dtype,
         device: torch.device,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -195,6 +155,8 @@ class Attention(nn.Module):
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
             )
         q, k = step.rotary(qk, self.num_heads)
-        out = step.attention(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        out = step.attention(
+            q, k, v, kv_cache[0], kv_cache[1], self.scale, sliding_window=self.sliding_window
+        )
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected

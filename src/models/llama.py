@@ -1,7 +1,8 @@
 """The Llama-family decoder on the paged KV cache: Llama 2/3, Mistral, Qwen2, Qwen3.
 
 One class covers them all; the differences are flags in :class:`ModelConfig`
-(qkv bias for Qwen2, per-head q/k RMSNorm for Qwen3, rope scaling for Llama 3).
+(qkv bias for Qwen2, per-head q/k RMSNorm for Qwen3, rope scaling for Llama 3,
+the sliding window of Mistral's and Qwen2's windowed layers).
 Weight names follow the Hugging Face checkpoints; ``q/k/v_proj`` and
 ``gate/up_proj`` load into fused ``qkv_proj`` and ``gate_up_proj``.
 
@@ -18,7 +19,8 @@ from torch import nn
 
 from .attention_backend import AttentionMetadata, Backend, StepContext
 from .config import ModelConfig
-from .layers import MLP, Attention, Embedding, Linear, RMSNorm, rope_cos_sin_cache
+from .layers import MLP, Attention, Embedding, Linear, RMSNorm
+from .rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -40,7 +42,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU MLP, residual carried separately."""
 
     def __init__(
-        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer: int = 0,
     ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -57,6 +64,7 @@ class DecoderLayer(nn.Module):
             backend,
             dtype,
             device,
+            sliding_window=cfg.window_of(layer),
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, backend, dtype, device)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, backend, dtype, device)
@@ -87,7 +95,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype, device)
 
@@ -98,8 +106,6 @@ class LlamaForCausalLM(nn.Module):
     ``forward`` returns the final hidden states ``[T, hidden]`` of a flat batch;
     ``compute_logits`` applies the LM head to the rows that need logits.
     """
-
-    cos_sin_cache: torch.Tensor
 
     def __init__(
         self,
@@ -119,11 +125,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
-        self.register_buffer(
-            "cos_sin_cache",
-            rope_cos_sin_cache(cfg.head_dim, cfg.rope, max_positions, device),
-            persistent=False,
-        )
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, device)
 
     def forward(
         self,
@@ -135,7 +137,8 @@ class LlamaForCausalLM(nn.Module):
 
         Writes each layer's new K/V into ``kv_caches`` at ``meta.slot_mapping``.
         """
-        step = self.backend.begin_step(meta, self.cos_sin_cache, self.dtype)
+        cos_sin_cache, meta = self.rotary.for_step(meta)
+        step = self.backend.begin_step(meta, cos_sin_cache, self.dtype)
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -18,6 +18,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .phi3 import Phi3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ArchSpec:
 
     model_class: type[nn.Module]
     overrides: dict[str, Any] = field(default_factory=dict)
+    partial_rotary: bool = False  # the class loads checkpoints that rotate part of each head
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -33,6 +35,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(LlamaForCausalLM),
     "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, {"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, {"qk_norm": True}),
+    "Phi3ForCausalLM": ArchSpec(Phi3ForCausalLM, partial_rotary=True),
 }
 
 
@@ -54,6 +57,11 @@ def resolve_architecture(cfg: ModelConfig) -> tuple[type[LlamaForCausalLM], Mode
         )
     if cfg.hidden_act not in ("silu", "swish"):
         raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+    if cfg.rope.partial_rotary_factor != 1.0 and not spec.partial_rotary:
+        raise ValueError(
+            f"partial_rotary_factor: {cfg.rope.partial_rotary_factor} is not supported "
+            f"for {cfg.architecture} (only 1.0)"
+        )
     model_class = spec.model_class
     assert issubclass(model_class, LlamaForCausalLM)
     return model_class, dataclasses.replace(cfg, **spec.overrides)

@@ -174,9 +174,6 @@ class ModelRunner:
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         self.backend = select_backend(attention_backend or config.attention_backend, self.device)
         wanted_len = config.max_model_len or mcfg.max_position_embeddings
-        if mcfg.sliding_window is not None and mcfg.sliding_window < wanted_len:
-            logger.info("max_model_len capped at the sliding window (%d)", mcfg.sliding_window)
-            wanted_len = mcfg.sliding_window
         if parallel is None:
             self.model: LlamaForCausalLM = load_model(
                 self.model_dir, mcfg, self.backend, self.dtype, self.device, wanted_len + 1

@@ -153,6 +153,7 @@ def plan_attention(
     num_decodes: int | None = None,
     seq_lens_tensor: torch.Tensor | None = None,
     native: bool | None = None,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """Build the :class:`AttentionPlan` for one step (host lists for lengths).
 
@@ -161,6 +162,9 @@ def plan_attention(
     ``seq_lens_tensor``: ``seq_lens`` as an int32 tensor, when the caller has it.
     ``native``: use the native CPU kernels for the KV write and decode attention
     (None: where :func:`native_available`).
+    ``sliding_window``: a query at position ``p`` sees keys ``p - window < k <= p``.
+    The native decode kernel attends to a whole context, so once a decode sequence
+    is longer than the window its decodes take the gathered path, masked.
     """
     num_seqs = len(seq_lens)
     device = block_tables.device
@@ -175,7 +179,9 @@ def plan_attention(
     decode_blocks = 0
     if native is None:
         native = native_available(device, dtype)
-    if num_decodes and native:
+    window = sliding_window
+    decode_native = native and (window is None or max(seq_lens[:num_decodes], default=0) <= window)
+    if num_decodes and decode_native:
         decode_table = block_tables[:num_decodes]
         if decode_table.dtype != torch.int32 or decode_table.stride(-1) != 1:
             decode_table = decode_table.to(torch.int32).contiguous()
@@ -185,14 +191,23 @@ def plan_attention(
             decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int32, device=device)
     elif num_decodes:
         dec_lens = seq_lens[:num_decodes]
-        decode_blocks = (max(dec_lens) + block_size - 1) // block_size
-        table = block_tables[:num_decodes, :decode_blocks].long()
+        # each row gathers from the block holding its first visible key (0 without a window)
+        firsts = [max(n - window, 0) // block_size if window else 0 for n in dec_lens]
+        decode_blocks = max(
+            (n + block_size - 1) // block_size - f for n, f in zip(dec_lens, firsts, strict=True)
+        )
         lens = torch.tensor(dec_lens, device=device)
+        first = torch.tensor(firsts, device=device)
         needed = (lens + block_size - 1) // block_size
-        cols = torch.arange(decode_blocks, device=device)
-        decode_block_ids = torch.where(cols[None, :] < needed[:, None], table, 0).reshape(-1)
-        keys = torch.arange(decode_blocks * block_size, device=device)
-        valid = (keys[None, :] < lens[:, None])[:, None, None, :]
+        cols = first[:, None] + torch.arange(decode_blocks, device=device)[None, :]
+        table = block_tables[:num_decodes].long()
+        table = table.gather(1, cols.clamp(max=table.shape[1] - 1))
+        decode_block_ids = torch.where(cols < needed[:, None], table, 0).reshape(-1)
+        keys = first[:, None] * block_size + torch.arange(decode_blocks * block_size, device=device)
+        valid = keys < lens[:, None]
+        if window is not None:  # the query sits at lens - 1
+            valid &= keys >= lens[:, None] - window
+        valid = valid[:, None, None, :]
         if dtype == torch.float32:
             decode_mask = valid
         else:
@@ -204,12 +219,20 @@ def plan_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        if ctx == q_len:
+        windowed = window is not None and ctx > window
+        if ctx == q_len and not windowed:
             prefills.append(PrefillSegment(i, start, end, ctx, None, None))
             continue
         n_blocks = (ctx + block_size - 1) // block_size
         q_pos = torch.arange(ctx - q_len, ctx, device=device)
-        mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
+        k_pos = torch.arange(ctx, device=device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if windowed:
+            assert window is not None
+            mask &= k_pos > q_pos[:, None] - window
+        if ctx == q_len:  # fresh, windowed: this step's keys, masked
+            prefills.append(PrefillSegment(i, start, end, ctx, None, mask))
+            continue
         blocks = block_tables[i, :n_blocks].long()
         prefills.append(PrefillSegment(i, start, end, ctx, blocks, mask))
     return AttentionPlan(
@@ -220,7 +243,7 @@ def plan_attention(
         decode_block_ids=decode_block_ids,
         decode_mask=decode_mask,
         prefills=tuple(prefills),
-        native=native,
+        native=decode_native,
         decode_table=decode_table,
         decode_lens=decode_lens,
         prefill_runs=_prefill_runs(prefills),
@@ -228,7 +251,7 @@ def plan_attention(
 
 
 def _prefill_runs(prefills: list[PrefillSegment]) -> tuple[tuple[PrefillSegment, ...], ...]:
-    """Group adjacent segments without earlier context whose query lengths are equal (and
+    """Group adjacent unmasked segments without earlier context whose query lengths are equal (and
     whose rows follow each other): such a run is one batched causal attention call."""
     runs: list[list[PrefillSegment]] = []
     for seg in prefills:
@@ -237,6 +260,8 @@ def _prefill_runs(prefills: list[PrefillSegment]) -> tuple[tuple[PrefillSegment,
             last is not None
             and seg.block_ids is None
             and last.block_ids is None
+            and seg.mask is None
+            and last.mask is None
             and seg.start == last.end
             and seg.end - seg.start == last.end - last.start
         ):
@@ -405,6 +430,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """The reference ``paged_attention`` contract, computed with the fast path.
 
@@ -416,8 +443,9 @@ def paged_attention(
     block_size = key_cache.shape[1]
     empty = torch.empty(0, dtype=torch.long, device=query.device)
     plan = plan_attention(
-        block_tables, lens, starts, empty, block_size, query.dtype, seq_lens_tensor=seq_lens
-    )
+        block_tables, lens, starts, empty, block_size, query.dtype, seq_lens_tensor=seq_lens,
+        sliding_window=sliding_window,
+    )  # fmt: skip
     nd = plan.num_decodes
     out = query.new_empty(query.shape)
     if nd:
@@ -426,6 +454,8 @@ def paged_attention(
         if seg.block_ids is None:  # the keys are not passed in here: read them from the cache
             n_blocks = (seg.context_len + block_size - 1) // block_size
             blocks = block_tables[seg.seq_index, :n_blocks].long()
-            seg = PrefillSegment(seg.seq_index, seg.start, seg.end, seg.context_len, blocks, None)
+            seg = PrefillSegment(
+                seg.seq_index, seg.start, seg.end, seg.context_len, blocks, seg.mask
+            )
         out[seg.start : seg.end] = _prefill(query, query, query, key_cache, value_cache, seg, scale)
     return out

@@ -86,6 +86,8 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
+    if (rope_freqs := _llama3_rope_freqs(config)) is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
     for hf_name, tensor in iter_weights(root):
         gguf_name = _gguf_name(hf_name)
         array = tensor.float().numpy()
@@ -156,12 +158,45 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_vocab_size(config["vocab_size"])
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+
+
+def _llama3_rope_freqs(config: dict[str, Any]) -> Any:
+    """llama.cpp's ``rope_freqs`` for a llama3-scaled config (``convert_hf_to_gguf.py``,
+    LlamaModel.generate_extra_tensors): each inverse frequency's divisor; else None."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    import math
+
+    heads = config["num_attention_heads"]
+    dim = config.get("head_dim") or config["hidden_size"] // heads
+    base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def _write_tokenizer(writer: Any, spec: dict[str, Any], root: Path, config: dict[str, Any]) -> None:

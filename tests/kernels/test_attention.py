@@ -177,3 +177,68 @@ def test_dispatch_mixed(
 
 def _forbidden(*args: object, **kwargs: object) -> torch.Tensor:
     raise AssertionError("dispatched to the wrong kernel")
+
+
+# (seq_lens, query_lens, window, block_size): decodes past and within the window, a fresh
+# prompt longer than the window, a chunk after a cached prefix, a window under one KV tile
+WINDOW_CASES = [
+    ([300, 20, 150], [1, 1, 1], 48, 16),
+    ([130, 90, 300, 17], [130, 1, 40, 17], 37, 16),
+    ([200, 64], [70, 1], 16, 32),
+]
+
+
+@pytest.mark.parametrize(("seq_lens", "query_lens", "window", "block_size"), WINDOW_CASES)
+def test_sliding_window_matches_reference(
+    paged_batch: Callable[..., Any],
+    tol: Callable[[torch.dtype], dict[str, float]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    window: int,
+    block_size: int,
+) -> None:
+    """Each query sees only its last ``window`` positions: decode (split and not) and prefill."""
+    b = paged_batch(
+        seq_lens, query_lens, num_heads=4, num_kv_heads=2, head_dim=64,
+        block_size=block_size, dtype=f32, seed=window,
+    )  # fmt: skip
+    expected = reference.paged_attention(*b.args(), b.scale, sliding_window=window)
+    full = reference.paged_attention(*b.args(), b.scale)
+    assert not torch.allclose(expected, full)  # the window changes the answer here
+    out = attention.paged_attention(*b.args(), b.scale, sliding_window=window)
+    torch.testing.assert_close(out, expected, **tol(f32))
+    if all(q <= 1 for q in query_lens):
+        for split in (None, 16):
+            out = attention.paged_attention_decode(
+                *b.args(), b.scale, split_tokens=split, sliding_window=window
+            )
+            torch.testing.assert_close(out, expected, **tol(f32))
+    else:
+        out = attention.paged_attention_prefill(
+            *b.args(), b.scale, block_m=16, block_n=16, sliding_window=window
+        )
+        torch.testing.assert_close(out, expected, **tol(f32))
+
+
+def test_reference_window_is_transformers_mask() -> None:
+    """The reference's window is transformers' sliding-window overlay: ``kv > q - window``."""
+    from transformers.masking_utils import sliding_window_overlay
+
+    from legato.kernels.reference import paged_attention as ref
+
+    window, n = 5, 12
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(n, 1, 8, generator=g)
+    v = torch.randn(n, 1, 8, generator=g)
+    q = torch.randn(n, 1, 8, generator=g)
+    out = ref(
+        q, k.view(1, n, 1, 8), v.view(1, n, 1, 8), torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), 1.0,
+        sliding_window=window,
+    )  # fmt: skip
+    overlay = sliding_window_overlay(window)
+    mask = torch.tensor(
+        [[kv <= qi and bool(overlay(0, 0, qi, kv)) for kv in range(n)] for qi in range(n)]
+    )
+    scores = (q[:, 0] @ k[:, 0].T).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(out[:, 0], torch.softmax(scores, -1) @ v[:, 0])

@@ -87,7 +87,7 @@ def _make(kind: str, path: Path, max_shard_size: str | None = None, **overrides:
         config = tf.LlamaConfig(**kwargs)
         cls = tf.LlamaForCausalLM
     elif kind == "mistral":
-        config = tf.MistralConfig(**{**kwargs, "sliding_window": None})
+        config = tf.MistralConfig(**{"sliding_window": None, **kwargs})
         cls = tf.MistralForCausalLM
     elif kind == "qwen2":
         config = tf.Qwen2Config(**kwargs)
@@ -95,6 +95,9 @@ def _make(kind: str, path: Path, max_shard_size: str | None = None, **overrides:
     elif kind == "qwen3":
         config = tf.Qwen3Config(**{"head_dim": 16, "tie_word_embeddings": True, **kwargs})
         cls = tf.Qwen3ForCausalLM
+    elif kind == "phi3":
+        config = tf.Phi3Config(**kwargs)
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234 + KINDS.index(kind) if kind in KINDS else 99)

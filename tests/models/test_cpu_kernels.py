@@ -12,7 +12,7 @@ from legato.kernels import reference
 from legato.models import cpu_kernels, torch_ops
 from legato.models.attention_backend import TorchBackend, select_backend
 from legato.models.config import RopeConfig
-from legato.models.layers import rope_cos_sin_cache
+from legato.models.rotary import rope_cos_sin_cache
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(), reason="the native CPU kernels did not build here"

@@ -105,6 +105,48 @@ def test_f32_file_is_the_checkpoint_it_came_from(
     assert ours == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in PROMPTS]
 
 
+SCALED_ROPE: dict[str, dict[str, Any]] = {
+    "llama3": {},  # conftest's llama3: factor 8 over an original window of 64
+    "yarn": dict(
+        max_position_embeddings=256,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+}
+
+
+@pytest.mark.parametrize("scaling", list(SCALED_ROPE))
+def test_scaled_rope_file_matches_its_checkpoint_past_the_window(
+    scaling: str,
+    make_checkpoint: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+    tmp_path: Path,
+) -> None:
+    """Llama 3.1's ``rope_freqs`` tensor and YaRN's metadata, written as llama.cpp's converter
+    writes them, rotate as the checkpoint's rope scaling does, up to 4x the original window
+    (transformers' own GGUF loading ignores both, so the checkpoint is the reference)."""
+    kind = "llama3" if scaling == "llama3" else "llama"
+    ck = make_checkpoint(kind, **SCALED_ROPE[scaling])
+    gguf_file = _gguf(ck, tmp_path, "F32")
+    rope = load_model_config(gguf_file).rope
+    if scaling == "llama3":
+        assert len(rope.freq_factors) == 8 and max(rope.freq_factors) == 8.0
+    else:
+        assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == (
+            "yarn", 4.0, 64,
+        )  # fmt: skip
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (30, 200)]
+    config = EngineConfig(model=str(gguf_file), dtype="float32", device="cpu",
+                          num_kv_blocks=64, max_num_seqs=4, max_model_len=256)  # fmt: skip
+    sched = mini_scheduler(ModelRunner(config))
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, max_tokens=56)
+    outputs = sched.run()
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, 56)[0], f"{scaling} prompt {i}"
+
+
 def test_config_from_metadata(make_checkpoint: Callable[..., Any], tmp_path: Path) -> None:
     ck = make_checkpoint("qwen3")
     from_dir = load_model_config(ck.path)

@@ -64,12 +64,15 @@ def _tensor_parallel_outputs(
     return [r[0] for r in results] + [r[1] for r in results]
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
 CASES = [
     ("llama", {}),
     ("mistral", {}),
     ("qwen2", {}),  # biases on q, k, v
     ("qwen3", {}),  # q/k norms, tied embeddings
     ("llama", {"num_key_value_heads": 1, "vocab_size": 383}),  # KV heads < ranks; odd vocab
+    ("mistral", {"sliding_window": 6}),  # every layer windowed, prompts past the window
+    ("llama", {"rope_scaling": YARN}),  # rope scaling past its original window of 8
 ]
 
 

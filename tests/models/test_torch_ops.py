@@ -9,7 +9,7 @@ from legato.kernels import reference
 from legato.models import torch_ops
 from legato.models.attention_backend import select_backend
 from legato.models.config import RopeConfig
-from legato.models.layers import rope_cos_sin_cache
+from legato.models.rotary import rope_cos_sin_cache
 
 H, HKV, D, BS = 4, 2, 16, 4
 
@@ -134,3 +134,24 @@ def test_select_backend() -> None:
     assert select_backend("reference", cpu).name == "reference"
     with pytest.raises(ValueError, match="unknown backend"):
         select_backend("cudnn", cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("q_lens", "ctx_lens"),
+    [
+        ([1, 1, 1], [5, 9, 16]),  # decodes, two past the window (off the native kernel)
+        ([1, 1], [3, 6]),  # decodes within the window (the native kernel where it builds)
+        ([1, 9, 3], [12, 9, 11]),  # a fresh prompt past the window, a chunk after a prefix
+    ],
+)
+def test_sliding_window_matches_reference(
+    dtype: torch.dtype, q_lens: list[int], ctx_lens: list[int]
+) -> None:
+    args = _batch(q_lens, ctx_lens, dtype, seed=7)
+    tables = args[3].clone()
+    tables[tables == 10_000] = 0
+    expected = reference.paged_attention(*args[:3], tables, *args[4:], 0.25, sliding_window=6)
+    got = torch_ops.paged_attention(*args, 0.25, sliding_window=6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)

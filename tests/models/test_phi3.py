@@ -1,0 +1,169 @@
+"""Phi-3 (``Phi3ForCausalLM``): greedy tokens identical to transformers in fp32.
+
+Whole prefill of a batch, chunked prefill, a start from a cached prefix; and a
+Phi-3-128k-like config (LongRoPE over an original window of 64, a sliding window
+of 48 on every layer) driven to 4x its original window, with a sequence that stays
+within the original window beside it in the batch (transformers' Phi-3 recomputes
+its cache when a sequence crosses that window, which legato does not: see
+``legato.models.phi3``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from legato.config import EngineConfig
+from legato.models.config import load_model_config
+from legato.models.phi3 import Phi3ForCausalLM
+from legato.models.registry import resolve_architecture
+from legato.models.runner import ModelRunner
+
+NEW_TOKENS = 48
+LONG: dict[str, Any] = dict(
+    max_position_embeddings=256,
+    original_max_position_embeddings=64,
+    sliding_window=48,
+    rope_scaling={
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.0 + 0.7 * i for i in range(8)],
+    },
+)
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def phi3(make_checkpoint: Callable[..., Any]) -> Any:
+    return make_checkpoint("phi3")
+
+
+def test_registered_by_architecture(phi3: Any) -> None:
+    raw = json.loads((phi3.path / "config.json").read_text())
+    assert raw["architectures"] == ["Phi3ForCausalLM"]
+    model_class, _ = resolve_architecture(load_model_config(phi3.path))
+    assert model_class is Phi3ForCausalLM
+    names = {n for n in phi3.hf_model.state_dict() if ".layers.0." in n}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names  # fused in the checkpoint
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_batch_matches_transformers(
+    chunk: int | None,
+    phi3: Any,
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+) -> None:
+    prompts = _prompts([5, 23, 40], seed=41)
+    sched = mini_scheduler(make_runner(phi3), chunk=chunk)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+    outputs = sched.run()
+    for i, prompt in enumerate(prompts):
+        expected = hf_greedy(phi3, prompt, NEW_TOKENS)[0]
+        assert len(set(expected)) > 2, "a degenerate reference proves little"
+        assert outputs[f"r{i}"] == expected, f"chunk={chunk} prompt {i}"
+
+
+def test_prefix_cache_hit_matches_transformers(
+    phi3: Any, make_runner: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any
+) -> None:
+    donor, tail = _prompts([37, 9], seed=42)
+    prompt = donor[:32] + tail
+    sched = mini_scheduler(make_runner(phi3))
+    sched.add("donor", donor, max_tokens=4)
+    sched.run()
+    sched.add("hit", prompt, max_tokens=NEW_TOKENS, prefix_of="donor", prefix_blocks=2)
+    assert sched.running["hit"].num_computed == 32
+    assert sched.run()["hit"] == hf_greedy(phi3, prompt, NEW_TOKENS)[0]
+
+
+def test_longrope_and_sliding_window_past_the_original_window(
+    make_checkpoint: Callable[..., Any],
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+) -> None:
+    ck = make_checkpoint("phi3", **LONG)
+    cfg = load_model_config(ck.path)
+    assert cfg.rope.rope_type == "longrope" and cfg.window_of(0) == 48
+    prompts = _prompts([16, 200], seed=43)  # 16 + 48 stays within the 64 of the original
+    sched = mini_scheduler(make_runner(ck, max_model_len=256))
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+    outputs = sched.run()
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"prompt {i}"
+
+
+@pytest.mark.parametrize("longrope", [False, True])
+def test_partial_rotary_matches_transformers(
+    longrope: bool,
+    make_checkpoint: Callable[..., Any],
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+) -> None:
+    """Phi-4-mini rotates part of each head (here half: 8 of 16 dims), with and without
+    LongRoPE; without it in chunks, so that cached keys are read back too."""
+    overrides: dict[str, Any] = dict(partial_rotary_factor=0.5)
+    if longrope:
+        overrides.update(
+            max_position_embeddings=256,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.1, 1.2, 1.4],
+                "long_factor": [1.0, 2.0, 4.0, 8.0],
+            },
+        )
+    ck = make_checkpoint("phi3", **overrides)
+    assert load_model_config(ck.path).rope.rotary_dim(16) == 8
+    prompts = _prompts([9, 150 if longrope else 40], seed=44)
+    # chunks would cross LongRoPE's original window mid-prompt (see legato.models.rotary)
+    sched = mini_scheduler(make_runner(ck, max_model_len=256), chunk=None if longrope else 16)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+    outputs = sched.run()
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"prompt {i}"
+
+
+def test_partial_rotary_refused_for_other_architectures(tmp_path: Path, llama: Any) -> None:
+    raw = json.loads((llama.path / "config.json").read_text())
+    raw["partial_rotary_factor"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="partial_rotary_factor: 0.5 is not supported"):
+        resolve_architecture(load_model_config(tmp_path))
+
+
+def test_tensor_parallel_load_fails_with_the_reason(phi3: Any) -> None:
+    """A rank's share of Phi-3 is refused when it is built, naming the reason."""
+    from legato.distributed.sharding import TensorParallelPlan
+    from legato.models.attention_backend import select_backend
+    from legato.models.loader import build_model
+
+    cfg = load_model_config(phi3.path)
+    rank_cfg = TensorParallelPlan.for_model(cfg, 2, 0).rank_config(cfg)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="Phi3ForCausalLM is not supported with tensor paral"):
+        build_model(rank_cfg, select_backend("torch", cpu), torch.float32, cpu, 64)
+
+
+def test_unsupported_architecture_fails_at_start_naming_it(tmp_path: Path, phi3: Any) -> None:
+    raw = json.loads((phi3.path / "config.json").read_text())
+    raw["architectures"] = ["Gemma2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="unsupported model architecture Gemma2ForCausalLM"):
+        ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=8))
