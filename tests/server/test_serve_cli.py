@@ -96,14 +96,18 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
                              "inter_token_latency_seconds_count"):  # fmt: skip
                     assert f"\nvllm:{name}{{" in metrics, name
 
-                body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                # An idle engine logs its stats line at debug level, a busy one at info: it
+                # shows while a long stream runs (left early, which aborts it).
+                body = {"prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body, headers=auth) as sse:
+                    await sse.aiter_lines().__anext__()
+                    with trio.fail_after(10):
+                        await stats_logged.wait()
+
+                body = {"prompt": "Hi", "max_tokens": 40, "ignore_eos": True, "stream": True}
                 async with client.stream("POST", "/v1/completions", json=body, headers=auth) as sse:
                     lines = sse.aiter_lines()
                     await lines.__anext__()
-                    # An idle engine logs its stats line at debug level, a busy one at info:
-                    # it shows while this stream runs.
-                    with trio.fail_after(10):
-                        await stats_logged.wait()
                     process.send_signal(signal.SIGINT)  # the stream still finishes: grace is 30 s
                     rest = [line async for line in lines if line]
                 assert rest[-1] == "data: [DONE]"
@@ -113,7 +117,7 @@ async def test_legato_serve_subprocess_sigint_exits_cleanly(toy_model_dir: Path)
         text = output.decode(errors="replace")
         assert code == 0, text
         assert "SIGINT: shutting down" in text
-        request_line = r"request cmpl-\w+: prompt_tokens=\d+ completion_tokens=400 latency="
+        request_line = r"request cmpl-\w+: prompt_tokens=\d+ completion_tokens=40 latency="
         assert re.search(request_line, text), text
     finally:
         if process.returncode is None:
