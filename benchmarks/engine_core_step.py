@@ -31,7 +31,7 @@ import os
 import time
 from collections import deque
 
-from legato.actors.engine_core import CoreSteps, PlannedStep
+from legato.actors.core_steps import CoreSteps, PlannedStep
 from legato.actors.scheduler import Scheduler
 from legato.actors.stats import StepStats
 from legato.config import EngineConfig

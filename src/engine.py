@@ -45,7 +45,6 @@ from .actors.process_executor import ProcessExecutor
 from .actors.renderer import PromptType, check_tokenization_kwargs
 from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector, run_stats
 from .actors.supervisor import Supervisor
-from .actors.tensor_parallel_executor import TensorParallelExecutor
 from .config import EngineConfig
 from .engine_adapters import EngineAdapters
 from .engine_parts import build_engine_parts
@@ -84,6 +83,10 @@ def make_executor(
 ) -> Executor:
     """The executor ``config`` asks for: tensor-parallel, in-process or a child process."""
     if config.tensor_parallel_size > 1:
+        # Imported here: it reaches the rank worker's module, which `python -m
+        # legato.worker` must not find imported already by `import legato`.
+        from .actors.tensor_parallel_executor import TensorParallelExecutor
+
         return TensorParallelExecutor(config, on_failure=on_failure, inject_fault=inject_fault)
     if config.executor == "inproc":
         return InprocExecutor(config, on_failure=on_failure, inject_fault=inject_fault)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .actors.engine_core import AddRequests, CoreMessage, CoreSteps, FinishRequests
+from .actors.core_steps import AddRequests, CoreSteps, FinishRequests, FrontendMessage
 from .actors.executor import WorkerCallError, check_runner_output
 from .actors.frontend_core import FrontendCore, RenderedRequest
 from .actors.output_slot import OutputSlot
@@ -393,7 +393,7 @@ class LLMEngine:
             raise
         return request_id
 
-    def _to_core(self, message: CoreMessage) -> None:
+    def _to_core(self, message: FrontendMessage) -> None:
         """The front end's messages, carried out at once on the engine core's step."""
         if isinstance(message, AddRequests):
             self.core.add_requests(message.requests, message.grammars)

@@ -37,7 +37,7 @@ import trio
 from ..protocol import messages as m
 from ..protocol.errors import EngineGenerateError
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
-from .engine_core import CoreMessage
+from .core_steps import FrontendMessage
 from .frontend_core import FrontendCore, LiveRequest, RenderedRequest
 from .output_processor import OutputProcessor
 from .output_slot import OutputSlot
@@ -140,7 +140,7 @@ class Frontend:
         self,
         renderer: Renderer,
         processor: OutputProcessor,
-        to_core: Callable[[CoreMessage], None],
+        to_core: Callable[[FrontendMessage], None],
         record: Callable[[StepStats], None],
         *,
         offload_renderer: Renderer | None = None,

@@ -17,7 +17,8 @@ The life of a request here:
   passes the finishes the output side decided (stop strings, aborts) back;
 - ``release`` forgets it once its stream has ended.
 
-Synchronous and never blocking except where a method says so; no trio.
+Synchronous and never blocking except where a method says so; it never awaits
+(the slots it fills are trio's, and wake their consumers). Never imports torch.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..protocol import messages as m
 from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
-from .engine_core import AddRequests, CoreMessage, FinishRequests
+from .core_steps import AddRequests, FinishRequests, FrontendMessage
 from .output_processor import OutputProcessor, ProcessedStep
 from .output_slot import OutputSlot
 from .renderer import PromptType, RenderedPrompt, Renderer
@@ -72,7 +73,7 @@ class FrontendCore:
         self,
         renderer: Renderer,
         processor: OutputProcessor,
-        to_core: Callable[[CoreMessage], None],
+        to_core: Callable[[FrontendMessage], None],
         record: Callable[[StepStats], None],
     ) -> None:
         self.renderer = renderer

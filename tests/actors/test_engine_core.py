@@ -10,13 +10,8 @@ from typing import Any
 
 import trio
 
-from legato.actors.engine_core import (
-    AbortRequests,
-    AddRequests,
-    CoreSteps,
-    EngineCore,
-    FinishRequests,
-)
+from legato.actors.core_steps import AbortRequests, AddRequests, CoreSteps, FinishRequests
+from legato.actors.engine_core import EngineCore
 from legato.actors.inproc_executor import InprocExecutor
 from legato.actors.scheduler import Scheduler
 from legato.actors.stats import StepStats

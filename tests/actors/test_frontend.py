@@ -18,7 +18,8 @@ import pytest
 import trio
 import trio.testing
 
-from legato.actors.engine_core import AddRequests, CoreMessage, EngineCore
+from legato.actors.core_steps import AddRequests, FrontendMessage
+from legato.actors.engine_core import EngineCore
 from legato.actors.frontend import (
     INLINE_MAX_PROMPT_CHARS,
     INLINE_MAX_PROMPT_TOKENS,
@@ -58,7 +59,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 class Rig:
     frontend: Frontend
     core: EngineCore
-    sent: list[CoreMessage] = field(default_factory=list)
+    sent: list[FrontendMessage] = field(default_factory=list)
 
     def added(self) -> list[str]:
         """The engine request ids handed to the core so far."""
@@ -90,9 +91,9 @@ async def open_rig(
         if offload_tokenizer is not None:
             offload = copy.copy(renderer)
             offload.tokenizer = offload_tokenizer
-        sent: list[CoreMessage] = []
+        sent: list[FrontendMessage] = []
 
-        def to_core(message: CoreMessage) -> None:
+        def to_core(message: FrontendMessage) -> None:
             sent.append(message)
             core.submit(message)
 
