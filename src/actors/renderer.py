@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import PromptTooLongError, ValidationError
-from ..protocol.messages import EngineRequest
+from ..protocol.messages import EngineRequest, RunnerSamplingParams
 from ..protocol.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
             )
         if type(value) is not kind or (isinstance(value, int) and kind is int and value < 1):
             raise ValidationError(
-                f"tokenization_kwargs.{key}", f"must be a {'positive ' * (kind is int)}"
-                f"{kind.__name__}, got {value!r}"
+                f"tokenization_kwargs.{key}",
+                f"must be a {'positive ' * (kind is int)}{kind.__name__}, got {value!r}",
             )
     if kwargs.get("truncation") and "max_length" not in kwargs:
         raise ValidationError("tokenization_kwargs.max_length", "is needed with truncation=True")
@@ -288,9 +288,13 @@ class Renderer:
             ("logprobs", params.logprobs),
             ("prompt_logprobs", params.prompt_logprobs),
         ):
-            if value is not None and value > self.max_logprobs:
+            # vLLM's rule: -1 is the whole vocabulary, allowed only with max_logprobs=-1.
+            wanted = self.vocab_size if value == -1 else value
+            if wanted is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
                 raise ValidationError(
-                    name, f"at most {self.max_logprobs} are supported, got {value}"
+                    name,
+                    f"at most {self.max_logprobs} are supported, got {value}"
+                    + (f" (the whole vocabulary, {self.vocab_size})" if value == -1 else ""),
                 )
         room = self.max_model_len - len(token_ids)
         if room < 1:
@@ -312,6 +316,8 @@ class Renderer:
             params = params.clone(stop_token_ids=stop_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         salt = rendered.cache_salt
+        # What the model runner samples with: one instance for the request and its children.
+        runner_params = RunnerSamplingParams.of(params)
         if params.n == 1:
             return [
                 EngineRequest(
@@ -323,6 +329,7 @@ class Renderer:
                     self.eos_token_id,
                     lora_name,
                     cache_salt=salt,
+                    runner_params=runner_params,
                 )
             ]
         children = []
@@ -341,7 +348,7 @@ class Renderer:
                     cache_salt=salt,
                     parent_id=request_id,
                     index=index,
+                    runner_params=runner_params,
                 )
             )
         return children
-

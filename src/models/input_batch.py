@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..protocol.messages import CachedRequestData, NewRequestData
-from ..protocol.params import SamplingParams
+from ..protocol.messages import CachedRequestData, NewRequestData, RunnerSamplingParams
 from .sampler import PenaltyInputs, SamplingMetadata
 
 _EPS = 1e-5
@@ -43,8 +42,9 @@ class RequestState:
 
     req_id: str
     row: int
-    params: SamplingParams
+    params: RunnerSamplingParams
     num_prompt_tokens: int
+    seed: int | None = None
     generator: torch.Generator | None = None
     prompt_mask: torch.Tensor | None = None  # [V] bool (penalties)
     output_counts: torch.Tensor | None = None  # [V] int32 (penalties)
@@ -142,14 +142,16 @@ class InputBatch:
 
     # --------------------------------------------------------- deltas
 
-    def add(self, new: NewRequestData) -> None:
-        """Admit a request (or re-admit one after preemption), replacing any old state."""
+    def add(self, new: NewRequestData, params: RunnerSamplingParams) -> None:
+        """Admit a request (or re-admit one after preemption), replacing any old state.
+
+        ``params``: what it samples with (its step's ``sampling_params[new.params_key]``).
+        """
         if new.request_id in self.req_rows:
             self.remove(new.request_id)
         if not self._free:
             self._grow(max(len(self.states), 1))
         row = self._free.pop()
-        params = new.sampling_params
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         if len(tokens) > self.max_tokens:
             raise ValueError(
@@ -177,7 +179,7 @@ class InputBatch:
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
         )
-        self.has_seed[row] = params.seed is not None and not greedy
+        self.has_seed[row] = new.seed is not None and not greedy
         self.has_penalty[row] = penalised
         self.has_allowed[row] = params.allowed_token_ids is not None
         self.has_bias[row] = bool(params.logit_bias)
@@ -190,6 +192,7 @@ class InputBatch:
             row=row,
             params=params,
             num_prompt_tokens=len(new.prompt_token_ids),
+            seed=new.seed,
         )
         vocab, dev = self.vocab_size, self.device
         if self.has_seed[row]:
@@ -209,7 +212,7 @@ class InputBatch:
             st.bias_cols = torch.tensor([t for t, _ in items], dtype=torch.long, device=dev)
             st.bias_values = torch.tensor([b for _, b in items], dtype=torch.float32, device=dev)
         if params.min_tokens > 0:
-            stop = set(params.all_stop_token_ids)
+            stop = set(params.stop_token_ids)
             if not params.ignore_eos:
                 stop.update(self.eos_token_ids)
             ids = sorted(t for t in stop if t < vocab)
@@ -297,8 +300,8 @@ class InputBatch:
             n_out = self.num_tokens[rows] - self.num_prompt[rows]
             for i in np.flatnonzero(self.has_seed[rows]).tolist():
                 st = self.state(int(rows[i]))
-                assert st.generator is not None and st.params.seed is not None
-                st.generator.manual_seed(step_seed(st.params.seed, int(n_out[i])))
+                assert st.generator is not None and st.seed is not None
+                st.generator.manual_seed(step_seed(st.seed, int(n_out[i])))
                 generators[i] = st.generator
         md = SamplingMetadata(
             temperature=t(np.where(greedy_np, np.float32(1.0), temp)),

@@ -54,6 +54,7 @@ from .messages import (
     Profile,
     ResetPrefixCache,
     ResumeGeneration,
+    RunnerSamplingParams,
     SchedulerOutput,
     SchedulerStats,
     Sleep,
@@ -109,6 +110,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         28: EngineCoreOutputs,
         29: FinishReason,
         30: GrammarBitmask,
+        31: RunnerSamplingParams,
         # control
         40: PauseMode,
         41: AbortRequests,

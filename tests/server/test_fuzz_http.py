@@ -57,8 +57,11 @@ class ServerThread:
     server's trio thread (to read its state safely) and returns the result.
     """
 
-    def __init__(self, model_dir: Path, **settings: Any) -> None:
+    def __init__(
+        self, model_dir: Path, engine_args: dict[str, Any] | None = None, **settings: Any
+    ) -> None:
         self._model_dir = model_dir
+        self._engine_args = {**FUZZ_ENGINE_ARGS, **(engine_args or {})}
         self._settings = ServerSettings(**{**FUZZ_SETTINGS, **settings})
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="fuzz-server", daemon=True)
@@ -94,7 +97,7 @@ class ServerThread:
     async def _serve(self) -> None:
         self._stop = trio.Event()
         async with (
-            open_engine(str(self._model_dir), **FUZZ_ENGINE_ARGS) as engine,
+            open_engine(str(self._model_dir), **self._engine_args) as engine,
             open_server(engine, self._settings, model_name=MODEL) as server,
         ):
             self.server = server
