@@ -218,6 +218,12 @@ def add_openai_features_args(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template file used instead of the model's",
     )
     group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (rendered in a child process with CPU, "
+        "memory and time limits); refused by default",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='allow tool_choice="auto" (needs --tool-call-parser)',
@@ -255,6 +261,7 @@ def openai_features_settings(args: argparse.Namespace) -> dict[str, Any]:
     )
     return dict(
         chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

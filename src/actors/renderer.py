@@ -76,7 +76,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def template_kwargs_of(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """``chat_template_kwargs`` as template variables; names the renderer sets are refused."""
     if not kwargs:
         return {}
@@ -200,7 +200,7 @@ class Renderer:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=tools,
-                **_template_kwargs(template_kwargs),
+                **template_kwargs_of(template_kwargs),
             )
         except ValidationError:
             raise

@@ -31,6 +31,7 @@ from ..protocol.params import LoRARequest
 from ..supervise import SupervisedEngine
 from .cors import CORSPolicy
 from .reasoning import ReasoningParser, reasoning_parser
+from .tokenizing import TokenizerOffload
 from .tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger("legato.server")
@@ -66,6 +67,9 @@ class ServerSettings:
     chat_template: str | None = None
     """A chat template (its text; ``--chat-template`` reads it from a file) used instead of
     the tokenizer's own."""
+    trust_request_chat_template: bool = False
+    """Accept a request's own ``chat_template`` (rendered in a limited child process);
+    refused with a 400 otherwise (vLLM's ``--trust-request-chat-template``)."""
     enable_auto_tool_choice: bool = False
     """Allow ``tool_choice="auto"`` (needs ``tool_call_parser``), as vLLM's flag."""
     tool_call_parser: str | None = None
@@ -156,6 +160,7 @@ class ServingState:
         self._live: dict[str, LiveRequest] = {}
         self._emptied = trio.Event()
         self._emptied.set()
+        self.tokenizing = TokenizerOffload()  # /tokenize, /detokenize: large ones in a thread
 
     @property
     def engine(self) -> AsyncEngine:
