@@ -170,9 +170,7 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None:
             _int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         if self.stop is not None:
-            for s in self.stop:
-                if not isinstance(s, str) or not s:
-                    raise _fail("stop", f"stop strings must be non-empty strings, got {s!r}")
+            _check_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_CHARS)
         if self.stop and not self.detokenize:
             raise _fail("stop", "stop strings need detokenize=True")
         if self.stop_token_ids is not None:
@@ -189,9 +187,7 @@ class SamplingParams:
                     raise _fail("logit_bias", f"biases must be finite, got {bias}")
             self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
         if self.bad_words is not None:
-            for word in self.bad_words:
-                if not isinstance(word, str) or not word:
-                    raise _fail("bad_words", f"must be non-empty strings, got {word!r}")
+            _check_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_STOP_CHARS)
         if self.extra_args is not None:
             _check_json_object("extra_args", self.extra_args)
         if self.structured_outputs is not None and not isinstance(
@@ -300,6 +296,23 @@ def _int(name: str, value: object, *, minimum: int | None, maximum: int = _MAX_C
         raise _fail(name, f"must be >= {minimum}, got {value}")
     if value > maximum or value < -maximum - 1:
         raise _fail(name, f"must be <= {maximum}, got {value}")
+
+
+# Stop strings are checked against each sequence's text on every step, on the event loop:
+# bounded so that a request's worst case stays a few milliseconds a step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 128
+MAX_BAD_WORDS = 64
+
+
+def _check_strings(name: str, values: list[Any], max_count: int, max_chars: int) -> None:
+    if len(values) > max_count:
+        raise _fail(name, f"at most {max_count} strings are accepted, got {len(values)}")
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise _fail(name, f"must be non-empty strings, got {type(value).__name__}")
+        if len(value) > max_chars:
+            raise _fail(name, f"each string must be at most {max_chars} characters")
 
 
 # ``extra_args`` is free-form: bounded so that no value can be costly to copy or check.
