@@ -236,7 +236,18 @@ def add_openai_features_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1",
     )
-    group.add_argument("--allowed-origins", default='["*"]', help="CORS: a JSON list of origins")
+    group.add_argument(
+        "--allowed-origins",
+        default="[]",
+        help="CORS, and WebSocket Origins besides the chat page's own: a JSON list; none by "
+        "default, '[\"*\"]' allows any (a warning without --api-key)",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        default="[]",
+        help="Host header values served besides localhost, 127.0.0.1, ::1 and --host "
+        "(DNS rebinding guard): a JSON list; '[\"*\"]' turns the check off",
+    )
     group.add_argument("--allowed-methods", default='["*"]', help="CORS: a JSON list of methods")
     group.add_argument("--allowed-headers", default='["*"]', help="CORS: a JSON list of headers")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
@@ -266,6 +277,7 @@ def openai_features_settings(args: argparse.Namespace) -> dict[str, Any]:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         cors=cors,
+        allowed_hosts=parse_list_flag("--allowed-hosts", args.allowed_hosts),
     )
 
 

@@ -23,6 +23,7 @@ Imports trio; never torch.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -48,6 +49,8 @@ from .lora_routes import adapter_cards, select_model
 from .openai_protocol import parse_request
 from .state import LiveRequest, ServingState, Unavailable
 from .tool_choice import plan_tools
+
+logger = logging.getLogger("legato.server")
 
 T = TypeVar("T")
 
@@ -93,7 +96,8 @@ def error_event(exc: BaseException) -> dict[str, Any]:
         return HTTPError(503, f"the engine is dead: {exc}", code="engine_dead").body()
     if isinstance(exc, ValidationError):  # the request's own input, found while generating
         return HTTPError(400, str(exc), param=exc.field, code="invalid_value").body()
-    return HTTPError(500, f"{type(exc).__name__}: {exc}", code="internal_error").body()
+    logger.error("a stream failed", exc_info=exc)  # the detail stays in the server log
+    return HTTPError(500, f"internal error: {type(exc).__name__}", code="internal_error").body()
 
 
 @dataclass

@@ -31,6 +31,7 @@ from ..protocol.params import LoRARequest
 from ..supervise import SupervisedEngine
 from .cors import CORSPolicy
 from .reasoning import ReasoningParser, reasoning_parser
+from .site_guard import SiteGuard
 from .tokenizing import TokenizerOffload
 from .tool_parsers import ToolParser, tool_parser
 
@@ -55,6 +56,13 @@ class ServerSettings:
     ws_max_requests: int = 64
     shutdown_grace: float = 10.0
     header_timeout: float = 10.0  # seconds to send a request's headers / WebSocket handshake
+    body_timeout: float = 60.0
+    """Seconds a client may take to send a request's body (then 408)."""
+    max_connections: int = 1024
+    """Connections served at once, per port; one more gets 503 (HTTP) or is refused."""
+    max_requests_in_flight: int = 512
+    """Requests (HTTP and WebSocket) in flight at once; one more gets 503 ``server_busy``
+    with ``Retry-After`` (WebSocket: an error frame)."""
     log_requests: bool = True
     web_ui: bool = True
     """Serve the chat page at ``/`` (``--no-web-ui`` turns it off)."""
@@ -77,10 +85,46 @@ class ServerSettings:
     reasoning_parser: str | None = None
     """Split ``<think>`` reasoning into ``reasoning_content``: ``qwen3`` or ``deepseek_r1``."""
     cors: CORSPolicy = CORSPolicy()
-    """CORS for the HTTP API (``--allowed-origins`` ...; vLLM's defaults: any origin)."""
+    """CORS for the HTTP API (``--allowed-origins`` ...; off by default, unlike vLLM)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """``Host`` values served besides the loopback names and ``host`` (``*``: any)."""
+
+    def security_warnings(self) -> list[str]:
+        """What this configuration leaves open, for the log at start-up."""
+        if self.api_key is not None:
+            return []
+        warnings = []
+        if self.host.strip("[]") not in ("127.0.0.1", "localhost", "::1"):
+            warnings.append(
+                f"listening on {self.host} without --api-key: anyone who reaches this "
+                "address can use the model (set --api-key or LEGATO_API_KEY)"
+            )
+        if self.cors.any_origin:
+            warnings.append(
+                "CORS allows any origin without --api-key: every web page the user opens "
+                "can call this API and read its answers"
+            )
+        if self.allow_runtime_lora_updating:
+            warnings.append(
+                "--allow-runtime-lora-updating without --api-key: any local client can load "
+                "adapters from --lora-root"
+            )
+        return warnings
+
+    @property
+    def site_guard(self) -> SiteGuard:
+        """The Host and WebSocket Origin allowlists (DNS rebinding, cross-site WebSockets)."""
+        return SiteGuard(self.host, self.port, self.allowed_hosts, self.cors.allowed_origins)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "ws_max_frame_bytes", "ws_max_requests"):
+        for name in (
+            "max_body_bytes",
+            "max_n",
+            "ws_max_frame_bytes",
+            "ws_max_requests",
+            "max_connections",
+            "max_requests_in_flight",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -160,6 +204,8 @@ class ServingState:
         self._live: dict[str, LiveRequest] = {}
         self._emptied = trio.Event()
         self._emptied.set()
+        # Host / WebSocket Origin allowlists; the app sets the HTTP port once it is bound.
+        self.site_guard: SiteGuard = settings.site_guard
         self.tokenizing = TokenizerOffload()  # /tokenize, /detokenize: large ones in a thread
 
     @property
@@ -182,6 +228,15 @@ class ServingState:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    def check_capacity(self) -> None:
+        """Raise ``Unavailable("server_busy")`` if ``max_requests_in_flight`` are in flight."""
+        if len(self._live) >= self.settings.max_requests_in_flight:
+            raise Unavailable(
+                "server_busy",
+                f"the server has {self.settings.max_requests_in_flight} requests in flight; "
+                "retry shortly",
+            )
 
     def check_available(self) -> None:
         """Raise ``Unavailable`` if no new request may start now. Never blocks."""
@@ -207,6 +262,7 @@ class ServingState:
         the ``with`` ends quietly after it: the caller ends its response.
         """
         self.check_available()
+        self.check_capacity()
         if request_id in self._live:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         with trio.CancelScope() as scope:
