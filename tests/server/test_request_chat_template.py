@@ -27,9 +27,10 @@ async def test_a_request_template_is_refused_by_default(engine: AsyncEngine) -> 
         answer = await client.post("/v1/chat/completions", json=body)
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
-        assert error["param"] == "chat_template" and "--trust-request-chat-template" in error[
-            "message"
-        ]
+        assert (
+            error["param"] == "chat_template"
+            and "--trust-request-chat-template" in error["message"]
+        )
 
 
 async def test_a_trusted_request_template_renders_in_a_limited_child(engine: AsyncEngine) -> None:
