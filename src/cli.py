@@ -153,6 +153,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="concurrent requests per WebSocket connection",
     )
     group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout,
+        help="seconds a client may take to send a request body (408 after)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="connections served at once per port (503 past it)",
+    )
+    group.add_argument(
+        "--max-requests-in-flight",
+        type=int,
+        default=d.max_requests_in_flight,
+        help="HTTP and WebSocket requests in flight at once (503 server_busy past it)",
+    )
+    group.add_argument(
         "--shutdown-grace",
         type=float,
         default=d.shutdown_grace,
@@ -302,6 +320,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_max_frame_bytes=args.ws_max_frame_bytes,
             ws_max_requests=args.ws_max_requests,
             shutdown_grace=args.shutdown_grace,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
+            max_requests_in_flight=args.max_requests_in_flight,
             log_requests=not args.disable_log_requests,
             web_ui=args.web_ui,
             web_ui_ws_url=args.web_ui_ws_url,

@@ -142,6 +142,8 @@ class ServerSettings:
             raise ValueError(
                 f"web_ui_ws_url: must start with ws:// or wss://, got {self.web_ui_ws_url!r}"
             )
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout: must be > 0, got {self.body_timeout!r}")
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout!r}")
         if self.api_key == "":
