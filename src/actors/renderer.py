@@ -231,6 +231,26 @@ class Renderer:
         )
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
 
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """``bad_words`` as token sequences, as vLLM makes them: each word (stripped on the
+        left) tokenized alone, and with a leading space when that gives a different
+        first token and as many tokens. ValidationError for an id outside the vocabulary."""
+        sequences: list[list[int]] = []
+        for word in params.bad_words or ():
+            plain: list[int] | None = None
+            for prefix in ("", " "):
+                ids = self.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if not ids:
+                    continue
+                if plain is None:
+                    plain = ids
+                    sequences.append(ids)
+                elif ids[0] != plain[0] and len(ids) == len(plain):
+                    sequences.append(ids)
+        if any(t >= self.vocab_size for ids in sequences for t in ids):
+            raise ValidationError("bad_words", "a word tokenizes outside the vocabulary")
+        return sequences
+
     def encode(self, text: str, *, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of ``text``; ``kwargs`` are checked ``TOKENIZATION_KWARGS``."""
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens, **kwargs)
@@ -317,7 +337,7 @@ class Renderer:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         salt = rendered.cache_salt
         # What the model runner samples with: one instance for the request and its children.
-        runner_params = RunnerSamplingParams.of(params)
+        runner_params = RunnerSamplingParams.of(params, self.bad_words_token_ids(params))
         if params.n == 1:
             return [
                 EngineRequest(

@@ -24,6 +24,19 @@ _EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
+def bad_words_banned(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens ``bad_words`` ban at the next position (vLLM's rule): a word's last
+    token, when the output so far ends with the rest of the word."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or output[-prefix:] == word[:-1]:
+            banned.append(word[-1])
+    return banned
+
+
 def step_seed(seed: int, num_output_tokens: int) -> int:
     """A 63-bit seed for a seeded request's draw at output position ``num_output_tokens``.
 
@@ -97,6 +110,7 @@ class InputBatch:
         self.has_penalty = np.zeros(0, dtype=bool)
         self.has_allowed = np.zeros(0, dtype=bool)
         self.has_bias = np.zeros(0, dtype=bool)
+        self.has_bad_words = np.zeros(0, dtype=bool)
         self.wants_prompt_logprobs = np.zeros(0, dtype=bool)  # until the prompt is computed
         self._grow(max_num_reqs)
 
@@ -106,7 +120,7 @@ class InputBatch:
         "token_ids", "block_table", "num_tokens", "num_prompt", "num_computed", "num_blocks",
         "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition", "presence",
         "frequency", "num_logprobs", "has_seed", "has_penalty", "has_allowed", "has_bias",
-        "wants_prompt_logprobs",
+        "has_bad_words", "wants_prompt_logprobs",
     )  # fmt: skip
 
     def _grow(self, extra: int) -> None:
@@ -183,6 +197,7 @@ class InputBatch:
         self.has_penalty[row] = penalised
         self.has_allowed[row] = params.allowed_token_ids is not None
         self.has_bias[row] = bool(params.logit_bias)
+        self.has_bad_words[row] = bool(params.bad_words_token_ids)
         # A request recomputed after preemption has had its prompt logprobs already.
         self.wants_prompt_logprobs[row] = (
             params.prompt_logprobs is not None and not new.output_token_ids
@@ -343,16 +358,23 @@ class InputBatch:
             md.bias_values = torch.cat(bias_vals)
         n_out_all = self.num_tokens[rows] - self.num_prompt[rows]
         banned = np.flatnonzero(n_out_all < self.min_tokens[rows]).tolist()
-        if banned:
-            ban_rows, ban_cols = [], []
-            for i in banned:
-                st = self.state(int(rows[i]))
-                if st.stop_ids is not None and st.stop_ids.numel():
-                    ban_rows.append(torch.full_like(st.stop_ids, i))
-                    ban_cols.append(st.stop_ids)
-            if ban_rows:
-                md.banned_rows = torch.cat(ban_rows)
-                md.banned_cols = torch.cat(ban_cols)
+        ban_rows, ban_cols = [], []
+        for i in banned:
+            st = self.state(int(rows[i]))
+            if st.stop_ids is not None and st.stop_ids.numel():
+                ban_rows.append(torch.full_like(st.stop_ids, i))
+                ban_cols.append(st.stop_ids)
+        for i in np.flatnonzero(self.has_bad_words[rows]).tolist():
+            row = int(rows[i])
+            output = self.token_ids[row, self.num_prompt[row] : self.num_tokens[row]]
+            words = self.state(row).params.bad_words_token_ids
+            ids = [t for t in bad_words_banned(words, output.tolist()) if t < vocab]
+            if ids:
+                ban_cols.append(torch.tensor(ids, dtype=torch.long, device=dev))
+                ban_rows.append(torch.full_like(ban_cols[-1], i))
+        if ban_rows:  # min_tokens' stop ids, bad_words' next tokens
+            md.banned_rows = torch.cat(ban_rows)
+            md.banned_cols = torch.cat(ban_cols)
         nlp = self.num_logprobs[rows]
         lp_rows = np.flatnonzero(nlp >= -1)
         if len(lp_rows):
