@@ -207,6 +207,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
     )
     group.add_argument(
+        "--lora-root",
+        default=None,
+        help="with --allow-runtime-lora-updating: the directory run-time adapters must lie "
+        "under (required with it)",
+    )
+    group.add_argument(
         "--restart-on-failure",
         action="store_true",
         help="restart a dead engine in place (the servers keep running; /health is 503 meanwhile)",
@@ -328,6 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             web_ui_ws_url=args.web_ui_ws_url,
             lora_modules=parse_lora_modules(args.lora_modules),
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            lora_root=args.lora_root,
             **openai_features_settings(args),
         )
         if settings.lora_modules and not args.enable_lora:

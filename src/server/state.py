@@ -71,7 +71,9 @@ class ServerSettings:
     lora_modules: tuple[LoRARequest, ...] = ()
     """Adapters loaded at start-up, served as model names (``--lora-modules``)."""
     allow_runtime_lora_updating: bool = False
-    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (needs ``lora_root``)."""
+    lora_root: str | None = None
+    """The directory run-time adapters must lie under (``--lora-root``); symlinks resolved."""
     chat_template: str | None = None
     """A chat template (its text; ``--chat-template`` reads it from a file) used instead of
     the tokenizer's own."""
@@ -106,8 +108,8 @@ class ServerSettings:
             )
         if self.allow_runtime_lora_updating:
             warnings.append(
-                "--allow-runtime-lora-updating without --api-key: any local client can load "
-                "adapters from --lora-root"
+                f"--allow-runtime-lora-updating without --api-key: any local client can load "
+                f"adapters from {self.lora_root}"
             )
         return warnings
 
@@ -150,6 +152,11 @@ class ServerSettings:
             raise ValueError("api_key: must not be empty")
         if self.tool_call_parser is not None:
             tool_parser(self.tool_call_parser)  # ValueError listing the known ones
+        if self.allow_runtime_lora_updating and self.lora_root is None:
+            raise ValueError(
+                "allow_runtime_lora_updating: needs lora_root (--lora-root), the directory "
+                "run-time adapters are loaded from"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice: needs tool_call_parser")
         if self.reasoning_parser is not None:
