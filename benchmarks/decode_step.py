@@ -54,6 +54,7 @@ from legato.models.runner import ModelRunner  # noqa: E402
 from legato.protocol.messages import (  # noqa: E402
     CachedRequestData,
     NewRequestData,
+    RunnerSamplingParams,
     SchedulerOutput,
 )
 from legato.protocol.params import SamplingParams  # noqa: E402
@@ -114,7 +115,7 @@ class LegatoDecode:
             NewRequestData(
                 f"r{i}",
                 prompts[i].tolist(),
-                params,
+                "greedy",
                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
                 0,
             )
@@ -127,7 +128,12 @@ class LegatoDecode:
             part = new[start : start + group]
             sched = {r.request_id: args.context for r in part}
             step = SchedulerOutput(
-                self.step_id, part, CachedRequestData(), sched, sum(sched.values())
+                self.step_id,
+                part,
+                CachedRequestData(),
+                sched,
+                sum(sched.values()),
+                sampling_params={"greedy": RunnerSamplingParams.of(params)},
             )
             self._run(step)
         self.computed = args.context

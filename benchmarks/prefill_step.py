@@ -20,7 +20,12 @@ from decode_step import profiled
 
 from legato.config import EngineConfig
 from legato.models.runner import ModelRunner
-from legato.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from legato.protocol.messages import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerSamplingParams,
+    SchedulerOutput,
+)
 from legato.protocol.params import SamplingParams
 
 
@@ -55,14 +60,17 @@ def main() -> None:
             NewRequestData(
                 f"s{step}-{i}",
                 ids[i].tolist(),
-                params,
+                "greedy",
                 list(range(i * blocks, (i + 1) * blocks)),
                 0,
             )
             for i in range(args.prompts)
         ]
         sched = {r.request_id: args.in_len for r in new}
-        plan = SchedulerOutput(step, new, CachedRequestData(), sched, sum(sched.values()))
+        table = {"greedy": RunnerSamplingParams.of(params)}
+        plan = SchedulerOutput(
+            step, new, CachedRequestData(), sched, sum(sched.values()), sampling_params=table
+        )
         began = time.perf_counter()
         with profiled(runner) as totals:
             runner.execute(plan)

@@ -38,7 +38,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def _steps(args: argparse.Namespace) -> list[Any]:
     """The SchedulerOutputs: one prefill of every request, then decodes (tokens filled in later)."""
-    from legato.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+    from legato.protocol.messages import (
+        CachedRequestData,
+        NewRequestData,
+        RunnerSamplingParams,
+        SchedulerOutput,
+    )
     from legato.protocol.params import SamplingParams
 
     blocks = -(-(args.context + args.steps + 1) // 16)
@@ -46,9 +51,14 @@ def _steps(args: argparse.Namespace) -> list[Any]:
     for i in range(args.batch):
         prompt = [(7 * i + 13 * j) % 30000 + 3 for j in range(args.context)]
         block_ids = list(range(i * blocks, (i + 1) * blocks))
-        new.append(NewRequestData(f"r{i}", prompt, SamplingParams(temperature=0.0), block_ids, 0))
+        new.append(NewRequestData(f"r{i}", prompt, "greedy", block_ids, 0))
     sched = {f"r{i}": args.context for i in range(args.batch)}
-    return [SchedulerOutput(0, new, CachedRequestData(), sched, sum(sched.values()))]
+    table = {"greedy": RunnerSamplingParams.of(SamplingParams(temperature=0.0))}
+    return [
+        SchedulerOutput(
+            0, new, CachedRequestData(), sched, sum(sched.values()), sampling_params=table
+        )
+    ]
 
 
 def measure(args: argparse.Namespace, rank: int | None) -> dict[str, Any]:

@@ -153,6 +153,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="concurrent requests per WebSocket connection",
     )
     group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout,
+        help="seconds a client may take to send a request body (408 after)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="connections served at once per port (503 past it)",
+    )
+    group.add_argument(
+        "--max-requests-in-flight",
+        type=int,
+        default=d.max_requests_in_flight,
+        help="HTTP and WebSocket requests in flight at once (503 server_busy past it)",
+    )
+    group.add_argument(
         "--shutdown-grace",
         type=float,
         default=d.shutdown_grace,
@@ -189,6 +207,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "(also VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)",
     )
     group.add_argument(
+        "--lora-root",
+        default=None,
+        help="with --allow-runtime-lora-updating: the directory run-time adapters must lie "
+        "under (required with it)",
+    )
+    group.add_argument(
         "--restart-on-failure",
         action="store_true",
         help="restart a dead engine in place (the servers keep running; /health is 503 meanwhile)",
@@ -218,6 +242,12 @@ def add_openai_features_args(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template file used instead of the model's",
     )
     group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (rendered in a child process with CPU, "
+        "memory and time limits); refused by default",
+    )
+    group.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='allow tool_choice="auto" (needs --tool-call-parser)',
@@ -230,7 +260,18 @@ def add_openai_features_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think> reasoning into reasoning_content: qwen3, deepseek_r1",
     )
-    group.add_argument("--allowed-origins", default='["*"]', help="CORS: a JSON list of origins")
+    group.add_argument(
+        "--allowed-origins",
+        default="[]",
+        help="CORS, and WebSocket Origins besides the chat page's own: a JSON list; none by "
+        "default, '[\"*\"]' allows any (a warning without --api-key)",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        default="[]",
+        help="Host header values served besides localhost, 127.0.0.1, ::1 and --host "
+        "(DNS rebinding guard): a JSON list; '[\"*\"]' turns the check off",
+    )
     group.add_argument("--allowed-methods", default='["*"]', help="CORS: a JSON list of methods")
     group.add_argument("--allowed-headers", default='["*"]', help="CORS: a JSON list of headers")
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
@@ -255,10 +296,12 @@ def openai_features_settings(args: argparse.Namespace) -> dict[str, Any]:
     )
     return dict(
         chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         cors=cors,
+        allowed_hosts=parse_list_flag("--allowed-hosts", args.allowed_hosts),
     )
 
 
@@ -283,11 +326,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_max_frame_bytes=args.ws_max_frame_bytes,
             ws_max_requests=args.ws_max_requests,
             shutdown_grace=args.shutdown_grace,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
+            max_requests_in_flight=args.max_requests_in_flight,
             log_requests=not args.disable_log_requests,
             web_ui=args.web_ui,
             web_ui_ws_url=args.web_ui_ws_url,
             lora_modules=parse_lora_modules(args.lora_modules),
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            lora_root=args.lora_root,
             **openai_features_settings(args),
         )
         if settings.lora_modules and not args.enable_lora:

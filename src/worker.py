@@ -69,7 +69,21 @@ def read_frame(stream: BinaryIO) -> tuple[int, object] | None:
 
 
 def write_frame(stream: BinaryIO, frame_id: int, message: object) -> None:
-    payload = wire.encode(message)
+    """Write one answer. A step's answer that cannot be encoded (too many logprobs for
+    one frame, say) is replaced by one that fails the step's requests: they fail, not
+    the worker."""
+    try:
+        payload = wire.encode(message)
+    except wire.WireError as exc:
+        if not isinstance(message, m.ModelRunnerOutput):
+            raise
+        print(f"legato worker: step {message.step_id}'s answer: {exc}", file=sys.stderr)
+        reason = "this request's output could not be sent from the model worker"
+        ids = message.req_ids
+        failed = m.ModelRunnerOutput(
+            message.step_id, ids, [0] * len(ids), [], failed=dict.fromkeys(ids, reason)
+        )
+        payload = wire.encode(failed)
     stream.write(wire.frame_header(len(payload), frame_id) + payload)
     stream.flush()
 

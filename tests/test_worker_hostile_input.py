@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from legato.actors.process_executor import _FrameReader
 from legato.config import EngineConfig
 from legato.protocol import messages as m
-from legato.protocol.params import SamplingParams
+from legato.protocol import wire
 from legato.protocol.wire import HEADER_SIZE, MAX_FRAME_SIZE, WireError, encode, frame_header
 from legato.worker import read_frame, serve
 
@@ -169,11 +169,18 @@ def test_end_of_input_is_a_clean_exit() -> None:
 
 
 def _step(step_id: int, *, follows: bool) -> m.SchedulerOutput:
-    new = [m.NewRequestData("r", [1, 2], SamplingParams(), [1], 0)] if step_id == 1 else []
+    new = [m.NewRequestData("r", [1, 2], "r", [1], 0)] if step_id == 1 else []
+    params = {"r": m.RunnerSamplingParams()} if step_id == 1 else {}
     cached = m.CachedRequestData() if step_id == 1 else m.CachedRequestData(["r"], [2])
     tokens = {"r": 2 if step_id == 1 else 1}
     return m.SchedulerOutput(
-        step_id, new, cached, tokens, sum(tokens.values()), grammar_bitmask_follows=follows
+        step_id,
+        new,
+        cached,
+        tokens,
+        sum(tokens.values()),
+        grammar_bitmask_follows=follows,
+        sampling_params=params,
     )
 
 
@@ -349,3 +356,20 @@ async def test_executor_frame_reader_reassembles_split_frames() -> None:
     while (frame := await reader.read()) is not None:
         got.append(frame)
     assert got == list(enumerate(messages, start=1))
+
+
+def test_a_step_answer_that_cannot_be_encoded_fails_its_requests_not_the_worker() -> None:
+    """An answer too large for one frame (the whole vocabulary's logprobs, say; here a
+    token id past 64 bits stands in) goes back as that step's requests failing."""
+    from legato.worker import write_frame
+
+    out = io.BytesIO()
+    answer = m.ModelRunnerOutput(7, ["a", "b"], [1, 1], [3, 2**64])
+    write_frame(out, 5, answer)
+    stream = io.BytesIO(out.getvalue())
+    size, frame_id = wire.read_frame_header(stream.read(wire.HEADER_SIZE))
+    sent = wire.decode(stream.read(size), expected=m.ModelRunnerOutput)
+    assert frame_id == 5 and sent.step_id == 7 and sent.req_ids == ["a", "b"]
+    assert sent.num_sampled == [0, 0] and set(sent.failed) == {"a", "b"}
+    with pytest.raises(wire.WireError):  # anything else that cannot be encoded still raises
+        write_frame(io.BytesIO(), 6, m.UtilityResult(1, result=2**64))

@@ -580,12 +580,13 @@ class DecodeCase:
             NewRequestData(
                 f"b{batch}c{context}r{i}",
                 [rng.randrange(runner.vocab_size) for _ in range(context)],
-                params,
+                "greedy",
                 list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),  # block 0 is the null block
                 context - 1,
             )
             for i in range(batch)
         ]
+        self.params = params
         self.ids = [r.request_id for r in self.new]
         self.computed = context - 1
         self.last: dict[str, int] = {}
@@ -593,7 +594,11 @@ class DecodeCase:
 
     def step(self) -> float:
         """Seconds for one decode step of every request (the runner syncs when it samples)."""
-        from legato.protocol.messages import CachedRequestData, SchedulerOutput
+        from legato.protocol.messages import (
+            CachedRequestData,
+            RunnerSamplingParams,
+            SchedulerOutput,
+        )
 
         cached = CachedRequestData(
             list(self.last),
@@ -601,7 +606,10 @@ class DecodeCase:
             new_token_ids={r: [t] for r, t in self.last.items()},
         )
         scheduled = dict.fromkeys(self.ids, 1)
-        plan = SchedulerOutput(self.step_id, self.new, cached, scheduled, len(scheduled))
+        table = {"greedy": RunnerSamplingParams.of(self.params)} if self.new else {}
+        plan = SchedulerOutput(
+            self.step_id, self.new, cached, scheduled, len(scheduled), sampling_params=table
+        )
         began = time.perf_counter()
         out = self.runner.execute(plan)
         elapsed = time.perf_counter() - began
@@ -612,7 +620,10 @@ class DecodeCase:
         return elapsed
 
     def finish(self) -> None:
-        from legato.protocol.messages import CachedRequestData, SchedulerOutput
+        from legato.protocol.messages import (
+            CachedRequestData,
+            SchedulerOutput,
+        )
 
         done = SchedulerOutput(
             self.step_id, [], CachedRequestData(), {}, 0, finished_req_ids=self.ids

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import trio
 
 from ..protocol import messages as m
+from ..protocol import wire
 from ..protocol.errors import LegatoError
 from .core_steps import AbortRequests, AddRequests, CoreSteps, FinishRequests, PlannedStep
 from .executor import Executor, StepAnswer, WorkerCallError
@@ -248,11 +249,24 @@ class EngineCore:
         planned = self.steps.plan(bitmask_follows=True)
         if planned is None:
             return False
-        answer = self.executor.submit_step(planned.plan)
+        try:
+            answer = self.executor.submit_step(planned.plan)
+        except wire.WireError as exc:  # a frame that cannot be encoded fails its requests
+            answer = self._unsendable(planned.plan, exc)
         self._sent.append((planned, answer))
         if answer.awaits_bitmask and len(self._sent) == 1:
             self.executor.submit_bitmask(answer, self.steps.bitmask(planned))
         return True
+
+    def _unsendable(self, step: m.SchedulerOutput, exc: wire.WireError) -> StepAnswer:
+        """Fail the requests of a step whose frame cannot be encoded, now (before a later
+        step plans them), and stand in for its answer; the engine keeps serving."""
+        logger.error("step %d could not be sent to the model worker: %s", step.step_id, exc)
+        reason = "this request's step could not be sent to the model worker"
+        failed = self.steps.scheduler.fail(dict.fromkeys(step.num_scheduled_tokens, reason))
+        self.steps.forget_finished(failed)
+        self._emit(failed)
+        return StepAnswer.unsent(step, reason)
 
     async def _apply_oldest(self) -> None:
         """Wait for the oldest step's answer, apply it, pass its outputs on; then send the

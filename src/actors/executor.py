@@ -131,6 +131,19 @@ class StepAnswer:
         """Whether the step's GrammarBitmask is still to be sent (``submit_bitmask``)."""
         return self._answer is None
 
+    @classmethod
+    def unsent(cls, step: m.SchedulerOutput, reason: str) -> StepAnswer:
+        """The answer to a step that never reached the worker (its frame could not be
+        encoded): every request in it failed with ``reason``, no token sampled."""
+        req_ids = list(step.num_scheduled_tokens)
+        answer = FrameAnswer()
+        answer.set(
+            m.ModelRunnerOutput(
+                step.step_id, req_ids, [0] * len(req_ids), [], failed=dict.fromkeys(req_ids, reason)
+            )
+        )
+        return cls(step, answer)
+
     def _bitmask_sent(self, answer: FrameAnswer) -> None:
         if self._answer is not None:
             raise RuntimeError(f"step {self.step.step_id}: its bitmask was already sent")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -247,9 +248,11 @@ class Frontend:
             live.slot.put_error(exc)
             return None
         except Exception as exc:
-            error = EngineGenerateError(
-                request_id, f"rendering failed: {type(exc).__name__}: {exc}"
+            # The caller sees the kind of failure; the detail (paths, internals) is logged.
+            logging.getLogger("legato.engine").warning(
+                "request %s: rendering failed", request_id, exc_info=exc
             )
+            error = EngineGenerateError(request_id, f"rendering failed: {type(exc).__name__}")
             error.__cause__ = exc
             live.slot.put_error(error)
             return None

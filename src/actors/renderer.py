@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import PromptTooLongError, ValidationError
-from ..protocol.messages import EngineRequest
+from ..protocol.messages import EngineRequest, RunnerSamplingParams
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .request_ids import child_id
 
@@ -57,8 +57,8 @@ def check_tokenization_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any
             )
         if type(value) is not kind or (isinstance(value, int) and kind is int and value < 1):
             raise ValidationError(
-                f"tokenization_kwargs.{key}", f"must be a {'positive ' * (kind is int)}"
-                f"{kind.__name__}, got {value!r}"
+                f"tokenization_kwargs.{key}",
+                f"must be a {'positive ' * (kind is int)}{kind.__name__}, got {value!r}",
             )
     if kwargs.get("truncation") and "max_length" not in kwargs:
         raise ValidationError("tokenization_kwargs.max_length", "is needed with truncation=True")
@@ -77,7 +77,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def template_kwargs_of(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """``chat_template_kwargs`` as template variables; names the renderer sets are refused."""
     if not kwargs:
         return {}
@@ -190,7 +190,7 @@ class Renderer:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 tools=tools,
-                **_template_kwargs(template_kwargs),
+                **template_kwargs_of(template_kwargs),
             )
         except ValidationError:
             raise
@@ -220,6 +220,26 @@ class Renderer:
             template_kwargs=template_kwargs,
         )
         return {"prompt": text, "prompt_token_ids": self.encode(text, add_special_tokens=False)}
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """``bad_words`` as token sequences, as vLLM makes them: each word (stripped on the
+        left) tokenized alone, and with a leading space when that gives a different
+        first token and as many tokens. ValidationError for an id outside the vocabulary."""
+        sequences: list[list[int]] = []
+        for word in params.bad_words or ():
+            plain: list[int] | None = None
+            for prefix in ("", " "):
+                ids = self.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if not ids:
+                    continue
+                if plain is None:
+                    plain = ids
+                    sequences.append(ids)
+                elif ids[0] != plain[0] and len(ids) == len(plain):
+                    sequences.append(ids)
+        if any(t >= self.vocab_size for ids in sequences for t in ids):
+            raise ValidationError("bad_words", "a word tokenizes outside the vocabulary")
+        return sequences
 
     def encode(self, text: str, *, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         """Token ids of ``text``; ``kwargs`` are checked ``TOKENIZATION_KWARGS``."""
@@ -280,9 +300,13 @@ class Renderer:
             ("logprobs", params.logprobs),
             ("prompt_logprobs", params.prompt_logprobs),
         ):
-            if value is not None and value > self.max_logprobs:
+            # vLLM's rule: -1 is the whole vocabulary, allowed only with max_logprobs=-1.
+            wanted = self.vocab_size if value == -1 else value
+            if wanted is not None and self.max_logprobs != -1 and wanted > self.max_logprobs:
                 raise ValidationError(
-                    name, f"at most {self.max_logprobs} are supported, got {value}"
+                    name,
+                    f"at most {self.max_logprobs} are supported, got {value}"
+                    + (f" (the whole vocabulary, {self.vocab_size})" if value == -1 else ""),
                 )
         room = self.max_model_len - len(token_ids)
         if room < 1:
@@ -301,6 +325,8 @@ class Renderer:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         salt = rendered.cache_salt
         lora_name = None if lora_request is None else lora_request.lora_name
+        # What the model runner samples with: one instance for the request and its children.
+        runner_params = RunnerSamplingParams.of(params, self.bad_words_token_ids(params))
         if params.n == 1:
             return [
                 EngineRequest(
@@ -314,6 +340,7 @@ class Renderer:
                     cache_salt=salt,
                     lora_request=lora_request,
                     pooling_params=pooling_params,
+                    runner_params=runner_params,
                 )
             ]
         children = []
@@ -334,7 +361,7 @@ class Renderer:
                     index=index,
                     lora_request=lora_request,
                     pooling_params=pooling_params,
+                    runner_params=runner_params,
                 )
             )
         return children
-

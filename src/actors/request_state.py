@@ -12,7 +12,7 @@ import enum
 import sys
 from typing import TYPE_CHECKING
 
-from ..protocol.messages import EngineRequest, FinishReason
+from ..protocol.messages import EngineRequest, FinishReason, RunnerSamplingParams
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -88,6 +88,8 @@ class Request:
         "num_output_placeholders",
         "reset_step",
         "grammar",
+        "runner_params",
+        "seed",
     )
 
     def __init__(
@@ -106,6 +108,11 @@ class Request:
         self.request_id: str = request.request_id
         self.prompt_token_ids: list[int] = list(request.prompt_token_ids)
         self.sampling_params: SamplingParams = params
+        # What the runner samples with, shared by a parent's children (one copy per frame).
+        self.runner_params: RunnerSamplingParams = request.runner_params or RunnerSamplingParams.of(
+            params
+        )
+        self.seed: int | None = params.seed
         self.arrival_time: float = request.arrival_time
         self.priority: int = request.priority
         self.eos_token_id: int | None = request.eos_token_id

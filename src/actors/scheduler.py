@@ -61,6 +61,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
+from ..protocol import wire
 from ..protocol.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -69,6 +70,7 @@ from ..protocol.messages import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
+    RunnerSamplingParams,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -83,7 +85,20 @@ from .step_plan import InFlightStep, StepPlan
 if TYPE_CHECKING:
     from ..structured.grammar import GrammarState
 
-__all__ = ["Scheduler"]
+__all__ = ["STEP_FRAME_BUDGET", "Scheduler"]
+
+# What the requests admitted in one step may add to its frame, in bytes (a quarter of
+# the wire's limit): a step admits new requests until the next would pass it, and at
+# least one. A request's own share is bounded by its prompt and the vocabulary.
+STEP_FRAME_BUDGET = wire.MAX_FRAME_SIZE // 4
+
+
+def _new_request_bytes(req: Request, plan: StepPlan) -> int:
+    """An upper bound on the bytes ``req`` adds to a step frame as a new request."""
+    size = 64 + 9 * (2 * len(req.all_token_ids) + 8)  # its tokens and block ids
+    if all(other.runner_params is not req.runner_params for other in plan.new[-16:]):
+        size += req.runner_params.estimated_size()  # a parent's children share one copy
+    return size
 
 
 class Scheduler:
@@ -443,6 +458,9 @@ class Scheduler:
         else:
             hit_blocks, num_hit = [], 0
         num_new = req.num_tokens - num_hit
+        frame_bytes = _new_request_bytes(req, plan)
+        if plan.new and plan.frame_bytes + frame_bytes > STEP_FRAME_BUDGET:
+            return False  # the step's frame is full: it starts in the next step
         if num_new > plan.budget:
             if not self.chunked_prefill:
                 return False
@@ -454,6 +472,7 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         self.running.append(req)
+        plan.frame_bytes += frame_bytes
         plan.new.append(req)
         plan.num_scheduled[req.request_id] = num_new
         plan.budget -= num_new
@@ -471,18 +490,27 @@ class Scheduler:
         new_data: list[NewRequestData] = []
         running = plan.running
         cached_ids = [req.request_id for req in running]
+        # Each distinct RunnerSamplingParams once (n children share one), named by the
+        # first request that uses it.
+        params_keys: dict[int, str] = {}
+        params_table: dict[str, RunnerSamplingParams] = {}
         for req in plan.new:  # admitted (or resumed) this step: after the running ones
             n = num_scheduled[req.request_id]
+            params_key = params_keys.get(id(req.runner_params))
+            if params_key is None:
+                params_key = params_keys[id(req.runner_params)] = req.request_id
+                params_table[params_key] = req.runner_params
             new_data.append(
                 NewRequestData(
                     req.request_id,
                     req.prompt_token_ids,
-                    req.sampling_params,
+                    params_key,
                     self.kv.get_block_ids(req.request_id),
                     req.num_computed_tokens,
                     list(req.output_token_ids),
                     req.lora_request,
                     req.pooling_params,
+                    req.seed,
                 )
             )
             req.num_tokens_sent = req.num_tokens
@@ -500,7 +528,16 @@ class Scheduler:
         cached = CachedRequestData(
             cached_ids, plan.computed, plan.new_block_ids, plan.new_token_ids
         )
-        return SchedulerOutput(step_id, new_data, cached, num_scheduled, total, finished, preempted)
+        return SchedulerOutput(
+            step_id,
+            new_data,
+            cached,
+            num_scheduled,
+            total,
+            finished,
+            preempted,
+            sampling_params=params_table,
+        )
 
     # ----------------------------------------------------------- results
 

@@ -23,6 +23,7 @@ class StepPlan:
 
     __slots__ = (
         "budget",
+        "frame_bytes",
         "new",
         "running",
         "computed",
@@ -35,6 +36,7 @@ class StepPlan:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.frame_bytes = 0  # an upper bound on what the admitted requests add to the frame
         self.new: list[Request] = []
         self.running: list[Request] = []
         self.computed: list[int] = []

@@ -38,6 +38,7 @@ import argparse
 import datetime
 import logging
 import os
+import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -124,9 +125,28 @@ def _rank_faults(init: m.WorkerInit, rank: int) -> m.WorkerInit:
     return m.WorkerInit(config=init.config, inject_fault=None)
 
 
+_STORE_LISTENERS: list[socket.socket] = []  # rank 0's store socket: open as long as the store
+
+
+def _store_listener(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host`` only: torch's TCPStore, left to bind itself, listens
+    on every interface whatever ``master_addr`` says (an unauthenticated store open to
+    the network)."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(sockaddr)
+    sock.listen(128)
+    _STORE_LISTENERS.append(sock)
+    return sock
+
+
 def _store(address: RankAddress) -> Any:
     from torch._C._distributed_c10d import TCPStore
 
+    listen_fd = None
+    if address.rank == 0:
+        listen_fd = _store_listener(address.master_addr, address.master_port).fileno()
     return TCPStore(
         address.master_addr,
         address.master_port,
@@ -134,6 +154,7 @@ def _store(address: RankAddress) -> Any:
         is_master=address.rank == 0,
         timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
 
 

@@ -17,12 +17,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..protocol.messages import CachedRequestData, NewRequestData
-from ..protocol.params import SamplingParams
+from ..protocol.messages import CachedRequestData, NewRequestData, RunnerSamplingParams
 from .sampler import PenaltyInputs, SamplingMetadata
 
 _EPS = 1e-5
 _MASK64 = (1 << 64) - 1
+
+
+def bad_words_banned(bad_words_token_ids: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens ``bad_words`` ban at the next position (vLLM's rule): a word's last
+    token, when the output so far ends with the rest of the word."""
+    banned = []
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > len(output):
+            continue
+        if prefix == 0 or output[-prefix:] == word[:-1]:
+            banned.append(word[-1])
+    return banned
 
 
 def step_seed(seed: int, num_output_tokens: int) -> int:
@@ -43,8 +55,9 @@ class RequestState:
 
     req_id: str
     row: int
-    params: SamplingParams
+    params: RunnerSamplingParams
     num_prompt_tokens: int
+    seed: int | None = None
     generator: torch.Generator | None = None
     prompt_mask: torch.Tensor | None = None  # [V] bool (penalties)
     output_counts: torch.Tensor | None = None  # [V] int32 (penalties)
@@ -97,6 +110,7 @@ class InputBatch:
         self.has_penalty = np.zeros(0, dtype=bool)
         self.has_allowed = np.zeros(0, dtype=bool)
         self.has_bias = np.zeros(0, dtype=bool)
+        self.has_bad_words = np.zeros(0, dtype=bool)
         self.wants_prompt_logprobs = np.zeros(0, dtype=bool)  # until the prompt is computed
         self._grow(max_num_reqs)
 
@@ -106,7 +120,7 @@ class InputBatch:
         "token_ids", "block_table", "num_tokens", "num_prompt", "num_computed", "num_blocks",
         "temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition", "presence",
         "frequency", "num_logprobs", "has_seed", "has_penalty", "has_allowed", "has_bias",
-        "wants_prompt_logprobs",
+        "has_bad_words", "wants_prompt_logprobs",
     )  # fmt: skip
 
     def _grow(self, extra: int) -> None:
@@ -142,14 +156,16 @@ class InputBatch:
 
     # --------------------------------------------------------- deltas
 
-    def add(self, new: NewRequestData) -> None:
-        """Admit a request (or re-admit one after preemption), replacing any old state."""
+    def add(self, new: NewRequestData, params: RunnerSamplingParams) -> None:
+        """Admit a request (or re-admit one after preemption), replacing any old state.
+
+        ``params``: what it samples with (its step's ``sampling_params[new.params_key]``).
+        """
         if new.request_id in self.req_rows:
             self.remove(new.request_id)
         if not self._free:
             self._grow(max(len(self.states), 1))
         row = self._free.pop()
-        params = new.sampling_params
         tokens = [*new.prompt_token_ids, *new.output_token_ids]
         if len(tokens) > self.max_tokens:
             raise ValueError(
@@ -177,10 +193,11 @@ class InputBatch:
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
         )
-        self.has_seed[row] = params.seed is not None and not greedy
+        self.has_seed[row] = new.seed is not None and not greedy
         self.has_penalty[row] = penalised
         self.has_allowed[row] = params.allowed_token_ids is not None
         self.has_bias[row] = bool(params.logit_bias)
+        self.has_bad_words[row] = bool(params.bad_words_token_ids)
         # A request recomputed after preemption has had its prompt logprobs already.
         self.wants_prompt_logprobs[row] = (
             params.prompt_logprobs is not None and not new.output_token_ids
@@ -190,6 +207,7 @@ class InputBatch:
             row=row,
             params=params,
             num_prompt_tokens=len(new.prompt_token_ids),
+            seed=new.seed,
         )
         vocab, dev = self.vocab_size, self.device
         if self.has_seed[row]:
@@ -209,7 +227,7 @@ class InputBatch:
             st.bias_cols = torch.tensor([t for t, _ in items], dtype=torch.long, device=dev)
             st.bias_values = torch.tensor([b for _, b in items], dtype=torch.float32, device=dev)
         if params.min_tokens > 0:
-            stop = set(params.all_stop_token_ids)
+            stop = set(params.stop_token_ids)
             if not params.ignore_eos:
                 stop.update(self.eos_token_ids)
             ids = sorted(t for t in stop if t < vocab)
@@ -297,8 +315,8 @@ class InputBatch:
             n_out = self.num_tokens[rows] - self.num_prompt[rows]
             for i in np.flatnonzero(self.has_seed[rows]).tolist():
                 st = self.state(int(rows[i]))
-                assert st.generator is not None and st.params.seed is not None
-                st.generator.manual_seed(step_seed(st.params.seed, int(n_out[i])))
+                assert st.generator is not None and st.seed is not None
+                st.generator.manual_seed(step_seed(st.seed, int(n_out[i])))
                 generators[i] = st.generator
         md = SamplingMetadata(
             temperature=t(np.where(greedy_np, np.float32(1.0), temp)),
@@ -340,16 +358,23 @@ class InputBatch:
             md.bias_values = torch.cat(bias_vals)
         n_out_all = self.num_tokens[rows] - self.num_prompt[rows]
         banned = np.flatnonzero(n_out_all < self.min_tokens[rows]).tolist()
-        if banned:
-            ban_rows, ban_cols = [], []
-            for i in banned:
-                st = self.state(int(rows[i]))
-                if st.stop_ids is not None and st.stop_ids.numel():
-                    ban_rows.append(torch.full_like(st.stop_ids, i))
-                    ban_cols.append(st.stop_ids)
-            if ban_rows:
-                md.banned_rows = torch.cat(ban_rows)
-                md.banned_cols = torch.cat(ban_cols)
+        ban_rows, ban_cols = [], []
+        for i in banned:
+            st = self.state(int(rows[i]))
+            if st.stop_ids is not None and st.stop_ids.numel():
+                ban_rows.append(torch.full_like(st.stop_ids, i))
+                ban_cols.append(st.stop_ids)
+        for i in np.flatnonzero(self.has_bad_words[rows]).tolist():
+            row = int(rows[i])
+            output = self.token_ids[row, self.num_prompt[row] : self.num_tokens[row]]
+            words = self.state(row).params.bad_words_token_ids
+            ids = [t for t in bad_words_banned(words, output.tolist()) if t < vocab]
+            if ids:
+                ban_cols.append(torch.tensor(ids, dtype=torch.long, device=dev))
+                ban_rows.append(torch.full_like(ban_cols[-1], i))
+        if ban_rows:  # min_tokens' stop ids, bad_words' next tokens
+            md.banned_rows = torch.cat(ban_rows)
+            md.banned_cols = torch.cat(ban_cols)
         nlp = self.num_logprobs[rows]
         lp_rows = np.flatnonzero(nlp >= -1)
         if len(lp_rows):

@@ -35,6 +35,7 @@ from ..config import EngineConfig
 from ..protocol.messages import (
     ModelRunnerOutput,
     NewRequestData,
+    RunnerSamplingParams,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -340,7 +341,7 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.forget(req_id)
         for new in step.new_requests:
-            self._admit(new)
+            self._admit(new, step.sampling_params[new.params_key])
         batch.update(step.cached_requests)
         req_ids = list(step.num_scheduled_tokens)
         out = ModelRunnerOutput(step.step_id, req_ids, [0] * len(req_ids), [])
@@ -442,7 +443,7 @@ class ModelRunner:
         batch.num_computed[rows] = ends
         return out
 
-    def _admit(self, new: NewRequestData) -> None:
+    def _admit(self, new: NewRequestData, params: RunnerSamplingParams) -> None:
         """Hold a new request's state (its adapter and pooling included)."""
         if new.pooling_params is not None:
             self.pooler.add(
@@ -457,7 +458,7 @@ class ModelRunner:
             )
         if self.lora is not None:
             self.lora.track(new.request_id, new.lora_request)
-        self.input_batch.add(new)
+        self.input_batch.add(new, params)
 
     def _pool(
         self,

@@ -65,9 +65,82 @@ class EngineRequest(Message):
     index: int = 0
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    # What the model runner samples with (None: derived from ``sampling_params``). The
+    # renderer builds one for a parent request and its n children share it.
+    runner_params: RunnerSamplingParams | None = None
 
 
 # ------------------------------------------------------- scheduler -> runner
+
+
+class RunnerSamplingParams(Message):
+    """The part of a request's ``SamplingParams`` the model runner computes with.
+
+    Nothing else crosses to the worker: stop strings, ``bad_words`` text,
+    ``extra_args``, structured-output specs and output options stay in the
+    engine's process, so what a caller sends cannot grow a step frame past
+    what sampling needs. Token ids are checked against the vocabulary before
+    this is built, and sets are deduplicated, so each list is bounded by it. A parent request's n children share one instance
+    (the seed, which differs per child, rides in ``NewRequestData.seed``), and
+    a step frame carries each instance once (``SchedulerOutput.sampling_params``).
+    ``bad_words_token_ids``: token sequences whose last token is banned when the
+    output ends with the rest (vLLM's ``bad_words`` semantics).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, params: SamplingParams, bad_words_token_ids: list[list[int]] | None = None
+    ) -> RunnerSamplingParams:
+        """The runner's share of ``params`` (validated ``SamplingParams``)."""
+        return cls(
+            float(params.temperature),
+            float(params.top_p),
+            params.top_k,
+            float(params.min_p),
+            params.min_tokens,
+            float(params.repetition_penalty),
+            float(params.presence_penalty),
+            float(params.frequency_penalty),
+            params.logprobs,
+            params.prompt_logprobs,
+            params.ignore_eos,
+            sorted(set(params.stop_token_ids or ())),
+            None if params.allowed_token_ids is None else sorted(set(params.allowed_token_ids)),
+            dict(params.logit_bias or {}),
+            bad_words_token_ids or [],
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def estimated_size(self) -> int:
+        """An upper bound on its msgpack size in bytes (for a step's frame budget)."""
+        return 64 + 9 * (
+            len(self.stop_token_ids)
+            + len(self.allowed_token_ids or ())
+            + 2 * len(self.logit_bias)
+            + sum(len(ids) + 1 for ids in self.bad_words_token_ids)
+        )
+
+
+_SAMPLING_EPS = 1e-5
 
 
 class NewRequestData(Message):
@@ -79,16 +152,20 @@ class NewRequestData(Message):
     names the adapter its tokens run through (None: the base model).
     ``pooling_params`` marks a pooling (embedding) request: nothing is sampled
     for it; its pooled hidden state comes back once its prompt is computed.
+    ``params_key`` names its ``RunnerSamplingParams`` in the step's
+    ``SchedulerOutput.sampling_params`` (shared by a parent's n children);
+    ``seed`` is this request's own sampling seed.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    params_key: str
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    seed: int | None = None
 
 
 class CachedRequestData(Message):
@@ -139,6 +216,9 @@ class SchedulerOutput(Message):
     # True: this step's rows come in a GrammarBitmask frame sent after it (the engine
     # computes them while the forward runs); the worker samples once they arrive.
     grammar_bitmask_follows: bool = False
+    # The sampling parameters of ``new_requests``, each once: NewRequestData.params_key
+    # -> its parameters.
+    sampling_params: dict[str, RunnerSamplingParams] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

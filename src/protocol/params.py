@@ -170,9 +170,7 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None:
             _int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=1)
         if self.stop is not None:
-            for s in self.stop:
-                if not isinstance(s, str) or not s:
-                    raise _fail("stop", f"stop strings must be non-empty strings, got {s!r}")
+            _check_strings("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_CHARS)
         if self.stop and not self.detokenize:
             raise _fail("stop", "stop strings need detokenize=True")
         if self.stop_token_ids is not None:
@@ -189,9 +187,9 @@ class SamplingParams:
                     raise _fail("logit_bias", f"biases must be finite, got {bias}")
             self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()}
         if self.bad_words is not None:
-            for word in self.bad_words:
-                if not isinstance(word, str) or not word:
-                    raise _fail("bad_words", f"must be non-empty strings, got {word!r}")
+            _check_strings("bad_words", self.bad_words, MAX_BAD_WORDS, MAX_STOP_CHARS)
+        if self.extra_args is not None:
+            _check_json_object("extra_args", self.extra_args)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -298,6 +296,70 @@ def _int(name: str, value: object, *, minimum: int | None, maximum: int = _MAX_C
         raise _fail(name, f"must be >= {minimum}, got {value}")
     if value > maximum or value < -maximum - 1:
         raise _fail(name, f"must be <= {maximum}, got {value}")
+
+
+# Stop strings are checked against each sequence's text on every step, on the event loop:
+# bounded so that a request's worst case stays a few milliseconds a step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 128
+MAX_BAD_WORDS = 64
+
+
+def _check_strings(name: str, values: list[Any], max_count: int, max_chars: int) -> None:
+    if len(values) > max_count:
+        raise _fail(name, f"at most {max_count} strings are accepted, got {len(values)}")
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise _fail(name, f"must be non-empty strings, got {type(value).__name__}")
+        if len(value) > max_chars:
+            raise _fail(name, f"each string must be at most {max_chars} characters")
+
+
+# ``extra_args`` is free-form: bounded so that no value can be costly to copy or check.
+MAX_EXTRA_ARGS_ITEMS = 256
+MAX_EXTRA_ARGS_DEPTH = 8
+MAX_EXTRA_ARGS_CHARS = 64 * 1024
+
+
+def _check_json_object(name: str, value: object) -> None:
+    """``value`` must be a JSON object: string keys; values None, bools, int64 ints,
+    finite floats, strings, lists and objects; at most MAX_EXTRA_ARGS_ITEMS values,
+    MAX_EXTRA_ARGS_DEPTH levels and MAX_EXTRA_ARGS_CHARS characters of strings."""
+    if not isinstance(value, dict):
+        raise _fail(name, f"must be an object, got {type(value).__name__}")
+    items = chars = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        items += 1
+        if items > MAX_EXTRA_ARGS_ITEMS:
+            raise _fail(name, f"holds more than {MAX_EXTRA_ARGS_ITEMS} values")
+        if node is None or isinstance(node, bool):
+            continue
+        if isinstance(node, int):
+            if not -(2**63) <= node < 2**63:
+                raise _fail(name, "integers must fit in 64 bits (signed)")
+        elif isinstance(node, float):
+            if node != node or node in (float("inf"), float("-inf")):
+                raise _fail(name, f"numbers must be finite, got {node}")
+        elif isinstance(node, str):
+            chars += len(node)
+        elif isinstance(node, list | dict):
+            if depth >= MAX_EXTRA_ARGS_DEPTH:
+                raise _fail(name, f"is nested deeper than {MAX_EXTRA_ARGS_DEPTH} levels")
+            if isinstance(node, dict):
+                for key in node:
+                    if not isinstance(key, str):
+                        raise _fail(name, f"keys must be strings, got {type(key).__name__}")
+                    chars += len(key)
+                children = list(node.values())
+            else:
+                children = node
+            stack.extend((child, depth + 1) for child in children[: MAX_EXTRA_ARGS_ITEMS + 1])
+        else:
+            raise _fail(name, f"values must be JSON values, got {type(node).__name__}")
+        if chars > MAX_EXTRA_ARGS_CHARS:
+            raise _fail(name, f"holds more than {MAX_EXTRA_ARGS_CHARS} characters")
 
 
 def _bool(name: str, value: object) -> None:

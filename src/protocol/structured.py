@@ -26,6 +26,17 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20
 """A schema, regex or grammar larger than this (as text) is refused before compiling."""
 
+SPEC_LIMITS: dict[str, int] = {
+    "json": 256 * 1024,
+    "regex": 16 * 1024,
+    "grammar": 32 * 1024,
+    "choice": 64 * 1024,
+    "json_object": 2,
+}
+"""The largest constraint of each kind, as text. Chosen so that the parts of compiling
+that hold the interpreter (JSON parsing, GBNF-to-Lark conversion) cost tens of
+milliseconds at worst; ``benchmarks/hostile_specs.py`` prints the figures."""
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
@@ -119,8 +130,9 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValidationError(self.name(name), f"must be true or false, got {value!r}")
-        if len(self.spec_text()) > MAX_SPEC_CHARS:
-            raise ValidationError(self.spec_name, f"is larger than {MAX_SPEC_CHARS} characters")
+        limit = min(MAX_SPEC_CHARS, SPEC_LIMITS[self.kind])
+        if len(self.spec_text()) > limit:
+            raise ValidationError(self.spec_name, f"is larger than {limit} characters")
 
     @classmethod
     def from_dict(

@@ -48,6 +48,7 @@ from .messages import (
     HealthPong,
     ModelRunnerOutput,
     NewRequestData,
+    RunnerSamplingParams,
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
@@ -101,6 +102,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         28: EngineCoreOutputs,
         29: FinishReason,
         30: GrammarBitmask,
+        31: RunnerSamplingParams,
         # control
         # 40-47: retired (engine-core controls, which never cross a process)
         48: HealthPing,

@@ -58,10 +58,18 @@ async def openapi_json(request: Request, state: ServingState) -> None:
     await send_json(request.send, 200, _document())
 
 
+DOCS_HEADERS = [
+    (b"content-security-policy", b"frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+]
+"""The page may not be framed (clickjacking); Swagger UI's own scripts stay allowed."""
+
+
 async def docs_page(request: Request, state: ServingState) -> None:
     """``GET /docs``: Swagger UI over ``/openapi.json``."""
     page = docs_html("/openapi.json", DOCS_PATH, "legato")
-    await send_body(request.send, 200, page.encode(), "text/html; charset=utf-8")
+    await send_body(request.send, 200, page.encode(), "text/html; charset=utf-8", DOCS_HEADERS)
 
 
 async def docs_file(request: Request, state: ServingState) -> None:
@@ -78,4 +86,4 @@ DOCS_ROUTES = {
     DOCS_PATH: docs_page,
     **{f"{DOCS_PATH}/{name}": docs_file for name in DOCS_ASSETS},
 }
-"""Path -> GET handler, all public."""
+"""Path -> GET handler (behind ``--api-key`` like every route but ``/health``)."""

@@ -19,6 +19,7 @@ Imports trio, hypercorn and trio-websocket; never torch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -132,6 +133,8 @@ async def open_server(
     current = engine.engine if isinstance(engine, SupervisedEngine) else engine
     name = settings.served_model_name or model_name or current.model_name
     state = ServingState(engine, settings, model_name=name)
+    for warning in settings.security_warnings():
+        logger.warning("security: %s", warning)
     await load_lora_modules(state)
     endpoint = WebSocketEndpoint(state)
     web_ui = WebUI(state) if settings.web_ui else None
@@ -147,9 +150,16 @@ async def open_server(
         async with trio.open_nursery() as nursery:
             # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
             app = cast("AppWrapper", ASGIWrapper(OpenAIApp(state, web_ui)))  # type: ignore[arg-type]
-            http = functools.partial(serve_http, app, config, shutdown_trigger=stop_http.wait)
+            http = functools.partial(
+                serve_http,
+                app,
+                config,
+                shutdown_trigger=stop_http.wait,
+                max_connections=settings.max_connections,
+            )
             binds: list[str] = await nursery.start(http)
             http_port = int(binds[0].rsplit(":", 1)[1])
+            state.site_guard = dataclasses.replace(state.site_guard, http_port=http_port)
             ws_scope = trio.CancelScope()
 
             async def run_ws(task_status: trio.TaskStatus[WebSocketServer]) -> None:

@@ -92,6 +92,8 @@ class Request:
     send: Send
     body_done: bool = False
     """Whether the whole body has arrived (or the client left): nothing more to read."""
+    body_timeout: float = 60.0
+    """Seconds the whole body may take to arrive (then 408): no slow-loris after the headers."""
 
     def __post_init__(self) -> None:
         # Without Content-Length or Transfer-Encoding a request has no body (RFC 9112 6.3).
@@ -124,6 +126,13 @@ class Request:
         declared = self.declared_length()
         if declared is not None and declared > limit:
             raise _too_large(limit)
+        with trio.move_on_after(self.body_timeout):
+            return await self._read_body(limit)
+        raise HTTPError(
+            408, f"the body was not sent within {self.body_timeout:g} s", code="request_timeout"
+        )
+
+    async def _read_body(self, limit: int) -> bytes:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -170,7 +179,16 @@ class Request:
                     self.body_done = not message.get("more_body", False)
 
     async def json(self, limit: int) -> dict[str, Any]:
-        """The body as a JSON object. ``HTTPError(400)`` if it is not one, 413 if too large."""
+        """The body as a JSON object. ``HTTPError(400)`` if it is not one, 413 if too large,
+        415 unless sent as ``Content-Type: application/json`` (a web page can send a
+        ``text/plain`` body cross-site without a CORS preflight: CSRF)."""
+        media_type = (self.header("content-type") or "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise HTTPError(
+                415,
+                "the body must be sent with Content-Type: application/json",
+                code="unsupported_media_type",
+            )
         raw = await self.body(limit)
         try:
             value = json.loads(raw)
@@ -259,8 +277,12 @@ async def send_json(send: Send, status: int, value: Any) -> None:
 
 
 async def send_error(send: Send, error: HTTPError) -> None:
-    """OpenAI's error body with the error's status (401 adds ``WWW-Authenticate``)."""
-    extra = [(b"www-authenticate", b"Bearer")] if error.status == 401 else None
+    """OpenAI's error body with the error's status (401 adds ``WWW-Authenticate``, 503
+    ``Retry-After``)."""
+    extra = {
+        401: [(b"www-authenticate", b"Bearer")],
+        503: [(b"retry-after", b"1")],
+    }.get(error.status)
     await send_body(send, error.status, dumps(error.body()), "application/json", extra)
 
 

@@ -1,8 +1,10 @@
 """CORS for the HTTP API, configured as vLLM's server is.
 
 ``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers`` (each a
-JSON list, ``["*"]`` by default) and ``--allow-credentials`` (off by
-default) build one :class:`CORSPolicy`. It answers preflight requests
+JSON list) and ``--allow-credentials`` (off by default) build one
+:class:`CORSPolicy`. Unlike vLLM, no origin is allowed by default: a web page
+in the user's browser must not read the API's answers; ``["*"]`` is an explicit
+opt-in (the CLI warns when it comes without ``--api-key``). It answers preflight requests
 (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``) itself,
 and adds the ``Access-Control-Allow-*`` headers to every other response whose
 request carried an allowed ``Origin``; the semantics follow Starlette's
@@ -45,7 +47,7 @@ def parse_list_flag(name: str, value: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CORSPolicy:
-    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False

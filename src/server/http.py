@@ -73,8 +73,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     **{path: {"GET": handler} for path, handler in DOCS_ROUTES.items()},
 }
 
-OPEN_PATHS = frozenset({"/health", *DOCS_ROUTES})
-"""Paths served without the API key."""
+OPEN_PATHS = frozenset({"/health"})
+"""Paths served without the API key (the API description needs it too, as documented)."""
 
 LINGER_FACTOR = 4
 """An unread body up to this many times ``max_body_bytes`` is read and dropped before the
@@ -116,7 +116,9 @@ class OpenAIApp:
             return
         if scope["type"] != "http":
             raise RuntimeError(f"unsupported ASGI scope type {scope['type']!r}")
-        await self._http(Request(scope, receive, send))
+        await self._http(
+            Request(scope, receive, send, body_timeout=self.state.settings.body_timeout)
+        )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -153,6 +155,12 @@ class OpenAIApp:
 
         request.send = tracked_send
         try:
+            if not self.state.site_guard.host_allowed(request.header("host")):
+                raise HTTPError(
+                    403,
+                    "this server does not answer to that Host (see --allowed-hosts)",
+                    code="host_not_allowed",
+                )
             preflight = request.header("access-control-request-method")
             if origin is not None and is_preflight(request.method, origin, preflight):
                 assert preflight is not None

@@ -61,9 +61,14 @@ async def serve_http(
     config: Config,
     *,
     shutdown_trigger: Callable[[], Awaitable[object]],
+    max_connections: int = 1024,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``config.bind`` until ``shutdown_trigger()`` returns.
+
+    At most ``max_connections`` connections are served at once; one more is
+    answered ``503`` with ``Retry-After`` and closed (file descriptors are never
+    exhausted by idle clients).
 
     Reports the bound addresses (``http://host:port``) through
     ``task_status``. Never raises for anything a client sends. Plain HTTP
@@ -77,7 +82,22 @@ async def serve_http(
         sock.listen(config.backlog)
         listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
         binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
-    handle = functools.partial(_serve_connection, app, config, context)
+    serve_one = functools.partial(_serve_connection, app, config, context)
+    open_connections = 0
+
+    async def handle(stream: trio.SocketStream) -> None:
+        nonlocal open_connections
+        if open_connections >= max_connections:
+            with trio.move_on_after(1.0):
+                await stream.send_all(SERVER_BUSY)
+            await _abort(stream)
+            return
+        open_connections += 1
+        try:
+            await serve_one(stream)
+        finally:
+            open_connections -= 1
+
     async with trio.open_nursery() as connections:
         accepting = trio.CancelScope()
 
@@ -95,6 +115,14 @@ async def serve_http(
             accepting.cancel()
             await context.terminated.set()  # idle keep-alive connections close now
             connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+
+
+SERVER_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: 113\r\n\r\n"
+    b'{"error":{"message":"too many connections","type":"service_unavailable_error",'
+    b'"param":null,"code":"server_busy"}}'
+)
 
 
 async def _serve_connection(

@@ -20,14 +20,20 @@ Imports trio (through the handlers' helpers); never torch.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import trio
 
 from ..protocol.errors import ValidationError
 from ..protocol.params import LoRARequest
 from .asgi import HTTPError, Request, send_json
 from .openai_schemas import check_str
 from .state import ServingState
+
+logger = logging.getLogger("legato.server")
 
 
 def parse_lora_modules(values: Sequence[str]) -> tuple[LoRARequest, ...]:
@@ -38,9 +44,7 @@ def parse_lora_modules(values: Sequence[str]) -> tuple[LoRARequest, ...]:
             try:
                 spec = json.loads(value)
                 modules.append(
-                    LoRARequest(
-                        spec["name"], int_id, spec["path"], spec.get("base_model_name")
-                    )
+                    LoRARequest(spec["name"], int_id, spec["path"], spec.get("base_model_name"))
                 )
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(
@@ -87,12 +91,19 @@ def adapter_cards(state: ServingState) -> list[dict[str, Any]]:
             "object": "model",
             "created": state.created,
             "owned_by": "legato",
-            "root": lora.lora_path,
+            "root": lora.lora_name,  # never a path of the host's file system
             "parent": lora.base_model_name or state.model_name,
             "max_model_len": state.engine.config.max_model_len,
         }
         for lora in state.engine.adapters.loaded()
     ]
+
+
+def confined_path(root: str, path: str) -> Path | None:
+    """``path`` (relative to ``root``, or absolute) with symlinks resolved, if it lies
+    under ``root``; None otherwise. Touches the file system: call it in a thread."""
+    resolved = Path(root, path).resolve()
+    return resolved if resolved.is_relative_to(Path(root).resolve()) else None
 
 
 def _check_allowed(state: ServingState) -> None:
@@ -116,7 +127,19 @@ async def load_lora_adapter(request: Request, state: ServingState) -> None:
     if not name or name in state.aliases or adapters.by_name(name) is not None:
         raise ValidationError("lora_name", f"{name!r} is already a served model name")
     int_id = max(adapters.ids(), default=0) + 1
-    await state.engine.add_lora(LoRARequest(name, int_id, path))
+    root = state.settings.lora_root
+    assert root is not None  # ServerSettings requires it with allow_runtime_lora_updating
+    resolved = await trio.to_thread.run_sync(confined_path, root, path)
+    if resolved is None:
+        raise ValidationError("lora_path", "must name an adapter directory under --lora-root")
+    try:
+        await state.engine.add_lora(LoRARequest(name, int_id, str(resolved)))
+    except ValidationError as exc:
+        if exc.field != "lora_path":
+            raise
+        # One answer for every unreadable path: no oracle for the host's files.
+        logger.warning("loading adapter %r from %s failed: %s", name, resolved, exc.reason)
+        raise ValidationError("lora_path", "is not a loadable adapter directory") from None
     await send_json(request.send, 200, {"message": f"LoRA adapter {name!r} loaded", "id": int_id})
 
 
@@ -128,8 +151,6 @@ async def unload_lora_adapter(request: Request, state: ServingState) -> None:
     name = check_str("lora_name", body.get("lora_name"))
     adapter = state.engine.adapters.by_name(name)
     if adapter is None:
-        raise HTTPError(
-            404, f"no LoRA adapter named {name!r}", param="lora_name", code="not_found"
-        )
+        raise HTTPError(404, f"no LoRA adapter named {name!r}", param="lora_name", code="not_found")
     await state.engine.remove_lora(adapter.lora_int_id)
     await send_json(request.send, 200, {"message": f"LoRA adapter {name!r} unloaded"})

@@ -23,6 +23,7 @@ Imports trio; never torch.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -34,6 +35,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
+from ..actors.renderer import template_kwargs_of
 from ..engine import RequestStream
 from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob, RequestOutput
@@ -42,10 +44,13 @@ from . import openai_protocol as protocol
 from . import openai_schemas as schemas
 from .asgi import HTTPError, Receive, Request, SSEResponse, send_body, send_json, watch_disconnect
 from .chat_outputs import ChoiceReader, output_constraint
+from .chat_template_sandbox import render_request_template
 from .lora_routes import adapter_cards, select_model
 from .openai_protocol import parse_request
 from .state import LiveRequest, ServingState, Unavailable
 from .tool_choice import plan_tools
+
+logger = logging.getLogger("legato.server")
 
 T = TypeVar("T")
 
@@ -91,7 +96,8 @@ def error_event(exc: BaseException) -> dict[str, Any]:
         return HTTPError(503, f"the engine is dead: {exc}", code="engine_dead").body()
     if isinstance(exc, ValidationError):  # the request's own input, found while generating
         return HTTPError(400, str(exc), param=exc.field, code="invalid_value").body()
-    return HTTPError(500, f"{type(exc).__name__}: {exc}", code="internal_error").body()
+    logger.error("a stream failed", exc_info=exc)  # the detail stays in the server log
+    return HTTPError(500, f"internal error: {type(exc).__name__}", code="internal_error").body()
 
 
 @dataclass
@@ -432,16 +438,20 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
         constraint = tools.constraint
     if constraint is not None:
         parsed.params = parsed.params.clone(structured_outputs=constraint)
-    prompt = schemas.with_cache_salt(
-        await state.engine.render_chat_prompt(
-            [message.for_template() for message in typed.messages],
+    messages = [message.for_template() for message in typed.messages]
+    if typed.chat_template is not None:  # a caller's template is code: never on the loop
+        rendered = await render_with_request_template(
+            state, typed, messages, tools.template_tools, parsed.add_generation_prompt
+        )
+    else:
+        rendered = await state.engine.render_chat_prompt(
+            messages,
             add_generation_prompt=parsed.add_generation_prompt,
-            chat_template=typed.chat_template or settings.chat_template,
+            chat_template=settings.chat_template,
             tools=tools.template_tools,
             template_kwargs=typed.chat_template_kwargs,
-        ),
-        parsed.cache_salt,
-    )
+        )
+    prompt = schemas.with_cache_salt(rendered, parsed.cache_salt)
     readers: dict[int, ChoiceReader] = {}
 
     def reader(index: int) -> ChoiceReader:
@@ -572,6 +582,42 @@ async def version(request: Request, state: ServingState) -> None:
     await send_json(request.send, 200, {"version": __version__})
 
 
+async def render_with_request_template(
+    state: ServingState,
+    typed: protocol.ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+) -> dict[str, Any]:
+    """The chat rendered with the request's own ``chat_template``: refused (400) unless the
+    server trusts request templates, then rendered in a limited child process and
+    tokenized off the loop when large. A checkpoint."""
+    if not state.settings.trust_request_chat_template:
+        raise ValidationError(
+            "chat_template",
+            "a per-request chat template is not accepted by this server "
+            "(the operator may allow it with --trust-request-chat-template)",
+        )
+    renderer = state.engine.renderer
+    special = {
+        name: value
+        for name, value in renderer.tokenizer.special_tokens_map.items()
+        if isinstance(value, str)
+    }
+    assert typed.chat_template is not None
+    text = await render_request_template(
+        typed.chat_template,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        special_tokens=special,
+        template_kwargs=template_kwargs_of(typed.chat_template_kwargs),
+    )
+    # The template writes its own special tokens (BOS included): add none.
+    ids = await state.tokenizing.encode(renderer, text, add_special_tokens=False)
+    return {"prompt": text, "prompt_token_ids": ids}
+
+
 async def tokenize(request: Request, state: ServingState) -> None:
     """``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` -> tokens, count, max_model_len."""
     body = await request.json(state.settings.max_body_bytes)
@@ -588,7 +634,9 @@ async def tokenize(request: Request, state: ServingState) -> None:
         text = schemas.check_str("prompt", body["prompt"])
         add_special_tokens = body.get("add_special_tokens", True)
         schemas.check_bool("add_special_tokens", add_special_tokens)
-        tokens = state.engine.renderer.encode(text, add_special_tokens=add_special_tokens)
+        tokens = await state.tokenizing.encode(
+            state.engine.renderer, text, add_special_tokens=add_special_tokens
+        )
     else:
         raise ValidationError("prompt", "give 'prompt' or 'messages'")
     result = {
@@ -605,7 +653,7 @@ async def detokenize(request: Request, state: ServingState) -> None:
     check_model(state, schemas.check_str("model", body["model"]) if body.get("model") else None)
     tokens = schemas.check_ints("tokens", body.get("tokens"))
     try:
-        text = state.engine.renderer.decode(tokens)
+        text = await state.tokenizing.decode(state.engine.renderer, tokens)
     except ValidationError as exc:
         raise schemas.in_request_terms(exc, schemas.request_fields("detokenize", body)) from None
     await send_json(request.send, 200, {"prompt": text})

@@ -44,6 +44,9 @@ _JSON_TYPES: tuple[tuple[type, str], ...] = (
     (dict, "object"),
 )
 
+MAX_TOOLS = 128
+"""The most tools a request may declare (their checks and the template grow with it)."""
+
 
 def _json_type(value: Any) -> str | None:
     for python_type, name in _JSON_TYPES:
@@ -297,7 +300,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
     top_logprobs: Int64 | None = None
-    tools: list[ToolParam] | None = None
+    tools: list[ToolParam] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's chat extras

@@ -32,6 +32,8 @@ from ..supervise import SupervisedEngine
 from .asgi import Request
 from .cors import CORSPolicy
 from .reasoning import ReasoningParser, reasoning_parser
+from .site_guard import SiteGuard
+from .tokenizing import TokenizerOffload
 from .tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger("legato.server")
@@ -55,6 +57,13 @@ class ServerSettings:
     ws_max_requests: int = 64
     shutdown_grace: float = 10.0
     header_timeout: float = 10.0  # seconds to send a request's headers / WebSocket handshake
+    body_timeout: float = 60.0
+    """Seconds a client may take to send a request's body (then 408)."""
+    max_connections: int = 1024
+    """Connections served at once, per port; one more gets 503 (HTTP) or is refused."""
+    max_requests_in_flight: int = 512
+    """Requests (HTTP and WebSocket) in flight at once; one more gets 503 ``server_busy``
+    with ``Retry-After`` (WebSocket: an error frame)."""
     log_requests: bool = True
     web_ui: bool = True
     """Serve the chat page at ``/`` (``--no-web-ui`` turns it off)."""
@@ -63,10 +72,15 @@ class ServerSettings:
     lora_modules: tuple[LoRARequest, ...] = ()
     """Adapters loaded at start-up, served as model names (``--lora-modules``)."""
     allow_runtime_lora_updating: bool = False
-    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (needs ``lora_root``)."""
+    lora_root: str | None = None
+    """The directory run-time adapters must lie under (``--lora-root``); symlinks resolved."""
     chat_template: str | None = None
     """A chat template (its text; ``--chat-template`` reads it from a file) used instead of
     the tokenizer's own."""
+    trust_request_chat_template: bool = False
+    """Accept a request's own ``chat_template`` (rendered in a limited child process);
+    refused with a 400 otherwise (vLLM's ``--trust-request-chat-template``)."""
     enable_auto_tool_choice: bool = False
     """Allow ``tool_choice="auto"`` (needs ``tool_call_parser``), as vLLM's flag."""
     tool_call_parser: str | None = None
@@ -74,10 +88,46 @@ class ServerSettings:
     reasoning_parser: str | None = None
     """Split ``<think>`` reasoning into ``reasoning_content``: ``qwen3`` or ``deepseek_r1``."""
     cors: CORSPolicy = CORSPolicy()
-    """CORS for the HTTP API (``--allowed-origins`` ...; vLLM's defaults: any origin)."""
+    """CORS for the HTTP API (``--allowed-origins`` ...; off by default, unlike vLLM)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """``Host`` values served besides the loopback names and ``host`` (``*``: any)."""
+
+    def security_warnings(self) -> list[str]:
+        """What this configuration leaves open, for the log at start-up."""
+        if self.api_key is not None:
+            return []
+        warnings = []
+        if self.host.strip("[]") not in ("127.0.0.1", "localhost", "::1"):
+            warnings.append(
+                f"listening on {self.host} without --api-key: anyone who reaches this "
+                "address can use the model (set --api-key or LEGATO_API_KEY)"
+            )
+        if self.cors.any_origin:
+            warnings.append(
+                "CORS allows any origin without --api-key: every web page the user opens "
+                "can call this API and read its answers"
+            )
+        if self.allow_runtime_lora_updating:
+            warnings.append(
+                f"--allow-runtime-lora-updating without --api-key: any local client can load "
+                f"adapters from {self.lora_root}"
+            )
+        return warnings
+
+    @property
+    def site_guard(self) -> SiteGuard:
+        """The Host and WebSocket Origin allowlists (DNS rebinding, cross-site WebSockets)."""
+        return SiteGuard(self.host, self.port, self.allowed_hosts, self.cors.allowed_origins)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "ws_max_frame_bytes", "ws_max_requests"):
+        for name in (
+            "max_body_bytes",
+            "max_n",
+            "ws_max_frame_bytes",
+            "ws_max_requests",
+            "max_connections",
+            "max_requests_in_flight",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -95,12 +145,19 @@ class ServerSettings:
             raise ValueError(
                 f"web_ui_ws_url: must start with ws:// or wss://, got {self.web_ui_ws_url!r}"
             )
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout: must be > 0, got {self.body_timeout!r}")
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout!r}")
         if self.api_key == "":
             raise ValueError("api_key: must not be empty")
         if self.tool_call_parser is not None:
             tool_parser(self.tool_call_parser)  # ValueError listing the known ones
+        if self.allow_runtime_lora_updating and self.lora_root is None:
+            raise ValueError(
+                "allow_runtime_lora_updating: needs lora_root (--lora-root), the directory "
+                "run-time adapters are loaded from"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice: needs tool_call_parser")
         if self.reasoning_parser is not None:
@@ -157,6 +214,9 @@ class ServingState:
         self._live: dict[str, LiveRequest] = {}
         self._emptied = trio.Event()
         self._emptied.set()
+        # Host / WebSocket Origin allowlists; the app sets the HTTP port once it is bound.
+        self.site_guard: SiteGuard = settings.site_guard
+        self.tokenizing = TokenizerOffload()  # /tokenize, /detokenize: large ones in a thread
 
     @property
     def engine(self) -> AsyncEngine:
@@ -178,6 +238,15 @@ class ServingState:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    def check_capacity(self) -> None:
+        """Raise ``Unavailable("server_busy")`` if ``max_requests_in_flight`` are in flight."""
+        if len(self._live) >= self.settings.max_requests_in_flight:
+            raise Unavailable(
+                "server_busy",
+                f"the server has {self.settings.max_requests_in_flight} requests in flight; "
+                "retry shortly",
+            )
 
     def check_available(self) -> None:
         """Raise ``Unavailable`` if no new request may start now. Never blocks."""
@@ -203,6 +272,7 @@ class ServingState:
         the ``with`` ends quietly after it: the caller ends its response.
         """
         self.check_available()
+        self.check_capacity()
         if request_id in self._live:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         with trio.CancelScope() as scope:

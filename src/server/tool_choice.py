@@ -83,9 +83,11 @@ def plan_tools(
             raise ValidationError("tool_choice", "needs tools")
         return ToolPlan(None, None, None)
     names = [tool.function.name for tool in tools]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate is not None:
-        raise ValidationError("tools", f"function name {duplicate!r} is given twice")
+    seen: set[str] = set()
+    for name in names:  # linear: a set, not list.count
+        if name in seen:
+            raise ValidationError("tools", f"function name {name!r} is given twice")
+        seen.add(name)
     template_tools = [tool.model_dump(exclude_none=True) for tool in tools]
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":

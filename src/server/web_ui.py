@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from importlib import resources
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from .asgi import Request, dumps, send_body
+from .site_guard import split_host
 
 if TYPE_CHECKING:
     from .state import Handler, ServingState
@@ -37,11 +39,26 @@ PREFIX = "/ui/"
 """Where the page's files are served (``/`` is ``index.html``)."""
 
 CONTENT_SECURITY_POLICY = (
-    "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:; "
+    "default-src 'self'; connect-src 'self' {ws}; img-src 'self' data:; "
     "style-src 'self'; script-src 'self'; base-uri 'none'; form-action 'none'; "
     "frame-ancestors 'none'"
 )
-"""The page loads nothing from elsewhere; it may open a WebSocket to any host (``ws_url``)."""
+"""The page loads nothing from elsewhere and connects only to this server's WebSocket
+(``{ws}``: its port on the page's host, or ``--web-ui-ws-url``)."""
+
+
+def content_security_policy(host: str | None, ws_port: int | None, ws_url: str | None) -> str:
+    """The page's CSP for a request with ``Host: host`` (already allowed by the site guard)."""
+    if ws_url is not None:
+        parts = urlsplit(ws_url)
+        sources = f"{parts.scheme}://{parts.netloc}"
+    else:
+        parsed = split_host(host) if host is not None else None
+        name = parsed[0] if parsed is not None else "127.0.0.1"
+        name = f"[{name}]" if ":" in name else name
+        sources = f"ws://{name}:{ws_port} wss://{name}:{ws_port}"
+    return CONTENT_SECURITY_POLICY.format(ws=sources)
+
 
 _HEADERS = [
     (b"cache-control", b"no-cache"),
@@ -77,14 +94,17 @@ class WebUI:
         self.routes["/"] = {"GET": self._file_handler("index.html", files["index.html"])}
         self.routes[PREFIX + "config.json"] = {"GET": self._config}
 
-    @staticmethod
-    def _file_handler(name: str, content: tuple[bytes, str]) -> Handler:
+    def _file_handler(self, name: str, content: tuple[bytes, str]) -> Handler:
         body, content_type = content
-        headers = list(_HEADERS)
-        if name.endswith(".html"):
-            headers.append((b"content-security-policy", CONTENT_SECURITY_POLICY.encode()))
+        html = name.endswith(".html")
 
         async def serve_file(request: Request, state: ServingState) -> None:
+            headers = list(_HEADERS)
+            if html:
+                csp = content_security_policy(
+                    request.header("host"), self.ws_port, state.settings.web_ui_ws_url
+                )
+                headers.append((b"content-security-policy", csp.encode("latin-1")))
             await send_body(request.send, 200, body, content_type, headers)
 
         return serve_file

@@ -271,8 +271,8 @@ def request_error(
         return FrameError("engine_dead", f"the engine is dead: {exc}")
     if isinstance(exc, EngineGenerateError | ValueError):
         return FrameError("invalid_request", str(exc))
-    logger.exception("request %s failed", engine_id)
-    return FrameError("internal_error", f"{type(exc).__name__}: {exc}")
+    logger.exception("request %s failed", engine_id)  # the detail stays in the server log
+    return FrameError("internal_error", f"internal error (request {engine_id})")
 
 
 def output_frames(
@@ -339,12 +339,25 @@ class WebSocketEndpoint:
         if self.state.draining:
             await request.reject(503, body=b"the server is shutting down")
             return
+        headers = {k.lower(): v.decode("latin-1") for k, v in request.headers}
+        guard = self.state.site_guard
+        # wsproto takes Host out of the headers; trio-websocket has no public accessor.
+        host: str | None = getattr(getattr(request, "_event", None), "host", None)
+        if not guard.host_allowed(host if host is not None else headers.get(b"host")):
+            await request.reject(403, body=b"this server does not answer to that Host")
+            return
+        if not guard.ws_origin_allowed(headers.get(b"origin")):
+            await request.reject(403, body=b"WebSocket connections from that Origin are refused")
+            return
         header = next((v for k, v in request.headers if k.lower() == b"authorization"), None)
         if api_key is not None and header is not None:
             if not bearer_token_ok(header.decode("latin-1"), api_key):
                 await request.reject(401, body=b"invalid API key")
                 return
             authed = True
+        if len(self.connections) >= self.state.settings.max_connections:
+            await request.reject(503, body=b"too many connections")
+            return
         ws = await request.accept()
         if not self.connections:
             self._none_open = trio.Event()
@@ -396,6 +409,8 @@ class Connection:
         """Read frames until the connection closes; then cancel (abort) every request."""
         async with trio.open_nursery() as nursery:
             try:
+                if not self.authed and not await self._authenticate(nursery):
+                    return
                 while True:
                     message = await self.ws.get_message()
                     if not await self._on_message(message, nursery):
@@ -403,6 +418,18 @@ class Connection:
             except ConnectionClosed:
                 pass
             nursery.cancel_scope.cancel()
+
+    async def _authenticate(self, nursery: trio.Nursery) -> bool:
+        """Handle the first frame of a connection that must authenticate; it must come
+        within ``header_timeout`` (then close 1008). False to stop reading."""
+        timeout = self.state.settings.header_timeout
+        with trio.move_on_after(timeout):
+            message = await self.ws.get_message()
+            return await self._on_message(message, nursery)
+        frame = FrameError("unauthorized", f"authenticate within {timeout:g} s").frame()
+        await self.send(frame, "json")
+        await self.ws.aclose(1008, "unauthorized")
+        return False
 
     async def send(self, frame: Mapping[str, Any], encoding: Encoding) -> None:
         """Send one frame; a closed connection is ignored (the reader notices it)."""
@@ -473,6 +500,7 @@ class Connection:
             )
         try:
             self.state.check_available()
+            self.state.check_capacity()
         except Unavailable as exc:
             raise FrameError(exc.code, exc.message, request_id=rid) from None
         self._live[rid] = f"ws{self.number}-{rid}"

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import llguidance
 import numpy as np
 import numpy.typing as npt
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ..protocol.errors import LegatoError, ValidationError
 from ..protocol.structured import StructuredOutputsParams
@@ -185,7 +186,39 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         assert params.grammar is not None
         params.grammar.encode("utf-8")
         # Lark as is; GBNF (``root ::= ...``) is converted to Lark by llguidance.
-        return str(llguidance.grammar_from("grammar", params.grammar))
+        if is_lark(params.grammar):
+            return str(llguidance.LLMatcher.grammar_from_lark(params.grammar))
+        try:
+            lark = gbnf_to_lark(params.grammar)
+        except Exception as exc:  # as llguidance.grammar_from words it
+            raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {exc}") from exc
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def is_lark(text: str) -> bool:
+    r"""Whether a grammar is Lark (a line starting ``start:`` or ``%llguidance``), else GBNF.
+
+    llguidance's own test, ``re.search(r"(?m)^\s*(%llguidance\b|start\s*:)")``, is
+    quadratic on blank lines and holds the GIL (200k newlines: minutes); this is one
+    linear pass with the same verdict.
+    """
+    pos = 0
+    for line in text.split("\n"):  # (?m)^: after each newline
+        stripped = line.lstrip()
+        if stripped.startswith("%llguidance"):
+            after = stripped[11:12]
+            if not (after.isalnum() or after == "_"):
+                return True
+        if stripped.startswith("start"):
+            # ``start\s*:`` may span lines; each blank run is scanned once (it ends at or
+            # before the next line that starts a rule), so the pass stays linear.
+            j = pos + len(line) - len(stripped) + 5
+            while j < len(text) and text[j].isspace():
+                j += 1
+            if text.startswith(":", j):
+                return True
+        pos += len(line) + 1
+    return False
 
 
 # ------------------------------------------------------------------ compiler

@@ -234,3 +234,42 @@ def test_core_steps_plan_execute_apply_with_a_runner_in_this_thread(toy_model_di
     assert len(outputs.tokens["r0"]) == 4 and len(outputs.tokens["r1"]) == 1
     assert sum(len(s.queue_time) for s in stats) == 2
     assert not steps.scheduler.has_unfinished_requests()
+
+
+async def test_a_step_that_cannot_be_encoded_fails_its_requests_not_the_engine(
+    toy_model_dir: Path,
+) -> None:
+    """The process executor encodes each step; one that cannot be (here an id past 64
+    bits, an injected fault: validation keeps callers from it) fails the requests in it,
+    and the engine core serves the next request."""
+    from legato.protocol import wire
+
+    executor = InprocExecutor(config(toy_model_dir))
+    result = Finished()
+    async with trio.open_nursery() as nursery:
+        ready: m.WorkerReady = await nursery.start(executor.run)
+        cfg = config(toy_model_dir).resolved(max_model_len=64, num_kv_blocks=ready.num_kv_blocks)
+        send, recv = trio.open_memory_channel[m.EngineCoreOutputs](math.inf)
+        core = EngineCore(Scheduler(cfg), executor, send, async_scheduling=True)
+        submit_step = executor.submit_step
+
+        def encoding_submit(step: m.SchedulerOutput) -> Any:
+            wire.encode(step)  # as ProcessExecutor._frame does
+            return submit_step(step)
+
+        executor.submit_step = encoding_submit  # type: ignore[method-assign]
+        nursery.start_soon(core.run)
+        bad = request(0, max_tokens=4)
+        bad.runner_params = m.RunnerSamplingParams(logit_bias={2**64: 1.0})
+        core.submit(AddRequests([bad]))
+        with trio.fail_after(60):
+            while "r0" not in result.ends:
+                result.take(await recv.receive())
+            core.submit(AddRequests([request(1, max_tokens=3, ignore_eos=True)]))
+            while "r1" not in result.ends:
+                result.take(await recv.receive())
+            await core.wait_idle()
+        assert result.ends["r0"][0] is m.FinishReason.ERROR
+        assert result.ends["r1"][0] is m.FinishReason.LENGTH and len(result.tokens["r1"]) == 3
+        assert core.scheduler.kv.num_used_blocks == 0
+        nursery.cancel_scope.cancel()

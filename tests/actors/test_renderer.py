@@ -67,3 +67,32 @@ def test_chat_prompt_has_one_bos(renderer: Renderer) -> None:
         renderer.render_chat([])
     with pytest.raises(ValidationError, match=r"messages\[0\]"):
         renderer.render_chat([{"content": "no role"}])
+
+
+def test_minus_one_logprobs_obey_max_logprobs(toy_tokenizer: Any) -> None:
+    """vLLM's rule: -1 means the whole vocabulary, so it passes only when max_logprobs is -1
+    (a sentinel must not skip the bound, or one request's output overflows the worker's frame)."""
+    vocab = len(toy_tokenizer)
+    capped = Renderer(toy_tokenizer, max_model_len=64, vocab_size=vocab, eos_token_ids=[1])
+    prompt = capped.render_prompt([5] * 10)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValidationError) as info:
+            capped.make_requests("r", prompt, SamplingParams(**{name: -1}))
+        assert info.value.field == name and "whole vocabulary" in info.value.reason
+        (ok,) = capped.make_requests("r", prompt, SamplingParams(**{name: 20}))
+    unbounded = Renderer(
+        toy_tokenizer, max_model_len=64, vocab_size=vocab, eos_token_ids=[1], max_logprobs=-1
+    )
+    (whole,) = unbounded.make_requests("r", prompt, SamplingParams(prompt_logprobs=-1))
+    assert whole.sampling_params.prompt_logprobs == -1
+
+
+def test_children_share_one_runner_params_without_the_detokenizer_fields(
+    renderer: Renderer,
+) -> None:
+    prompt = renderer.render_prompt([5] * 10)
+    params = SamplingParams(n=4, seed=3, max_tokens=2, stop=["Z" * 128], extra_args={"k": 1})
+    kids = renderer.make_requests("p", prompt, params)
+    shared = kids[0].runner_params
+    assert shared is not None and all(k.runner_params is shared for k in kids)
+    assert not {"stop", "extra_args", "seed", "structured_outputs"} & set(shared.__struct_fields__)

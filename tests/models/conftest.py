@@ -30,6 +30,7 @@ from legato.models.runner import ModelRunner
 from legato.protocol.messages import (
     CachedRequestData,
     NewRequestData,
+    RunnerSamplingParams,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -229,6 +230,7 @@ class MiniScheduler:
 
     def step(self) -> None:
         new: list[NewRequestData] = []
+        params: dict[str, RunnerSamplingParams] = {}
         cached = CachedRequestData()
         scheduled: dict[str, int] = {}
         for req in self.running.values():
@@ -242,10 +244,12 @@ class MiniScheduler:
             if not req.sent:
                 new.append(
                     NewRequestData(
-                        req.req_id, list(req.prompt), req.params, list(req.block_ids),
+                        req.req_id, list(req.prompt), req.req_id, list(req.block_ids),
                         req.num_computed, list(req.outputs), req.lora, req.pooling,
+                        req.params.seed,
                     )
                 )  # fmt: skip
+                params[req.req_id] = RunnerSamplingParams.of(req.params)
                 req.sent = True
             else:
                 cached.req_ids.append(req.req_id)
@@ -265,6 +269,7 @@ class MiniScheduler:
                 total_num_scheduled_tokens=sum(scheduled.values()),
                 finished_req_ids=self.finished_ids,
                 preempted_req_ids=self.preempted_ids,
+                sampling_params=params,
             )
         )
         self.step_id += 1

@@ -10,7 +10,12 @@ import torch
 
 from legato.config import EngineConfig
 from legato.models.runner import ModelRunner
-from legato.protocol.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from legato.protocol.messages import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerSamplingParams,
+    SchedulerOutput,
+)
 from legato.protocol.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -22,7 +27,10 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 def _step(step_id: int, new: list[NewRequestData], cached: CachedRequestData | None, sched: dict[str, int], **kw: Any) -> SchedulerOutput:  # fmt: skip
     cached = CachedRequestData() if cached is None else cached
-    return SchedulerOutput(step_id, new, cached, sched, sum(sched.values()), **kw)
+    params = {r.params_key: RunnerSamplingParams.of(GREEDY) for r in new}
+    return SchedulerOutput(
+        step_id, new, cached, sched, sum(sched.values()), **kw, sampling_params=params
+    )
 
 
 def _generate(runner: ModelRunner, mini_scheduler: Any, n: int = 12) -> dict[str, list[int]]:
@@ -61,7 +69,7 @@ def test_eos_ids_from_generation_config(make_checkpoint: Callable[..., Any]) -> 
 def test_partial_prefill_samples_nothing(llama: Any, make_runner: Callable[..., Any]) -> None:
     runner = make_runner(llama)
     prompt = _prompt(20)
-    new = NewRequestData("a", prompt, GREEDY, [0, 1], 0)
+    new = NewRequestData("a", prompt, "a", [0, 1], 0)
     out = runner.execute(_step(0, [new], None, {"a": 12}))
     assert out.req_ids == ["a"] and out.num_sampled == [0] and out.sampled_token_ids == []
     out = runner.execute(_step(1, [], CachedRequestData(["a"], [12]), {"a": 8}))
@@ -70,10 +78,10 @@ def test_partial_prefill_samples_nothing(llama: Any, make_runner: Callable[..., 
 
 def test_inconsistent_steps_are_clear_errors(llama: Any, make_runner: Callable[..., Any]) -> None:
     runner = make_runner(llama)
-    new = NewRequestData("a", _prompt(20), GREEDY, [0], 0)
+    new = NewRequestData("a", _prompt(20), "a", [0], 0)
     with pytest.raises(ValueError, match="blocks hold 16 tokens, 20 scheduled"):
         runner.execute(_step(0, [new], None, {"a": 20}))
-    new = NewRequestData("b", _prompt(5), GREEDY, [1], 0)
+    new = NewRequestData("b", _prompt(5), "b", [1], 0)
     with pytest.raises(ValueError, match="only 5 tokens are known"):
         runner.execute(_step(1, [new], None, {"b": 6}))
     with pytest.raises(KeyError, match="nope"):

@@ -10,7 +10,7 @@ import torch
 
 from legato.models.input_batch import InputBatch
 from legato.models.sampler import apply_penalties, sample
-from legato.protocol.messages import CachedRequestData, NewRequestData
+from legato.protocol.messages import CachedRequestData, NewRequestData, RunnerSamplingParams
 from legato.protocol.params import SamplingParams
 
 V = 8
@@ -31,7 +31,8 @@ def _batch(
     for i, p in enumerate(params):
         prompt = prompts[i] if prompts else [0]
         out = outputs[i] if outputs else []
-        batch.add(NewRequestData(f"r{i}", prompt, p, list(range(16)), 0, out))
+        new = NewRequestData(f"r{i}", prompt, f"r{i}", list(range(16)), 0, out, seed=p.seed)
+        batch.add(new, RunnerSamplingParams.of(p))
     return batch, np.array([batch.row(f"r{i}") for i in range(len(params))])
 
 
@@ -162,7 +163,9 @@ def _wide_batch(engine_seed: int, params: list[SamplingParams]) -> tuple[InputBa
     """A 64-token vocabulary, so that independent draws rarely coincide."""
     batch = InputBatch(4, 64, 4, 64, [], CPU, engine_seed)
     for i, p in enumerate(params):
-        batch.add(NewRequestData(f"r{i}", [0], p, [0], 0))
+        batch.add(
+            NewRequestData(f"r{i}", [0], f"r{i}", [0], 0, seed=p.seed), RunnerSamplingParams.of(p)
+        )
     return batch, np.array([batch.row(f"r{i}") for i in range(len(params))])
 
 

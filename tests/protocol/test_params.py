@@ -309,3 +309,29 @@ def test_validation_error_is_public_and_a_value_error() -> None:
         legato.SamplingParams(top_p=1.5)
     assert isinstance(info.value, ValueError)
     assert (info.value.field, str(info.value).split(":")[0]) == ("top_p", "top_p")
+
+
+@pytest.mark.parametrize(
+    "extra_args, reason",
+    [
+        ({"k": 2**64}, "64 bits"),
+        ({"k": -(2**63) - 1}, "64 bits"),
+        ({7: "x"}, "keys must be strings"),
+        ({"k": float("nan")}, "finite"),
+        ({"k": {"k": {"k": {"k": {"k": {"k": {"k": {"k": 1}}}}}}}}, "nested deeper"),
+        ({"k": list(range(300))}, "more than 256 values"),
+        ({"k": "x" * 70_000}, "characters"),
+        ({"k": object()}, "JSON values"),
+        ([1], "must be an object"),
+    ],
+)
+def test_extra_args_are_bounded_json(extra_args: Any, reason: str) -> None:
+    """Free-form, so bounded: nothing in it can be costly to copy or fail to encode."""
+    with pytest.raises(ValidationError) as info:
+        SamplingParams(extra_args=extra_args)
+    assert info.value.field == "extra_args" and reason in info.value.reason
+
+
+def test_extra_args_take_plain_json() -> None:
+    args = {"a": [1, 2.5, None, True, "s"], "b": {"c": -(2**63)}}
+    assert SamplingParams(extra_args=args).extra_args == args

@@ -27,6 +27,7 @@ from legato.protocol.messages import (
     HealthPong,
     ModelRunnerOutput,
     NewRequestData,
+    RunnerSamplingParams,
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
@@ -73,6 +74,11 @@ natives: st.SearchStrategy[Any] = st.recursive(
         st.lists(inner, max_size=4)
         | st.dictionaries(st.text(max_size=4) | small, inner, max_size=4)
     ),
+    max_leaves=12,
+)
+json_values: st.SearchStrategy[Any] = st.recursive(  # extra_args takes JSON only
+    st.none() | st.booleans() | ints | st.floats(allow_nan=False, allow_infinity=False) | text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
     max_leaves=12,
 )
 
@@ -130,7 +136,7 @@ sampling_params = (
             "logit_bias": optional(
                 st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4)
             ),
-            "extra_args": optional(st.dictionaries(text, natives, max_size=3)),
+            "extra_args": optional(st.dictionaries(text, json_values, max_size=3)),
             "structured_outputs": optional(structured_outputs),
         }
     )
@@ -176,16 +182,18 @@ pooling_params = st.builds(
     dimensions=optional(st.integers(1, 4096)),
     normalize=st.booleans(),
 )
+runner_params = sampling_params.map(RunnerSamplingParams.of)
 new_request = st.builds(
     NewRequestData,
     request_id=text,
     prompt_token_ids=token_ids,
-    sampling_params=sampling_params,
+    params_key=text,
     block_ids=token_ids,
     num_computed_tokens=small,
     output_token_ids=token_ids,
     lora_request=optional(lora_request),
     pooling_params=optional(pooling_params),
+    seed=optional(ints),
 )
 cached_request = st.lists(st.tuples(text, small), max_size=4).flatmap(
     lambda rows: st.builds(
@@ -268,7 +276,9 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         cache_salt=optional(text),
         parent_id=optional(text),
         index=small,
+        runner_params=optional(runner_params),
     ),
+    RunnerSamplingParams: runner_params,
     NewRequestData: new_request,
     CachedRequestData: cached_request,
     SchedulerOutput: st.builds(
@@ -282,6 +292,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         preempted_req_ids=st.lists(text, max_size=3),
         grammar_bitmask=st.dictionaries(text, st.binary(max_size=16), max_size=2),
         grammar_bitmask_follows=st.booleans(),
+        sampling_params=st.dictionaries(text, runner_params, max_size=2),
     ),
     GrammarBitmask: st.builds(
         GrammarBitmask,
@@ -557,15 +568,16 @@ def test_wrong_field_types(payload: list[Any], message: str) -> None:
 
 
 def test_nested_error_names_the_path() -> None:
-    requests = [
-        NewRequestData(f"r{i}", [1, 2], SamplingParams(top_p=0.5), [0], 0) for i in range(3)
-    ]
-    payload = _payload(SchedulerOutput(1, requests, CachedRequestData(), {}, 0))
-    payload[1][2][2]["top_p"] = "high"
+    requests = [NewRequestData(f"r{i}", [1, 2], "p", [0], 0) for i in range(3)]
+    table = {"p": RunnerSamplingParams.of(SamplingParams(top_p=0.5))}
+    payload = _payload(
+        SchedulerOutput(1, requests, CachedRequestData(), {}, 0, sampling_params=table)
+    )
+    payload[9]["p"][1] = "high"
     with pytest.raises(WireError) as caught:
         decode(_frame(_tag(SchedulerOutput), payload))
     assert str(caught.value) == (
-        "bad frame: SchedulerOutput (tag 23): Expected `float`, got `str` - at `$[1][2][2].top_p`"
+        "bad frame: SchedulerOutput (tag 23): Expected `float`, got `str` - at `$[9][...][1]`"
     )
 
 
@@ -617,7 +629,9 @@ def test_enum_values_must_be_members(value: Any) -> None:
 def test_unions_check_each_arm() -> None:
     payload = _payload(EngineCoreOutput("r", [], stop_reason=3))
     payload[5] = 1.5
-    with pytest.raises(WireError, match=r"Expected `int \| str \| null`, got `float` - at `\$\[5\]`"):
+    with pytest.raises(
+        WireError, match=r"Expected `int \| str \| null`, got `float` - at `\$\[5\]`"
+    ):
         decode(_frame(_tag(EngineCoreOutput), payload))
     payload[5] = "</s>"
     assert decode(_frame(_tag(EngineCoreOutput), payload)).stop_reason == "</s>"  # type: ignore[attr-defined]
@@ -636,7 +650,9 @@ def test_extension_types_are_rejected() -> None:
 def test_dict_keys_are_checked() -> None:
     payload = _payload(SamplingParams(logit_bias={1: 0.5}))
     payload["logit_bias"] = {True: 0.5}
-    with pytest.raises(WireError, match=r"Expected `int`, got `bool` - at `key` in `\$.logit_bias`"):
+    with pytest.raises(
+        WireError, match=r"Expected `int`, got `bool` - at `key` in `\$.logit_bias`"
+    ):
         decode(_frame(_tag(SamplingParams), payload))
 
 

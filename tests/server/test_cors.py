@@ -11,8 +11,17 @@ def _h(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in headers}
 
 
-def test_default_policy_allows_everything_without_credentials() -> None:
+def test_default_policy_allows_no_origin() -> None:
+    """Off by default (unlike vLLM): no page may read the API's answers (F7)."""
     policy = CORSPolicy()
+    status, headers, body = policy.preflight("http://a.example", "POST", "Content-Type")
+    assert status == 400 and body == "Disallowed CORS origin"
+    assert "access-control-allow-origin" not in _h(headers)
+    assert policy.response_headers("http://a.example") == []
+
+
+def test_any_origin_policy_allows_everything_without_credentials() -> None:
+    policy = CORSPolicy(allowed_origins=("*",))
     status, headers, _ = policy.preflight("http://a.example", "POST", "Content-Type, Authorization")
     h = _h(headers)
     assert status == 200
@@ -25,7 +34,7 @@ def test_default_policy_allows_everything_without_credentials() -> None:
 
 
 def test_credentials_echo_the_origin() -> None:
-    policy = CORSPolicy(allow_credentials=True)
+    policy = CORSPolicy(allowed_origins=("*",), allow_credentials=True)
     h = _h(policy.response_headers("http://a.example"))
     assert h["access-control-allow-origin"] == "http://a.example"
     assert h["access-control-allow-credentials"] == "true" and h["vary"] == "Origin"

@@ -57,8 +57,11 @@ class ServerThread:
     server's trio thread (to read its state safely) and returns the result.
     """
 
-    def __init__(self, model_dir: Path, **settings: Any) -> None:
+    def __init__(
+        self, model_dir: Path, engine_args: dict[str, Any] | None = None, **settings: Any
+    ) -> None:
         self._model_dir = model_dir
+        self._engine_args = {**FUZZ_ENGINE_ARGS, **(engine_args or {})}
         self._settings = ServerSettings(**{**FUZZ_SETTINGS, **settings})
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="fuzz-server", daemon=True)
@@ -94,7 +97,7 @@ class ServerThread:
     async def _serve(self) -> None:
         self._stop = trio.Event()
         async with (
-            open_engine(str(self._model_dir), **FUZZ_ENGINE_ARGS) as engine,
+            open_engine(str(self._model_dir), **self._engine_args) as engine,
             open_server(engine, self._settings, model_name=MODEL) as server,
         ):
             self.server = server
@@ -163,6 +166,8 @@ DOCUMENTED = {
     404: {"not_found", "model_not_found"},
     405: {"method_not_allowed"},
     413: {"body_too_large"},
+    408: {"request_timeout"},
+    415: {"unsupported_media_type"},
 }
 
 
@@ -258,7 +263,8 @@ ENDPOINTS: dict[str, tuple[dict[str, Any], list[str]]] = {
     ),
     "/detokenize": ({"tokens": [5, 6]}, ["tokens", "model"]),
 }
-POST_ALLOWED = {200, 400, 404, 413}
+POST_ALLOWED = {200, 400, 404, 413, 415}
+JSON_TYPE = {"content-type": "application/json"}
 
 
 @st.composite
@@ -379,7 +385,7 @@ def test_huge_bodies_get_413_and_the_server_keeps_serving(http: httpx.Client) ->
             body = b'{"prompt": "' + b"x" * size + b'"}'
             for content in (body, chunks(body)):
                 try:
-                    response = http.post(path, content=content)
+                    response = http.post(path, content=content, headers=JSON_TYPE)
                 except (httpx.RemoteProtocolError, httpx.WriteError):
                     assert size > 4 * limit
                     continue
@@ -388,7 +394,7 @@ def test_huge_bodies_get_413_and_the_server_keeps_serving(http: httpx.Client) ->
         # just under the limit: a valid body with a prompt far too long for the model
         body = json.dumps({**ENDPOINTS[path][0], "prompt": "ab " * (limit // 4)}).encode()
         assert len(body) <= limit
-        check_answer(http.post(path, content=body), allowed={200, 400})
+        check_answer(http.post(path, content=body, headers=JSON_TYPE), allowed={200, 400})
     assert_still_serving(http)
 
 
@@ -399,8 +405,8 @@ RAW_HEADERS = [
     b"Sec-WebSocket-Key: " + WS_KEY,
     b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
     b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
-    b"Host: x",
-    b"Host: x\r\nHost: y",
+    b"Host: localhost",
+    b"Host: localhost\r\nHost: y",
     b"Connection: Upgrade",
     b"Connection: keep-alive",
     b"Connection: close",
@@ -438,7 +444,7 @@ RAW_TAILS = [
     b"\x88\x80\x00\x00\x00\x00junk",  # a close frame, then junk
     b"\x81\xff" + b"\xff" * 8 + b"\x00" * 4,  # a frame claiming 2**64 bytes
     b"\x00\x00\x12\x04\x00\x00\x00\x00\x00",  # an HTTP/2 SETTINGS frame
-    b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",  # a pipelined second request
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",  # a pipelined second request
 ]
 
 
@@ -458,7 +464,7 @@ def raw_requests(draw: st.DrawFn) -> list[bytes]:
         version = draw(st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/9", b""]))
         headers = draw(st.lists(st.sampled_from(RAW_HEADERS), max_size=7))
         if draw(st.integers(0, 4)):  # HTTP/1.1 needs a Host: without it, h11 stops at a 400
-            headers.insert(0, b"Host: x")
+            headers.insert(0, b"Host: localhost")
         tail = draw(st.sampled_from(RAW_TAILS)) + draw(st.binary(max_size=32))
         data = method + b" " + path + b" " + version + b"\r\n"
         data += b"".join(h + b"\r\n" for h in headers) + b"\r\n" + tail
@@ -508,14 +514,14 @@ RAW_ANSWER_STATUSES = {200, 400, 401, 403, 404, 405, 413, 417, 426, 431, 500, 50
 @settings(FUZZ, max_examples=max(10, FUZZ.max_examples // 3))
 @given(packets=raw_requests(), port=st.sampled_from(["http", "ws"]))
 @example(  # hypercorn answers "100 Continue" before the final 404
-    packets=[b"GET / HTTP/2.0\r\nHost: x\r\nExpect: 100-continue\r\n\r\n"], port="http"
+    packets=[b"GET / HTTP/2.0\r\nHost: localhost\r\nExpect: 100-continue\r\n\r\n"], port="http"
 )
 @example(  # hypercorn switched to HTTP/2 (101), then never closed when the client hung up
-    packets=[b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\n\r\n"], port="http"
+    packets=[b"GET /health HTTP/1.1\r\nHost: localhost\r\nUpgrade: h2c\r\n\r\n"], port="http"
 )
-@example(packets=[b"GET /health HTTP/1.0\r\nHost: x\r\nUpgrade: h2c\r\n\r\n"], port="http")
+@example(packets=[b"GET /health HTTP/1.0\r\nHost: localhost\r\nUpgrade: h2c\r\n\r\n"], port="http")
 @example(
-    packets=[b"GET /health HTTP/1.0\r\nHost: x\r\nUpgrade: h2c\r\nUpgrade: h2c\r\n\r\n"],
+    packets=[b"GET /health HTTP/1.0\r\nHost: localhost\r\nUpgrade: h2c\r\nUpgrade: h2c\r\n\r\n"],
     port="http",
 )
 def test_raw_bytes_on_both_ports(
@@ -544,7 +550,7 @@ def test_the_one_packet_that_killed_the_server(
     """issue 11: a GET /v1/models carrying WebSocket upgrade headers and trailing bytes in
     the same packet made h11 raise LocalProtocolError out of hypercorn, and the process exit."""
     packet = (
-        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
         b"Sec-WebSocket-Key: " + WS_KEY + b"\r\nSec-WebSocket-Version: 13\r\n\r\ntrailing"
     )
     for url in (fuzz_server.http_url, fuzz_server.ws_url):

@@ -17,6 +17,8 @@ from legato.engine import AsyncEngine
 
 from .conftest import MODEL, serving
 
+JSON = {"content-type": "application/json"}
+
 
 def assert_error(
     response: httpx.Response, status: int, code: str, param: str | None = None
@@ -104,7 +106,7 @@ async def test_max_tokens_past_the_context_is_capped_not_refused(small: httpx.As
 
 async def test_malformed_json_wrong_shapes_routes_and_methods(small: httpx.AsyncClient) -> None:
     for raw in (b"{", b"not json", b"\xff\xfe", b"[1, 2]", b'"a string"', b""):
-        response = await small.post("/v1/completions", content=raw)
+        response = await small.post("/v1/completions", content=raw, headers=JSON)
         assert_error(response, 400, "invalid_json")
     assert_error(await small.get("/v1/nothing"), 404, "not_found")
     assert_error(await small.get("/v1/completions"), 405, "method_not_allowed")
@@ -140,7 +142,7 @@ async def test_oversized_bodies_get_413_while_being_read(small: httpx.AsyncClien
             yield b"x" * 100
         yield b'"}'
 
-    response = await small.post("/v1/completions", content=chunked())
+    response = await small.post("/v1/completions", content=chunked(), headers=JSON)
     assert_error(response, 413, "body_too_large")
     await assert_still_serving(small)
 
@@ -213,8 +215,8 @@ async def test_slow_clients_that_never_finish_their_headers_block_no_one(
                 closed_after.append(trio.current_time() - opened)
                 await stream.aclose()
 
-        http_start = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: "
-        ws_start = b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nX-Slow: "
+        http_start = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
+        ws_start = b"GET / HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\nX-Slow: "
         with trio.fail_after(timeout + 20):
             async with trio.open_nursery() as nursery:
                 for _ in range(20):
@@ -232,3 +234,18 @@ async def test_slow_clients_that_never_finish_their_headers_block_no_one(
                 assert len(closed_after) < 40  # served while slow ones still hold connections
     assert len(closed_after) == 40
     assert max(closed_after) < timeout + 3, sorted(closed_after)
+
+
+async def test_the_api_description_follows_the_api_key(engine: AsyncEngine) -> None:
+    """F15: /openapi.json and /docs need the key as the docs say; only /health is open."""
+    async with (
+        serving(engine, api_key="s3cret") as server,
+        httpx.AsyncClient(base_url=server.http_url, timeout=30) as anon,
+    ):
+        for path in ("/openapi.json", "/docs"):
+            assert_error(await anon.get(path), 401, "invalid_api_key")
+            keyed = await anon.get(path, headers={"authorization": "Bearer s3cret"})
+            assert keyed.status_code == 200, path
+        page = await anon.get("/docs", headers={"authorization": "Bearer s3cret"})
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        assert (await anon.get("/health")).status_code == 200

@@ -20,10 +20,10 @@ NO_TIMER = 3600.0  # header_timeout, which is also the keep-alive timeout
 # hypercorn switches these to HTTP/2 (after a "101" for the h2c upgrades), and its HTTP/2
 # code never closed the connection when the client hung up before the answer was sent.
 H2C_UPGRADES = [
-    b"GET /health HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\n\r\n",
-    b"GET /health HTTP/1.0\r\nHost: x\r\nUpgrade: h2c\r\n\r\n",
-    b"GET /health HTTP/1.0\r\nHost: x\r\nUpgrade: h2c\r\nUpgrade: h2c\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\nUpgrade: h2c\r\n\r\n",
+    b"GET /health HTTP/1.0\r\nHost: localhost\r\nUpgrade: h2c\r\n\r\n",
+    b"GET /health HTTP/1.0\r\nHost: localhost\r\nUpgrade: h2c\r\nUpgrade: h2c\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade, HTTP2-Settings\r\n"
     b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n",
 ]
 HTTP2_PRIOR_KNOWLEDGE = (
@@ -78,7 +78,7 @@ async def test_a_client_that_hangs_up_after_its_answer_is_let_go(engine: AsyncEn
     when the keep-alive timer runs out (with or without an upgrade offer, declined)."""
     async with serving(engine, header_timeout=NO_TIMER) as server:
         for upgrade in (b"", b"Upgrade: websocket\r\n", b"Upgrade: foo\r\n"):
-            request = b"GET /health HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n"
+            request = b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + upgrade + b"\r\n"
             with trio.fail_after(30):
                 async with await trio.open_tcp_stream("127.0.0.1", server.http_port) as stream:
                     await stream.send_all(request)

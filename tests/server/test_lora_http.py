@@ -8,6 +8,7 @@ peft on the same adapter, embeddings against transformers' hidden states.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -67,11 +68,14 @@ async def test_adapters_as_model_names(
     engine: AsyncEngine, adapters: dict[str, Any], tmp_path: Path
 ) -> None:
     modules = parse([f"a={adapters['a'].path}"])
-    async with serving(engine, lora_modules=modules, allow_runtime_lora_updating=True) as server:
+    root = os.path.commonpath([str(tmp_path), *(str(a.path) for a in adapters.values())])
+    async with serving(
+        engine, lora_modules=modules, allow_runtime_lora_updating=True, lora_root=root
+    ) as server:
         async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
             models = (await client.get("/v1/models")).json()["data"]
             assert [(m["id"], m["parent"]) for m in models] == [(MODEL, None), ("a", MODEL)]
-            assert models[1]["root"] == str(adapters["a"].path)
+            assert models[1]["root"] == "a"  # never a path of the host
 
             for model, expected in [
                 ("a", adapters["a"].greedy(PROMPT, N)),
@@ -94,10 +98,22 @@ async def test_adapters_as_model_names(
                 ({"lora_name": "x", "lora_path": str(adapters["too_big"].path)}, "max_lora_rank"),
                 ({"lora_name": "a", "lora_path": str(adapters["b"].path)}, "lora_name"),
                 ({"lora_name": "x"}, "lora_path"),
+                ({"lora_name": "x", "lora_path": "/etc"}, "lora_path"),  # outside --lora-root
+                ({"lora_name": "x", "lora_path": "../../../../etc"}, "lora_path"),
             ]:
                 response = await client.post(load, json=body)
                 assert response.status_code == 400, response.text
                 assert response.json()["error"]["param"] == param
+            # F11: one answer whatever the path is (a file, a directory, nothing): no oracle.
+            (tmp_path / "plain_dir").mkdir()
+            (tmp_path / "plain_file").write_text("x")
+            answers = set()
+            for probe in ("missing", "plain_dir", "plain_file"):
+                body = {"lora_name": "x", "lora_path": str(tmp_path / probe)}
+                response = await client.post(load, json=body)
+                assert response.status_code == 400 and str(tmp_path) not in response.text
+                answers.add(response.json()["error"]["message"])
+            assert len(answers) == 1, answers
             response = await client.post(
                 load, json={"lora_name": "b", "lora_path": str(adapters["b"].path)}
             )

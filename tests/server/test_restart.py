@@ -251,6 +251,7 @@ async def test_adapters_are_reloaded_into_a_restarted_engine(
         **SETTINGS,
         lora_modules=parse_lora_modules([f"a={paths['a']}"]),
         allow_runtime_lora_updating=True,
+        lora_root=os.path.commonpath([str(p) for p in paths.values()]),
     )
     args = dict(ENGINE_ARGS, executor="process", enable_lora=True, max_loras=2, max_lora_rank=8)
     async with (

@@ -35,6 +35,22 @@ def test_serve_flags_parse() -> None:
     assert ServerSettings().host == "127.0.0.1"
 
 
+def test_security_flags_parse() -> None:
+    from legato.cli import openai_features_settings
+
+    args = build_parser().parse_args(
+        ["serve", "--allowed-hosts", '["llm.internal"]', "--trust-request-chat-template",
+         "--body-timeout", "5", "--max-connections", "7", "--max-requests-in-flight", "9"]
+    )  # fmt: skip
+    features = openai_features_settings(args)
+    assert features["allowed_hosts"] == ("llm.internal",)
+    assert features["trust_request_chat_template"] is True
+    assert features["cors"].allowed_origins == ()  # CORS off unless asked for
+    assert (args.body_timeout, args.max_connections, args.max_requests_in_flight) == (5, 7, 9)
+    defaults = openai_features_settings(build_parser().parse_args(["serve"]))
+    assert defaults["trust_request_chat_template"] is False and defaults["allowed_hosts"] == ()
+
+
 def test_served_model_name_reaches_the_engine() -> None:
     from legato.cli import engine_kwargs
 

@@ -83,7 +83,7 @@ async def raw_get(server: Server, target: str) -> tuple[int, bytes]:
     """GET ``target`` exactly as written (httpx would resolve dot segments); status and body."""
     stream = await trio.open_tcp_stream("127.0.0.1", server.http_port)
     async with stream:
-        request = f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        request = f"GET {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
         await stream.send_all(request.encode())
         data = b""
         with trio.fail_after(10):

@@ -16,6 +16,8 @@ import jsonschema
 import llguidance
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from legato.protocol.errors import ValidationError
 from legato.protocol.structured import StructuredOutputsParams
@@ -26,6 +28,7 @@ from legato.structured import (
     bitmask_allows,
 )
 from legato.structured import grammar as grammar_module
+from legato.structured.grammar import is_lark
 
 
 @pytest.fixture
@@ -363,3 +366,35 @@ def test_fill_bitmasks_checks_its_buffer(grammar_compiler: GrammarCompiler) -> N
         grammar_compiler.fill_bitmasks(
             [(state, 4)], allocate_bitmask(1, grammar_compiler.vocab_size)
         )
+
+
+_LLGUIDANCE_SNIFF = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "start: x",
+                "start :",
+                "  start:",
+                "startx:",
+                "%llguidance {}",
+                "%llguidancex",
+                "%llguidance_",
+                "root ::= x",
+                "",
+                " ",
+                "\t",
+                "x start:",
+                "start",
+                ":",
+            ]
+        ),
+        max_size=6,
+    ).map("\n".join)
+)
+def test_is_lark_agrees_with_llguidance_in_one_linear_pass(text: str) -> None:
+    """Same verdict as llguidance's sniffing regex (quadratic on blank lines: F2)."""
+    assert is_lark(text) == (_LLGUIDANCE_SNIFF.search(text) is not None)

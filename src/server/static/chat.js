@@ -565,7 +565,9 @@
     document.title = `${config.shortModel} · legato chat`;
     ui.keyRequired.hidden = !config.api_key_required;
     if (config.api_key_required) ui.apiKey.setAttribute("aria-required", "true");
-    ui.wsUrl.value = new URLSearchParams(location.search).get("ws") || defaultWsUrl();
+    // Only the server's own WebSocket (or the one its operator configured): never a URL
+    // from the page's address, which any link could set (it would get the key and the chat).
+    ui.wsUrl.value = defaultWsUrl();
     checkHealth();
     connect();
   }
