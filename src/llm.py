@@ -10,10 +10,12 @@ detokenizer, driven synchronously in this thread, one ``step()`` at a time.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -31,29 +33,36 @@ from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .serving_gc import tune_gc_for_serving
 from .tokenizer_loading import load_tokenizer
+from .vllm_config import EngineArgs, ModelConfig, VllmConfig
+
+if TYPE_CHECKING:
+    from .engine import AsyncEngine
 
 T = TypeVar("T")
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
-class LLM:
-    """Generate for many prompts at once, synchronously.
+class _EngineThread:
+    """The trio run that owns an ``LLM``'s engine, in a daemon thread of its own.
 
-    ``LLM(model=None, **engine_args)`` starts the engine (None: the default model,
-    SmolLM2-135M-Instruct; "toy": the toy model). Call ``shutdown()`` (or use it
-    as a context manager) to stop it.
+    It holds no reference to the ``LLM``, so an ``LLM`` dropped without
+    ``shutdown()`` is collected as usual and its finalizer calls :meth:`stop`
+    (as vLLM's engines clean up through finalizers): the engine shuts down and
+    its worker process is reaped.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self._calls: (
-            trio.MemorySendChannel[tuple[Callable[..., Any], tuple[Any, ...], Any]] | None
-        ) = None
-        self._token: trio.lowlevel.TrioToken | None = None
+    def __init__(self, model: str | None, engine_args: dict[str, Any]) -> None:
+        self.engine: AsyncEngine | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._main, args=(model, engine_args), name="legato-llm", daemon=True
         )
+
+    def start(self) -> None:
+        """Start the engine; blocks until it is up, and raises its start-up error."""
         self._thread.start()
         self._ready.wait()
         if self._startup_error is not None:
@@ -67,7 +76,7 @@ class LLM:
                 async with open_engine(model, **engine_args) as engine:
                     self.engine = engine
                     self._stop = trio.Event()
-                    self._token = trio.lowlevel.current_trio_token()
+                    self.token = trio.lowlevel.current_trio_token()
                     self._ready.set()
                     await self._stop.wait()
             except BaseException as exc:
@@ -78,6 +87,46 @@ class LLM:
                 raise
 
         trio.run(serve)
+
+    def stop(self) -> None:
+        """Stop the engine and join the thread (at most 30 s). Idempotent."""
+        if self.token is not None and self._stop is not None and self._thread.is_alive():
+            if self._thread is threading.current_thread():  # collected in the engine's thread
+                self._stop.set()
+                return
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self.token)
+            except trio.RunFinishedError:
+                pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+
+class LLM:
+    """Generate for many prompts at once, synchronously.
+
+    ``LLM(model=None, **engine_args)`` starts the engine (None: the default model,
+    SmolLM2-135M-Instruct; "toy": the toy model). Call ``shutdown()`` (or use it
+    as a context manager) to stop it; an ``LLM`` dropped without it is stopped
+    when it is garbage-collected.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        runner = _EngineThread(model, engine_args)
+        runner.start()
+        self._runner = runner
+        self._finalizer = weakref.finalize(self, runner.stop)
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The async engine this ``LLM`` drives (it lives in the engine's thread)."""
+        engine = self._runner.engine
+        assert engine is not None  # set before start() returns
+        return engine
+
+    @property
+    def _token(self) -> trio.lowlevel.TrioToken | None:
+        return self._runner.token
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -258,12 +307,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine and its thread. Idempotent."""
-        if self._token is not None and self._thread.is_alive():
-            try:
-                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
-        self._thread.join(timeout=30)
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
@@ -310,6 +354,12 @@ class LLMEngine:
         from .worker import Worker
 
         config = resolve_model(config)
+        if config.tensor_parallel_size > 1:  # refused, never silently run on one device
+            raise ValidationError(
+                "tensor_parallel_size",
+                f"LLMEngine runs one in-process worker; got {config.tensor_parallel_size} "
+                "(use LLM or AsyncEngine for tensor parallelism)",
+            )
         self.worker = Worker.start(m.WorkerInit(config=config.to_dict()))
         self.tokenizer = load_tokenizer(config.tokenizer or config.model or "")
         parts = build_engine_parts(config, self.worker.ready(), self.tokenizer)
@@ -318,11 +368,15 @@ class LLMEngine:
         self.grammars = parts.grammars
         self.scheduler = parts.scheduler
         self._sleeping = False
+        self._failures: list[Exception] = []  # failed requests step() has yet to raise
+        self._last_logged = time.monotonic()
         model_name = self.config.served_model_name or self.config.model or "legato-toy"
         self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers)
         self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
         self.processor = parts.processor
-        self.frontend = FrontendCore(self.renderer, self.processor, self._to_core, self.stats.record)
+        self.frontend = FrontendCore(
+            self.renderer, self.processor, self._to_core, self.stats.record
+        )
         self._stats = m.SchedulerStats()
         tune_gc_for_serving()
         self.stats.log_engine_initialized()
@@ -330,12 +384,43 @@ class LLMEngine:
     @classmethod
     def from_engine_args(
         cls,
-        model: str | None = None,
-        *,
-        stat_loggers: Sequence[StatLoggerArg] = (),
-        **engine_args: Any,
+        engine_args: EngineArgs | str | None = None,
+        usage_context: Any = None,
+        stat_loggers: Sequence[StatLoggerArg] | None = None,
+        enable_multiprocessing: bool = False,
+        **legato_args: Any,
     ) -> LLMEngine:
-        return cls(EngineConfig.from_kwargs(model=model, **engine_args), stat_loggers)
+        """vLLM's constructor: from an ``EngineArgs``. legato's own form is kept too:
+        a model (path, None or "toy") plus EngineConfig's keyword arguments.
+        ``usage_context`` is accepted and unused; ``enable_multiprocessing`` must be
+        False (this engine runs its worker in the calling thread)."""
+        if enable_multiprocessing:
+            raise ValidationError(
+                "enable_multiprocessing", "LLMEngine runs its worker in this thread; use LLM"
+            )
+        if isinstance(engine_args, EngineArgs):
+            if legato_args:
+                raise TypeError(f"unexpected arguments with EngineArgs: {sorted(legato_args)}")
+            config = engine_args.to_engine_config()
+        else:
+            config = EngineConfig.from_kwargs(model=engine_args, **legato_args)
+        return cls(config, stat_loggers or ())
+
+    @classmethod
+    def from_vllm_config(
+        cls, vllm_config: VllmConfig, stat_loggers: Sequence[StatLoggerArg] | None = None
+    ) -> LLMEngine:
+        """vLLM's constructor from a ``VllmConfig`` (legato's view of an EngineConfig)."""
+        return cls(vllm_config.engine_config, stat_loggers or ())
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """vLLM's configuration object, a read-only view of ``config``."""
+        return VllmConfig.of(self.config, dtype=self.worker.ready().dtype)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -387,7 +472,9 @@ class LLMEngine:
             if lora_request is not None and lora_request.lora_int_id not in self.list_loras():
                 self.add_lora(lora_request)
             grammars = frontend.grammars(params, requests)  # ValidationError naming the field
-            frontend.register(request_id, live, params, RenderedRequest(rendered, requests, grammars))
+            frontend.register(
+                request_id, live, params, RenderedRequest(rendered, requests, grammars)
+            )
         except BaseException:
             frontend.release(request_id, live.engine_id)
             raise
@@ -448,7 +535,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one engine step; return the outputs it produced (finished ones included):
         a RequestOutput per generation request with news, a PoolingRequestOutput per
-        embedding request that finished (an aborted one gives its RequestOutput)."""
+        embedding request that finished (an aborted one gives its RequestOutput).
+
+        A request that failed (a grammar or detokenizer error) is removed and its
+        error raised once: by this call if it has no other outputs to return, else by
+        the next one, before it steps."""
+        if self._failures:  # reported once each, before any further step
+            raise self._failures.pop(0)
         planned = self.core.plan()
         if planned is not None:
             answer = check_runner_output(planned.plan, self.worker.handle(planned.plan))
@@ -458,21 +551,35 @@ class LLMEngine:
             self.frontend.process(core_out)
         results: list[RequestOutput | PoolingRequestOutput] = []
         for rid, live in list(self.frontend.live.items()):
-            out = live.slot.get_nowait()
+            try:
+                out = live.slot.get_nowait()
+            except Exception as exc:  # this request failed: forget it, report it once
+                self.frontend.release(rid, live.engine_id)
+                self._failures.append(exc)
+                continue
             if out is None:
                 continue
             vector = self.frontend.take_pooled(live.engine_id)
             if vector is not None and out.finished:
-                pooled = PoolingOutput(vector)
+                import torch  # the worker runs in this process: torch is loaded already
+
+                pooled = PoolingOutput(torch.tensor(vector, dtype=torch.float32))
                 results.append(PoolingRequestOutput(rid, pooled, list(out.prompt_token_ids or [])))
             else:
                 results.append(out)
             if out.finished:
                 self.frontend.release(rid, live.engine_id)
+        if self._failures and not results:
+            raise self._failures.pop(0)
         return results
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.frontend.live) or self.scheduler.has_unfinished_requests()
+        """Live requests, or failures ``step()`` has yet to raise."""
+        return (
+            bool(self.frontend.live)
+            or bool(self._failures)
+            or self.scheduler.has_unfinished_requests()
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.frontend.live)
@@ -498,15 +605,57 @@ class LLMEngine:
         """Stop feeding ``stat_logger`` (a built-in one too); ValueError if unknown."""
         self.stats.remove(stat_logger)
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forget cached prefixes (see ``Scheduler.reset_prefix_cache``); whether it did."""
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Forget cached prefixes (see ``Scheduler.reset_prefix_cache``); whether it did.
+        ``reset_connector``: vLLM's KV connector; legato has none, so nothing more."""
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
-    def sleep(self, level: int = 1) -> None:
+    def reset_mm_cache(self) -> None:
+        """No multimodal inputs yet: nothing to reset."""
+
+    def reset_encoder_cache(self) -> None:
+        """No encoder cache yet: nothing to reset."""
+
+    def start_profile(self) -> None:
+        """Start torch's profiler on the worker; traces go to ``profile_dir``."""
+        self._call(
+            "start_profile", self.config.profile_dir or os.path.join(os.getcwd(), "legato-profile")
+        )
+
+    def stop_profile(self) -> None:
+        """Stop the profiler and write its trace."""
+        self._call("stop_profile")
+
+    @property
+    def log_stats(self) -> bool:
+        """Whether the periodic stats line is on (``not disable_log_stats``)."""
+        return not self.config.disable_log_stats
+
+    def do_log_stats_with_interval(self) -> None:
+        """``do_log_stats`` at most once per ``log_stats_interval`` seconds."""
+        now = time.monotonic()
+        if now - self._last_logged >= self.config.log_stats_interval:
+            self._last_logged = now
+            self.do_log_stats()
+
+    @staticmethod
+    def validate_outputs(outputs: Sequence[Any], output_type: type) -> Sequence[Any]:
+        """vLLM's check that every output is an ``output_type``; returns ``outputs``."""
+        for output in outputs:
+            if not isinstance(output, output_type):
+                raise TypeError(f"expected {output_type.__name__}, got {type(output).__name__}")
+        return outputs
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Abort every live request (their last outputs come from the next ``step()``)
-        and free the KV cache (level 2: also the weights) until ``wake_up``."""
+        and free the KV cache (level 2: also the weights) until ``wake_up``. ``mode``:
+        vLLM's; only "abort" (a frozen request needs the KV cache sleep frees)."""
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
+        if mode != "abort":
+            raise ValidationError("mode", f"only 'abort' is supported, got {mode!r}")
         self.abort_request(list(self.frontend.live))
         self.scheduler.reset_prefix_cache(True)
         self._call("sleep", level)

@@ -152,3 +152,72 @@ def test_llm_engine_async_engine_and_llm_give_the_same_outputs(
         finals, vector = driver(toy_model_dir, requests)
         assert finals == reference, driver.__name__
         torch.testing.assert_close(torch.tensor(vector), torch.tensor(reference_vector))
+
+
+def test_llm_engine_reports_a_failed_request_once_and_forgets_it(toy_model_dir: Path) -> None:
+    """vLLM's rule: a request that fails is reported once and removed; the engine goes
+    on with the others (it used to raise from every later step())."""
+    engine = LLMEngine.from_engine_args(
+        str(toy_model_dir), max_model_len=128, num_kv_blocks=64, disable_log_stats=True
+    )
+    real_handle = engine.worker.handle
+
+    def fail_bad(step: Any) -> Any:  # an injected fault: the runner fails request "bad"
+        answer = real_handle(step)
+        bad = engine.frontend.live.get("bad")
+        if bad is not None and bad.engine_id in getattr(answer, "req_ids", ()):
+            answer.failed = {bad.engine_id: "injected fault"}
+        return answer
+
+    engine.worker.handle = fail_bad  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("good", PROMPTS[0], params)
+    engine.add_request("bad", PROMPTS[1], params)
+    errors: list[Exception] = []
+    finished: list[str] = []
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            errors.append(exc)
+            continue
+        finished += [o.request_id for o in outputs if o.finished]
+    assert not engine.has_unfinished_requests()
+    assert finished == ["good"]
+    assert len(errors) == 1 and "injected fault" in str(errors[0])
+    assert engine.step() == []  # nothing left to raise
+    engine.add_request("bad", PROMPTS[2], params)  # the id is free again
+    assert "bad" in engine.frontend.live
+
+
+def test_llm_engine_follows_vllms_constructors_and_refuses_tensor_parallelism(
+    toy_model_dir: Path,
+) -> None:
+    from legato.vllm_config import EngineArgs
+
+    args = EngineArgs(model=str(toy_model_dir), max_model_len=128, num_gpu_blocks_override=64)
+    engine = LLMEngine.from_engine_args(args)
+    assert engine.vllm_config.model_config.max_model_len == 128
+    assert engine.model_config.model == str(toy_model_dir)
+    again = LLMEngine.from_vllm_config(engine.vllm_config)
+    assert again.config.num_kv_blocks == 64
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLMEngine(EngineConfig(model=str(toy_model_dir), tensor_parallel_size=2))
+
+
+def test_an_llm_dropped_without_shutdown_releases_its_worker(toy_model_dir: Path) -> None:
+    """As vLLM's engines: a finalizer stops the engine and reaps its worker process."""
+    import gc
+
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    llm = LLM(str(toy_model_dir), max_model_len=128, num_kv_blocks=64, disable_log_stats=True)
+    workers = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert workers, "the LLM's engine runs its worker in a child process"
+    del llm
+    gc.collect()
+    gone, alive = psutil.wait_procs(workers, timeout=60)
+    assert not alive, f"worker processes still alive: {alive}"
