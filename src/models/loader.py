@@ -26,9 +26,10 @@ from safetensors import safe_open
 
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
-from .gguf_checkpoint import is_gguf_path, iter_gguf_weights, open_gguf
+from .gguf_checkpoint import is_gguf_path, iter_gguf_quantized, open_gguf
 from .layers import RMSNorm
 from .llama import LlamaForCausalLM
+from .quantized import QuantizedWeight
 from .registry import resolve_architecture
 
 RANDOM_WEIGHTS_FILE = "legato-random-weights.json"
@@ -51,11 +52,14 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    model_dir: str | Path, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """``(name, tensor)`` for every tensor of the checkpoint, on CPU, in file dtype
-    (fp32 for a GGUF file, dequantized: see :mod:`.gguf_checkpoint`)."""
+    (fp32 for a GGUF file, dequantized: see :mod:`.gguf_checkpoint`; with
+    ``keep_quantized`` its quantized matrices come as :class:`~.quantized.QuantizedWeight`)."""
     if is_gguf_path(model_dir):
-        yield from iter_gguf_weights(open_gguf(model_dir))
+        yield from iter_gguf_quantized(open_gguf(model_dir), keep_quantized=keep_quantized)
         return
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -98,16 +102,19 @@ def init_random_weights(model: torch.nn.Module, *, seed: int = 0, std: float = 0
                 param.normal_(0.0, std, generator=generator)
 
 
-def fill_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+def fill_weights(
+    model: LlamaForCausalLM, model_dir: str | Path, *, keep_quantized: bool = False
+) -> None:
     """Fill ``model``'s parameters from ``model_dir``: its checkpoint, or random weights
-    when the directory carries the :data:`RANDOM_WEIGHTS_FILE` marker."""
+    when the directory carries the :data:`RANDOM_WEIGHTS_FILE` marker. ``keep_quantized``:
+    a GGUF file's quantized matrices stay quantized (CPU only: see :mod:`.quantized`)."""
     marker = Path(model_dir) / RANDOM_WEIGHTS_FILE
     if marker.exists():
         spec = read_json(marker)
         init_random_weights(model, seed=int(spec.get("seed", 0)), std=float(spec.get("std", 0.02)))
         return
     with torch.no_grad():
-        model.load_weights(iter_weights(model_dir))
+        model.load_weights(iter_weights(model_dir, keep_quantized=keep_quantized))
 
 
 def build_model(
@@ -131,8 +138,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    *,
+    keep_quantized: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model and fill it from ``model_dir`` (see :func:`fill_weights`)."""
     model = build_model(cfg, backend, dtype, device, max_positions)
-    fill_weights(model, model_dir)
+    fill_weights(model, model_dir, keep_quantized=keep_quantized)
     return model

@@ -11,6 +11,8 @@ type      codes                  bits   group  offset  bytes / file bytes
 ========  =====================  =====  =====  ======  ==========================
 Q4_0      nibble 0..15           4      32     -8 d    24 / 18 (1.33x)
 Q4_1      nibble 0..15           4      32     m       24 / 20 (1.2x)
+Q5_0      int8 -16..15           8      32     none    36 / 22 (1.64x)
+Q5_1      byte 0..31             8      32     m       40 / 24 (1.67x)
 Q4_K      nibble 0..15           4      32     -dmin m 24 / 18 (1.33x)
 Q5_K      byte 0..31             8      32     -dmin m 40 / 22 (1.8x)
 Q6_K      int8 -32..31           8      16     none    48 / 26.25 (1.83x)
@@ -21,8 +23,10 @@ Why this layout and not the file's blocks as they are: one kernel (two code
 widths) serves six types, the per-group scale is decoded once at load instead
 of on every token (the K-quants pack 6-bit sub-scales), and the scales are fp32
 so the weight the kernel forms is bit-identical to what ``gguf.quants.dequantize``
-returns. The price is memory above the file's for the 5- and 6-bit K-quants (a
+returns. The price is memory above the file's for the 5- and 6-bit types (a
 nibble-plus-high-bits layout would bring them back to about 1.1x; not done).
+Q5_0 / Q5_1 are kept too: llama.cpp's Q4_K_M falls back to them for tensors whose
+rows are not a multiple of 256 (every matrix of SmolLM2-135M, 576 wide).
 
 Computation: activations stay fp32 (bf16 inputs are widened and the result
 rounded back), products are summed in fp32: a weight-only matmul whose only
@@ -44,7 +48,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 
-KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+KEPT_TYPES: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 """GGML types held quantized (names as in ``gguf.GGMLQuantizationType``); others are dequantized."""
 
 _FALLBACK_ROWS = 1024  # rows dequantized at a time by the plain-torch fallback
@@ -106,7 +110,7 @@ class QuantizedWeight:
             chunks = codes.view(n, -1, 16)
             values = torch.cat((chunks & 0x0F, chunks >> 4), dim=-1).view(n, -1).float()
         else:
-            values = codes.view(torch.int8).float()  # Q5_K's codes 0..31 read the same signed
+            values = codes.view(torch.int8).float()  # unsigned codes (Q5_1, Q5_K) are < 128
         grouped = values.view(n, -1, self.group) * scales.unsqueeze(-1)
         if offsets is not None:
             grouped = grouped + offsets.unsqueeze(-1)
@@ -224,6 +228,25 @@ def from_gguf(raw: np.ndarray, kind: str, out_features: int, in_features: int) -
     that does not match."""
     rows = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out_features, -1)
     n = out_features
+    if kind in ("Q5_0", "Q5_1"):
+        block = 22 if kind == "Q5_0" else 24
+        blocks = rows.reshape(n, -1, block)
+        if blocks.shape[1] * 32 != in_features:
+            raise ValueError(f"{kind}: {in_features} columns do not fill the blocks")
+        flat = blocks.reshape(-1, block)
+        at = 2 if kind == "Q5_0" else 4
+        high: np.ndarray = np.ascontiguousarray(flat[:, at : at + 4]).view(np.uint32)
+        high = (high >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & np.uint32(1)
+        low: np.ndarray = flat[:, at + 4 :].reshape(-1, 1, 16) >> np.array(
+            [0, 4], np.uint8
+        ).reshape(1, 2, 1)
+        codes: np.ndarray = (low.reshape(-1, 32) & 0x0F) | (high.astype(np.uint8) << np.uint8(4))
+        d = _f16(flat[:, 0:2]).reshape(n, -1)
+        if kind == "Q5_0":
+            signed = (codes.astype(np.int8) - np.int8(16)).view(np.uint8)
+            return _weight(signed.reshape(n, -1), d, None, 8, 32, kind)
+        m = _f16(flat[:, 2:4]).reshape(n, -1)
+        return _weight(codes.reshape(n, -1), d, m, 8, 32, kind)
     if kind in ("Q8_0", "Q4_0", "Q4_1"):
         block = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
         blocks = rows.reshape(n, -1, block)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..models.loader import iter_weights
 
@@ -87,6 +88,7 @@ def write_gguf(
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     for hf_name, tensor in iter_weights(root):
+        assert isinstance(tensor, torch.Tensor)  # a directory holds no quantized weights
         gguf_name = _gguf_name(hf_name)
         array = tensor.float().numpy()
         if arch == "llama" and ".attn_q." in gguf_name:

@@ -5,6 +5,7 @@ on random blocks, odd shapes, the native kernel and the plain-torch fallback."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,15 +14,24 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from legato import LLM
 from legato.models import cpu_kernels
+from legato.models.attention_backend import TorchBackend
+from legato.models.config import load_model_config
+from legato.models.layers import Linear
+from legato.models.loader import load_model
 from legato.models.quantized import KEPT_TYPES, QuantizedLinear, from_gguf
+from legato.models.registry import resolve_architecture
+from legato.protocol.params import SamplingParams
 
-_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20)}
+_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
 _BLOCK |= {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 _HALF_FIELDS = {  # byte offsets of fp16 fields in a block (scales and mins)
     "Q8_0": (0,),
     "Q4_0": (0,),
     "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
@@ -110,3 +120,39 @@ def test_kernel_refuses_what_it_cannot_take() -> None:
 def test_unsupported_type_is_refused() -> None:
     with pytest.raises(ValueError, match="Q2_K"):
         from_gguf(np.zeros((1, 84), np.uint8), "Q2_K", 1, 256)
+
+
+# -- the default model, end to end ----------------------------------------------------
+
+
+def test_default_model_loads_quantized(smollm2_gguf: Path) -> None:
+    """Every matrix of the Q4_1 file (the Q8_0 embedding, tied LM head, included) is held
+    quantized, no parameter keeps an fp32 copy of it, and the model's quantized bytes stay
+    within 1.3x of the file."""
+    cfg = resolve_architecture(load_model_config(smollm2_gguf))[1]
+    model = load_model(
+        smollm2_gguf, cfg, TorchBackend(), torch.float32, torch.device("cpu"), 64,
+        keep_quantized=True,
+    )  # fmt: skip
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.quantized is not None for m in linears)
+    assert model.model.embed_tokens.quantized is not None
+    dense = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert dense == 0
+    assert model.quantized_bytes() <= 1.3 * smollm2_gguf.stat().st_size
+
+
+def test_greedy_tokens_equal_the_dequantized_fp32_path(smollm2_gguf: Path) -> None:
+    """The kernels compute in fp32 from bit-identical weights: greedy decoding of the default
+    model gives the tokens the dequantized fp32 path gives (``gguf_dequantize=True``)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for widened in (False, True):
+        with LLM(
+            str(smollm2_gguf), executor="inproc", gguf_dequantize=widened, max_num_seqs=4
+        ) as llm:
+            tokens[widened] = [
+                list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)
+            ]
+    assert tokens[False] == tokens[True]
