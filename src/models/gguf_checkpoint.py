@@ -92,6 +92,24 @@ def is_gguf_path(path: str | os.PathLike[str]) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
+GGUF_POINTER_FILE = "legato-gguf-weights.json"
+"""In a model directory without weights of its own: ``{"gguf": PATH}`` names the GGUF file
+its weights are read from (the default model's directory holds config and tokenizer only)."""
+
+
+def gguf_weights_file(path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file whose tensors are ``path``'s weights: ``path`` itself when it names one,
+    the file a :data:`GGUF_POINTER_FILE` in the directory ``path`` names, else None."""
+    if is_gguf_path(path):
+        return Path(path)
+    pointer = Path(path) / GGUF_POINTER_FILE
+    if not pointer.is_file():
+        return None
+    import json
+
+    return Path(json.loads(pointer.read_text())["gguf"])
+
+
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     """A ``gguf.GGUFReader`` over ``path``, checked: magic, metadata, tensor extents,
     architecture, tensor names and types.

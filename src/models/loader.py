@@ -2,7 +2,8 @@
 
 Weights stream from ``*.safetensors`` (a single file, or shards listed by
 ``model.safetensors.index.json``), or from a GGUF file dequantized tensor by
-tensor (:mod:`.gguf_checkpoint`), straight into our modules, one tensor at a
+tensor or kept quantized (:mod:`.gguf_checkpoint`; a directory may name its GGUF
+file in a :data:`~.gguf_checkpoint.GGUF_POINTER_FILE`), straight into our modules, one tensor at a
 time, cast to the chosen dtype on the way. No transformers model is built.
 
 A directory may instead declare random weights (vLLM's "dummy" load format):
@@ -26,7 +27,7 @@ from safetensors import safe_open
 
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
-from .gguf_checkpoint import is_gguf_path, iter_gguf_quantized, open_gguf
+from .gguf_checkpoint import gguf_weights_file, iter_gguf_quantized, open_gguf
 from .layers import RMSNorm
 from .llama import LlamaForCausalLM
 from .quantized import QuantizedWeight
@@ -58,8 +59,9 @@ def iter_weights(
     """``(name, tensor)`` for every tensor of the checkpoint, on CPU, in file dtype
     (fp32 for a GGUF file, dequantized: see :mod:`.gguf_checkpoint`; with
     ``keep_quantized`` its quantized matrices come as :class:`~.quantized.QuantizedWeight`)."""
-    if is_gguf_path(model_dir):
-        yield from iter_gguf_quantized(open_gguf(model_dir), keep_quantized=keep_quantized)
+    gguf = gguf_weights_file(model_dir)
+    if gguf is not None:
+        yield from iter_gguf_quantized(open_gguf(gguf), keep_quantized=keep_quantized)
         return
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:

@@ -44,7 +44,7 @@ from .attention_backend import AttentionMetadata, select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
 from .cpu_linear import pack_linears, unpack_linears
 from .cuda_graphs import CaptureMode, DecodeGraphRunner, capture_sizes, wants_decode_graphs
-from .gguf_checkpoint import is_gguf_path
+from .gguf_checkpoint import gguf_weights_file
 from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
 from .loader import fill_weights, load_model
@@ -180,7 +180,7 @@ class ModelRunner:
             wanted_len = mcfg.sliding_window
         # CPU, one rank, no LoRA: a GGUF file's quantized matrices stay quantized
         self._keep_quantized = (
-            is_gguf_path(self.model_dir)
+            gguf_weights_file(self.model_dir) is not None
             and self.device.type == "cpu"
             and parallel is None
             and not config.enable_lora

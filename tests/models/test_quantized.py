@@ -152,7 +152,5 @@ def test_greedy_tokens_equal_the_dequantized_fp32_path(smollm2_gguf: Path) -> No
         with LLM(
             str(smollm2_gguf), executor="inproc", gguf_dequantize=widened, max_num_seqs=4
         ) as llm:
-            tokens[widened] = [
-                list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)
-            ]
+            tokens[widened] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     assert tokens[False] == tokens[True]
