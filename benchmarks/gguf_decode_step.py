@@ -6,7 +6,8 @@ with ``gguf_dequantize=True`` (fp32 weights, oneDNN-packed). For each batch size
 ``--context``-token prefill per sequence, times ``--steps`` decode steps (median) and splits
 one profiled pass by category (:func:`decode_step.profiled`): matmuls, attention, norm +
 rope + activation, input preparation, sampling, and the step's own overhead (the rest:
-Python between the kernels). Prints a table; never asserted.
+Python between the kernels), and the bytes of weights each way holds against the file's
+size. Prints a table; never asserted.
 
     flock -x /tmp/legato-cpu.lock python benchmarks/gguf_decode_step.py --batch-sizes 1 16
 """
@@ -46,6 +47,7 @@ def main() -> None:
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads; {args.gguf}")
     head = f"{'weights':>10} {'batch':>5} {'ms/step':>8} {'tok/s':>7} "
     print(head + " ".join(f"{c:>13}" for c in CATEGORIES) + "   (ms per step)")
+    weights_mb: dict[str, float] = {}
     for batch in args.batch_sizes:
         prompts = torch.randint(0, 40000, (batch, args.context))
         for label, dequantize in (("quantized", False), ("fp32", True)):
@@ -57,6 +59,10 @@ def main() -> None:
             times = [ours.step() for _ in range(args.steps)]
             with profiled(ours.runner) as totals:
                 profiled_times = [ours.step() for _ in range(args.steps)]
+            model = ours.runner.model
+            held = model.quantized_bytes() + ours.runner._packed_bytes
+            held += sum(p.numel() * p.element_size() for p in model.parameters())
+            weights_mb[label] = held / 2**20
             step = statistics.median(times)
             parts = {c: totals.get(c, 0.0) / args.steps for c in CATEGORIES}
             parts["overhead"] = statistics.mean(profiled_times) - sum(parts.values())
@@ -65,6 +71,11 @@ def main() -> None:
                 + " ".join(f"{parts[c] * 1e3:>13.2f}" for c in CATEGORIES)
             )
             del ours
+    file_mb = Path(args.gguf).stat().st_size / 2**20
+    print(
+        f"weights held: quantized {weights_mb['quantized']:.0f} MB, fp32 {weights_mb['fp32']:.0f}"
+        f" MB; the file {file_mb:.0f} MB (ratio {weights_mb['quantized'] / file_mb:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -473,3 +473,10 @@ def quantized_matmul(
             torch.get_num_threads(),
         )
     return out
+
+
+def quantized_matmul_kernel() -> Any:
+    """The raw ctypes entry point of :func:`quantized_matmul`, for a caller that checked its
+    weight once (:class:`legato.models.quantized.QuantizedLinear`) and passes pointers itself.
+    Raises ``RuntimeError`` when the library is unavailable."""
+    return _library().legato_quantized_matmul_f32

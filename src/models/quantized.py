@@ -30,7 +30,10 @@ rows are not a multiple of 256 (every matrix of SmolLM2-135M, 576 wide).
 
 Computation: activations stay fp32 (bf16 inputs are widened and the result
 rounded back), products are summed in fp32: a weight-only matmul whose only
-difference from "dequantize, then ``F.linear``" is the summation order. Without
+difference from "dequantize, then ``F.linear``" is fp32 rounding order (several
+input rows: each weight is formed exactly, then multiplied; one input row, the
+decode case: ``sum_g scale_g * (codes_g . x_g) + offset_g * sum(x_g)``, half the
+vector work). Without
 the native kernels (no compiler, ``LEGATO_CPU_KERNELS=0``) :meth:`QuantizedWeight.matmul`
 dequantizes a slab of rows at a time and calls ``F.linear``: the portable fallback.
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -176,12 +180,30 @@ class QuantizedLinear:
         )
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        self._direct: list[tuple[Any, ...]] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    def _direct_calls(self) -> list[tuple[Any, ...]]:
+        """Per part, the native kernel's weight arguments, checked once (through the checked
+        wrapper on one row) so that a call pays no per-argument checks; [] without the kernel."""
+        if self._direct is None:
+            self._direct = []
+            if cpu_kernels.available() and self.parts[0].codes.device.type == "cpu":
+                probe = torch.zeros(1, self.in_features)
+                for part in self.parts:
+                    part.matmul(probe)  # raises for anything the kernel would not take
+                    offsets = part.offsets.data_ptr() if part.offsets is not None else None
+                    weight = (part.codes.data_ptr(), part.bits, part.group, part.out_features)
+                    self._direct.append((*weight, part.scales.data_ptr(), offsets))
+        return self._direct
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        direct = self._direct_calls()
+        if direct and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return self._call_direct(x, direct)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         wide = flat.float() if flat.dtype != torch.float32 else flat
@@ -198,6 +220,24 @@ class QuantizedLinear:
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out.view(*lead, self.out_features)
+
+    def _call_direct(self, x: torch.Tensor, direct: list[tuple[Any, ...]]) -> torch.Tensor:
+        """The decode hot path: a contiguous fp32 ``[M, K]`` input, one ctypes call per part."""
+        rows, width = x.shape
+        if width != self.in_features:
+            raise ValueError(f"quantized linear: input width {width}, expected {self.in_features}")
+        out = x.new_empty(rows, self.out_features)
+        if rows == 0:
+            return out
+        kernel, threads = cpu_kernels.quantized_matmul_kernel(), torch.get_num_threads()
+        column = out.data_ptr()
+        for codes, bits, group, n, scales, offsets in direct:
+            code = kernel(x.data_ptr(), width, rows, width, codes, bits, group, n, scales,
+                          offsets, column, self.out_features, threads)  # fmt: skip
+            if code != 0:
+                raise ValueError(f"quantized_matmul: the kernel refused its arguments ({code})")
+            column += n * 4  # the next part's first column (fp32)
+        return out
 
 
 # ------------------------------------------------------------------ GGUF blocks -> codes

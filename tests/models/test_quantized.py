@@ -100,6 +100,8 @@ def test_mixed_layouts_fill_their_own_columns(native: bool) -> None:
     wide = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
     x = wide[:, ::2]  # a strided input
     torch.testing.assert_close(layer(x), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    dense = x.contiguous()  # the direct path: one kernel call per part into its columns
+    torch.testing.assert_close(layer(dense), F.linear(dense, weight), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(
         layer(x.bfloat16()).float(), F.linear(x.bfloat16().float(), weight), atol=2e-2, rtol=2e-2
     )
