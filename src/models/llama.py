@@ -122,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         self._full_shapes = {
             name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=False)
-        }  # what each parameter holds once loaded, even while its storage is released
+        }  # each parameter's shape at build, for when its storage is released
         self.register_buffer(
             "cos_sin_cache",
             rope_cos_sin_cache(cfg.head_dim, cfg.rope, max_positions, device),
@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
-            full = self._full_shapes[target]
+            full = self._loaded_shape(target, param)
             expected_shape = (rows, *full[1:]) if match else full
             if isinstance(tensor, QuantizedWeight):
                 shape: tuple[int, ...] = (tensor.out_features, tensor.in_features)
@@ -213,13 +213,19 @@ class LlamaForCausalLM(nn.Module):
         for target in params:
             if target == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            expected = self._full_shapes[target][0] if any(f in target for f in shards) else 1
+            fused = any(f in target for f in shards)
+            expected = self._loaded_shape(target, params[target])[0] if fused else 1
             if filled.get(target, 0) != expected:
                 missing.append(target)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(sorted(missing))}")
         for target, parts in quantized.items():
             self._keep_quantized(target, params[target], [w for _, w in sorted(parts)], dense)
+
+    def _loaded_shape(self, target: str, param: nn.Parameter) -> tuple[int, ...]:
+        """The shape ``target`` holds once loaded: its own (a tensor-parallel rank's share
+        included), or while its storage is released (kept quantized) its shape at build."""
+        return tuple(param.shape) if param.numel() else self._full_shapes[target]
 
     def _keep_quantized(
         self, target: str, param: nn.Parameter, parts: list[QuantizedWeight], dense: set[str]
