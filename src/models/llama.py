@@ -213,8 +213,8 @@ class LlamaForCausalLM(nn.Module):
         for target in params:
             if target == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            fused = any(f in target for f in shards)
-            expected = self._loaded_shape(target, params[target])[0] if fused else 1
+            is_fused = any(f in target for f in shards)
+            expected = self._loaded_shape(target, params[target])[0] if is_fused else 1
             if filled.get(target, 0) != expected:
                 missing.append(target)
         if missing:
