@@ -129,6 +129,12 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
     return _open_checked(str(resolved), stat.st_size, stat.st_mtime_ns)
 
 
+def forget_gguf() -> None:
+    """Drop the file :func:`open_gguf` keeps (its memory map and parsed metadata, hundreds of
+    MB for a large vocabulary): a worker calls it once the weights are loaded."""
+    _open_checked.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def _open_checked(path: str, size: int, mtime_ns: int) -> Any:
     from gguf import GGUFReader

@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
-from .gguf_checkpoint import gguf_weights_file, iter_gguf_quantized, open_gguf
+from .gguf_checkpoint import forget_gguf, gguf_weights_file, iter_gguf_quantized, open_gguf
 from .layers import RMSNorm
 from .llama import LlamaForCausalLM
 from .quantized import QuantizedWeight
@@ -117,6 +117,8 @@ def fill_weights(
         return
     with torch.no_grad():
         model.load_weights(iter_weights(model_dir, keep_quantized=keep_quantized))
+    if gguf_weights_file(model_dir) is not None:
+        forget_gguf()  # every tensor was copied out of the file's memory map
 
 
 def build_model(
