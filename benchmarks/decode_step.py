@@ -94,7 +94,13 @@ class LegatoDecode:
     """A runner holding ``batch`` prefilled requests; :meth:`step` runs one decode step."""
 
     def __init__(
-        self, args: argparse.Namespace, path: str, dtype: str, batch: int, prompts: torch.Tensor
+        self,
+        args: argparse.Namespace,
+        path: str,
+        dtype: str,
+        batch: int,
+        prompts: torch.Tensor,
+        **engine_args: Any,
     ) -> None:
         bs = args.block_size
         total = args.context + args.warmup + args.steps * (2 if args.profile else 1) + 1
@@ -108,6 +114,7 @@ class LegatoDecode:
                 num_kv_blocks=blocks_per_seq * batch,
                 max_num_seqs=batch,
                 max_num_batched_tokens=max(2048, args.context),
+                **engine_args,
             )
         )
         params = SamplingParams(temperature=0.0, max_tokens=None)

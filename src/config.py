@@ -44,6 +44,9 @@ class EngineConfig:
     # step instantly with a fixed token; it measures the control plane, nothing else.
     runner: Literal["model", "null"] = "model"
     enforce_eager: bool = False
+    # A GGUF file's quantized weights stay quantized on the CPU (legato.models.quantized);
+    # True dequantizes them to fp32 at load (the reference path, 4-7x the memory).
+    gguf_dequantize: bool = False
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 60.0  # a long CPU prefill step must not count as a hang

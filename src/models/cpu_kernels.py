@@ -17,7 +17,9 @@ Kernels (fp32 and bf16, each checked against its plain-torch twin in the tests):
 - :func:`write_kv`: this step's K/V rows into their cache slots;
 - :func:`rms_norm` (optionally fused with the residual add), :func:`silu_and_mul`,
   :func:`rotary_neox` (in place): the elementwise ops of a layer, one pass each;
-- :func:`argmax`: greedy sampling over fp32 logits.
+- :func:`argmax`: greedy sampling over fp32 logits;
+- :func:`quantized_matmul`: fp32 activations times a weight held as integer codes
+  with per-group scales (:mod:`legato.models.quantized`, GGUF types kept quantized).
 
 Never imports trio. Blocks while compiling (first call only).
 """
@@ -61,6 +63,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_rotary_neox_{t}": [_P, _L, _L, _L, _I, _I, _P, _P, _L, _I],
     "legato_write_kv": [_P, _L, _P, _L, _P, _P, _P, _L, _L, _L, _I],
     "legato_argmax_f32": [_P, _L, _L, _L, _P, _I],
+    "legato_quantized_matmul_f32": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 DTYPES = tuple(_SUFFIX)  # what the typed kernels take
@@ -407,3 +410,73 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             torch.get_num_threads(),
         )
     return out
+
+
+def quantized_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out = x @ W^T`` with ``W = codes * scales (+ offsets)`` per group of ``group``
+    codes (layout: :mod:`legato.models.quantized`). ``x`` fp32 ``[M, K]`` and ``out`` fp32
+    ``[M, N]``, both with unit column stride; ``K`` a multiple of 32. Returns ``out``.
+    Raises ``ValueError`` for a layout or size it does not take (checked first)."""
+    name = "quantized_matmul"
+    rows, width = x.shape
+    n = codes.shape[0]
+    groups = width // group if group else 0
+    _check(
+        _on_cpu(x, codes, scales, out)
+        and x.dtype == out.dtype == torch.float32
+        and codes.dtype == torch.uint8
+        and scales.dtype == torch.float32
+        and (bits, group) in ((4, 32), (8, 32), (8, 16))
+        and width % 32 == 0
+        and x.stride(1) == 1
+        and out.stride(1) == 1
+        and codes.is_contiguous()
+        and codes.shape == (n, width * bits // 8)
+        and scales.is_contiguous()
+        and scales.shape == (n, groups)
+        and out.shape == (rows, n)
+        and (
+            offsets is None
+            or (
+                offsets.dtype == torch.float32
+                and offsets.is_contiguous()
+                and offsets.shape == scales.shape
+                and _on_cpu(offsets)
+            )
+        ),
+        name,
+        "unsupported layout",
+    )
+    if rows and n:
+        _run(
+            "legato_quantized_matmul_f32",
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            width,
+            codes.data_ptr(),
+            bits,
+            group,
+            n,
+            scales.data_ptr(),
+            offsets.data_ptr() if offsets is not None else None,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def quantized_matmul_kernel() -> Any:
+    """The raw ctypes entry point of :func:`quantized_matmul`, for a caller that checked its
+    weight once (:class:`legato.models.quantized.QuantizedLinear`) and passes pointers itself.
+    Raises ``RuntimeError`` when the library is unavailable."""
+    return _library().legato_quantized_matmul_f32

@@ -5,10 +5,11 @@ this module maps it onto what the rest of legato reads from a directory:
 
 - :func:`gguf_hf_config`: config.json's fields, from the metadata
   (architecture, sizes, rotary base and scaling, BOS/EOS ids, tied embeddings);
-- :func:`iter_gguf_weights`: ``(HF tensor name, fp32 tensor)`` pairs, each
-  tensor dequantized with ``gguf.quants.dequantize`` (the same numpy code
-  transformers uses for its own GGUF loading) and, for the ``llama``
-  architecture, with llama.cpp's interleaving of the Q/K rows undone;
+- :func:`iter_gguf_weights`: ``(HF tensor name, weight)`` pairs, each tensor
+  dequantized with ``gguf.quants.dequantize`` (the same numpy code
+  transformers uses for its own GGUF loading), or kept quantized
+  (:mod:`.quantized`), and, for the ``llama`` architecture, with llama.cpp's
+  interleaving of the Q/K rows undone;
 - the tokenizer and chat template, which transformers builds from the same
   file, are loaded by :func:`legato.tokenizer_loading.load_gguf_tokenizer`.
 
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from ..protocol.errors import ModelLoadError
+from .quantized import KEPT_TYPES, QuantizedWeight, from_gguf
 
 logger = logging.getLogger("legato.models.gguf")
 
@@ -93,6 +95,24 @@ def is_gguf_path(path: str | os.PathLike[str]) -> bool:
     return str(path).lower().endswith(".gguf")
 
 
+GGUF_POINTER_FILE = "legato-gguf-weights.json"
+"""In a model directory without weights of its own: ``{"gguf": PATH}`` names the GGUF file
+its weights are read from (the default model's directory holds config and tokenizer only)."""
+
+
+def gguf_weights_file(path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file whose tensors are ``path``'s weights: ``path`` itself when it names one,
+    the file a :data:`GGUF_POINTER_FILE` in the directory ``path`` names, else None."""
+    if is_gguf_path(path):
+        return Path(path)
+    pointer = Path(path) / GGUF_POINTER_FILE
+    if not pointer.is_file():
+        return None
+    import json
+
+    return Path(json.loads(pointer.read_text())["gguf"])
+
+
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     """A ``gguf.GGUFReader`` over ``path``, checked: magic, metadata, tensor extents,
     architecture, tensor names and types.
@@ -110,6 +130,12 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
     except OSError as exc:
         raise ModelLoadError(f"model: {path}: cannot read it ({exc.strerror})") from None
     return _open_checked(str(resolved), stat.st_size, stat.st_mtime_ns)
+
+
+def forget_gguf() -> None:
+    """Drop the file :func:`open_gguf` keeps (its memory map and parsed metadata, hundreds of
+    MB for a large vocabulary): a worker calls it once the weights are loaded."""
+    _open_checked.cache_clear()
 
 
 @functools.lru_cache(maxsize=1)
@@ -288,21 +314,58 @@ def iter_gguf_weights(reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
     For the ``llama`` architecture, the Q and K rows (weights and biases) get
     llama.cpp's per-head interleaving undone, so they are as in the HF checkpoint.
     """
+    for name, weight in iter_gguf_quantized(reader, keep_quantized=False):
+        assert isinstance(weight, torch.Tensor)
+        yield name, weight
+
+
+def iter_gguf_quantized(
+    reader: Any, *, keep_quantized: bool = True
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """As :func:`iter_gguf_weights`, but each matrix of a type in
+    :data:`~.quantized.KEPT_TYPES` comes as a :class:`~.quantized.QuantizedWeight`
+    (rows unpermuted likewise); matrices of other quantized types are dequantized,
+    with one log line naming their types."""
     from gguf.quants import dequantize
 
     config = gguf_hf_config(reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     unpermute = config["model_type"] == "llama"
+    widened: dict[str, int] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue  # checked by open_gguf: only _IGNORED_TENSORS get here
+        kind = tensor.tensor_type.name
+        if keep_quantized and len(tensor.shape) == 2:
+            if kind in KEPT_TYPES:
+                out_features, in_features = (int(d) for d in reversed(tensor.shape.tolist()))
+                weight = from_gguf(tensor.data, kind, out_features, in_features)
+                if unpermute and ".attn_q." in tensor.name:
+                    weight = weight.take_rows(_unpermute_index(out_features, heads))
+                elif unpermute and ".attn_k." in tensor.name:
+                    weight = weight.take_rows(_unpermute_index(out_features, kv_heads))
+                yield name, weight
+                continue
+            if kind not in ("F32", "F16", "BF16"):
+                widened[kind] = widened.get(kind, 0) + 1
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if unpermute and ".attn_q." in tensor.name:
             array = _unpermute_rows(array, heads)
         elif unpermute and ".attn_k." in tensor.name:
             array = _unpermute_rows(array, kv_heads)
         yield name, torch.from_numpy(np.array(array, copy=True))  # owned, writable
+    if widened:
+        logger.info(
+            "%s: tensors of types legato does not keep quantized were dequantized to fp32: %s",
+            reader.data.filename,
+            ", ".join(f"{count} {kind}" for kind, count in sorted(widened.items())),
+        )
+
+
+def _unpermute_index(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order :func:`_unpermute_rows` produces, as an index (for quantized rows)."""
+    return torch.from_numpy(_unpermute_rows(np.arange(rows), n_heads).astype(np.int64))
 
 
 def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:

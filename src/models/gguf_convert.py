@@ -19,9 +19,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from ..tokenizer_loading import load_gguf_tokenizer
 from .gguf_checkpoint import (
+    GGUF_POINTER_FILE,
     gguf_hf_config,
     iter_gguf_weights,
     open_gguf,
@@ -29,19 +31,41 @@ from .gguf_checkpoint import (
 )
 
 
-def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: Path, *, label: str) -> None:
+def convert_gguf(
+    gguf_path: str | os.PathLike[str], out_dir: Path, *, label: str, weights: bool = True
+) -> None:
     """Convert ``gguf_path`` into the existing, empty directory ``out_dir``.
 
-    Shows a progress bar (``label``, tensors done) on stderr. Raises
-    ModelLoadError for a file :func:`~.gguf_checkpoint.open_gguf` refuses.
+    ``weights`` False: no model.safetensors; a :data:`~.gguf_checkpoint.GGUF_POINTER_FILE`
+    names ``gguf_path`` instead, so the weights are read from the GGUF file (kept
+    quantized on the CPU) and only the config and the tokenizer are converted (they
+    load in a fraction of a second from the directory, against seconds from the file).
+    Shows a progress bar (``label``, tensors done) on stderr while converting weights.
+    Raises ModelLoadError for a file :func:`~.gguf_checkpoint.open_gguf` refuses.
     Blocks: seconds for a small model, most of it dequantizing.
     """
+    reader = open_gguf(gguf_path)
+    config = gguf_hf_config(reader)
+    if weights:
+        _write_weights(reader, out_dir, label)
+    else:
+        pointer = {"gguf": str(Path(gguf_path).resolve())}
+        (out_dir / GGUF_POINTER_FILE).write_text(json.dumps(pointer, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {
+        key: config[key]
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if config[key] is not None
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    load_gguf_tokenizer(gguf_path).save_pretrained(str(out_dir))
+
+
+def _write_weights(reader: Any, out_dir: Path, label: str) -> None:
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    reader = open_gguf(gguf_path)
-    config = gguf_hf_config(reader)
     dtypes = stored_dtypes(reader)
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(
@@ -56,11 +80,3 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: Path, *, label: str
             tensors[name] = tensor.to(dtypes[name]).contiguous()
             bar.update(1)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {
-        key: config[key]
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-        if config[key] is not None
-    }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    load_gguf_tokenizer(gguf_path).save_pretrained(str(out_dir))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention_backend import Backend, StepContext
+from .quantized import QuantizedLinear, QuantizedWeight
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -27,7 +28,9 @@ class Linear(nn.Module):
     """``y = x W^T (+ b)``; ``W`` is ``[out_features, in_features]`` as in checkpoints.
 
     ``packed``, when set (:func:`legato.models.cpu_linear.pack_linears`), computes
-    the same product from a prepacked copy of the weights and replaces them.
+    the same product from a prepacked copy of the weights and replaces them;
+    ``quantized``, when set (a GGUF file's weights kept quantized), holds the weight
+    instead of ``weight``.
     """
 
     def __init__(
@@ -44,21 +47,30 @@ class Linear(nn.Module):
         # Any callable that computes this product (cpu_linear.PackedLinear): layers never
         # import the packing code, which imports them.
         self.packed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.quantized: QuantizedLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            out = self.quantized(x)
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:
             return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
-    """Token embedding table ``[vocab, hidden]``."""
+    """Token embedding table ``[vocab, hidden]``; ``quantized``, when set, holds it instead
+    (the looked-up rows are dequantized)."""
 
     def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = _empty(vocab, hidden, dtype=dtype, device=device)
+        self.quantized: QuantizedWeight | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            rows = self.quantized.dequantize(ids.reshape(-1).long())
+            return rows.to(self.weight.dtype).view(*ids.shape, -1)
         return F.embedding(ids, self.weight)
 
 

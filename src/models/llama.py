@@ -20,6 +20,7 @@ from torch import nn
 from .attention_backend import AttentionMetadata, Backend, StepContext
 from .config import ModelConfig
 from .layers import MLP, Attention, Embedding, Linear, RMSNorm
+from .quantized import QuantizedLinear, QuantizedWeight
 from .rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -126,6 +127,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, device)
+        self._full_shapes = {
+            name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=False)
+        }  # each parameter's shape at build, for when its storage is released
 
     def forward(
         self,
@@ -154,13 +158,19 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters.
 
+        A :class:`~.quantized.QuantizedWeight` is kept as it is: its linear layer
+        (or the embedding, and a tied LM head with it) computes from it and the
+        parameter's storage is released; a fused layer whose parts are not all
+        quantized gets the quantized parts dequantized into its parameter instead.
         Raises ``ValueError`` on an unknown name, a shape mismatch, or a
         parameter no tensor filled (a tied LM head needs none).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
+        quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}
+        dense: set[str] = set()
         shards = {
             "self_attn.qkv_proj": [self.config.q_size, self.config.kv_size, self.config.kv_size],
             "mlp.gate_up_proj": [self.config.intermediate_size] * 2,
@@ -186,20 +196,72 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
-            dest = param.data[offset : offset + rows] if match else param.data
-            if tuple(dest.shape) != tuple(tensor.shape):
+            full = self._loaded_shape(target, param)
+            expected_shape = (rows, *full[1:]) if match else full
+            if isinstance(tensor, QuantizedWeight):
+                shape: tuple[int, ...] = (tensor.out_features, tensor.in_features)
+            else:
+                shape = tuple(tensor.shape)
+            if shape != expected_shape:
                 raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
+                    f"checkpoint tensor {name!r} has shape {shape}, expected {expected_shape}"
                 )
-            dest.copy_(tensor)
-            filled[target] = filled.get(target, 0) + (tensor.shape[0] if match else 1)
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault(target, []).append((offset, tensor))
+            else:
+                dense.add(target)
+                (param.data[offset : offset + rows] if match else param.data).copy_(tensor)
+            filled[target] = filled.get(target, 0) + (shape[0] if match else 1)
         missing = []
-        for target, param in params.items():
+        for target in params:
             if target == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            expected = param.shape[0] if any(f in target for f in shards) else 1
+            is_fused = any(f in target for f in shards)
+            expected = self._loaded_shape(target, params[target])[0] if is_fused else 1
             if filled.get(target, 0) != expected:
                 missing.append(target)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(sorted(missing))}")
+        for target, parts in quantized.items():
+            self._keep_quantized(target, params[target], [w for _, w in sorted(parts)], dense)
+
+    def _loaded_shape(self, target: str, param: nn.Parameter) -> tuple[int, ...]:
+        """The shape ``target`` holds once loaded: its own (a tensor-parallel rank's share
+        included), or while its storage is released (kept quantized) its shape at build."""
+        return tuple(param.shape) if param.numel() else self._full_shapes[target]
+
+    def _keep_quantized(
+        self, target: str, param: nn.Parameter, parts: list[QuantizedWeight], dense: set[str]
+    ) -> None:
+        if target in dense:  # part of a fused weight came unquantized: dequantize the rest
+            offset = 0
+            for part in parts:
+                param.data[offset : offset + part.out_features].copy_(part.dequantize())
+                offset += part.out_features
+            return
+        module = self.get_submodule(target.rsplit(".", 1)[0])
+        if isinstance(module, Embedding):
+            module.quantized = parts[0]
+            if self.config.tie_word_embeddings:
+                self.lm_head.quantized = QuantizedLinear(parts)
+        elif isinstance(module, Linear):
+            module.quantized = QuantizedLinear(parts)
+        else:
+            raise ValueError(f"checkpoint tensor for {target!r}: cannot be kept quantized")
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the weights held quantized (:mod:`.quantized`); 0 when none are."""
+        held: dict[int, int] = {}  # by weight: a tied LM head shares the embedding's
+        for m in self.modules():
+            if isinstance(m, Embedding) and m.quantized is not None:
+                held[id(m.quantized)] = m.quantized.nbytes
+            elif isinstance(m, Linear) and m.quantized is not None:
+                held.update((id(part), part.nbytes) for part in m.quantized.parts)
+        return sum(held.values())
+
+    def drop_quantized(self) -> None:
+        """Forget every quantized weight (they must be loaded again before the next forward)."""
+        for module in self.modules():
+            if isinstance(module, Linear | Embedding):
+                module.quantized = None

@@ -2,7 +2,8 @@
 
 Weights stream from ``*.safetensors`` (a single file, or shards listed by
 ``model.safetensors.index.json``), or from a GGUF file dequantized tensor by
-tensor (:mod:`.gguf_checkpoint`), straight into our modules, one tensor at a
+tensor or kept quantized (:mod:`.gguf_checkpoint`; a directory may name its GGUF
+file in a :data:`~.gguf_checkpoint.GGUF_POINTER_FILE`), straight into our modules, one tensor at a
 time, cast to the chosen dtype on the way. No transformers model is built.
 
 A directory may instead declare random weights (vLLM's "dummy" load format):
@@ -26,9 +27,10 @@ from safetensors import safe_open
 
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
-from .gguf_checkpoint import is_gguf_path, iter_gguf_weights, open_gguf
+from .gguf_checkpoint import forget_gguf, gguf_weights_file, iter_gguf_quantized, open_gguf
 from .layers import RMSNorm
 from .llama import LlamaForCausalLM
+from .quantized import QuantizedWeight
 from .registry import resolve_architecture
 
 RANDOM_WEIGHTS_FILE = "legato-random-weights.json"
@@ -51,11 +53,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    model_dir: str | Path, *, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """``(name, tensor)`` for every tensor of the checkpoint, on CPU, in file dtype
-    (fp32 for a GGUF file, dequantized: see :mod:`.gguf_checkpoint`)."""
-    if is_gguf_path(model_dir):
-        yield from iter_gguf_weights(open_gguf(model_dir))
+    (fp32 for a GGUF file, dequantized: see :mod:`.gguf_checkpoint`; with
+    ``keep_quantized`` its quantized matrices come as :class:`~.quantized.QuantizedWeight`)."""
+    gguf = gguf_weights_file(model_dir)
+    if gguf is not None:
+        yield from iter_gguf_quantized(open_gguf(gguf), keep_quantized=keep_quantized)
         return
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -98,16 +104,21 @@ def init_random_weights(model: torch.nn.Module, *, seed: int = 0, std: float = 0
                 param.normal_(0.0, std, generator=generator)
 
 
-def fill_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+def fill_weights(
+    model: LlamaForCausalLM, model_dir: str | Path, *, keep_quantized: bool = False
+) -> None:
     """Fill ``model``'s parameters from ``model_dir``: its checkpoint, or random weights
-    when the directory carries the :data:`RANDOM_WEIGHTS_FILE` marker."""
+    when the directory carries the :data:`RANDOM_WEIGHTS_FILE` marker. ``keep_quantized``:
+    a GGUF file's quantized matrices stay quantized (CPU only: see :mod:`.quantized`)."""
     marker = Path(model_dir) / RANDOM_WEIGHTS_FILE
     if marker.exists():
         spec = read_json(marker)
         init_random_weights(model, seed=int(spec.get("seed", 0)), std=float(spec.get("std", 0.02)))
         return
     with torch.no_grad():
-        model.load_weights(iter_weights(model_dir))
+        model.load_weights(iter_weights(model_dir, keep_quantized=keep_quantized))
+    if gguf_weights_file(model_dir) is not None:
+        forget_gguf()  # every tensor was copied out of the file's memory map
 
 
 def build_model(
@@ -131,8 +142,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    *,
+    keep_quantized: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model and fill it from ``model_dir`` (see :func:`fill_weights`)."""
     model = build_model(cfg, backend, dtype, device, max_positions)
-    fill_weights(model, model_dir)
+    fill_weights(model, model_dir, keep_quantized=keep_quantized)
     return model

@@ -38,6 +38,7 @@ import torch
 from .attention_backend import Backend
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
+from .quantized import QuantizedWeight
 from .rotary import partial_rotary_order
 
 _QKV = "self_attn.qkv_proj.weight"
@@ -66,19 +67,27 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             )
         super().__init__(cfg, backend, dtype, device, max_positions)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors
+        (which must be plain tensors: a quantized fused tensor is refused)."""
         super().load_weights(self._split_fused(weights))
 
     def _split_fused(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         cfg = self.config
         qkv_rows = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         rotary_dim = cfg.rope.rotary_dim(cfg.head_dim)
         order = partial_rotary_order(cfg.head_dim, rotary_dim)
         for name, tensor in weights:
-            if name.endswith(_QKV):
+            if isinstance(tensor, QuantizedWeight):
+                if name.endswith((_QKV, _GATE_UP)):
+                    raise ValueError(
+                        f"checkpoint tensor {name!r}: a quantized fused tensor is not "
+                        "supported (load with gguf_dequantize)"
+                    )
+                yield name, tensor
+            elif name.endswith(_QKV):
                 prefix = name[: -len(_QKV)]
                 self._check_rows(name, tensor, sum(qkv_rows))
                 q, k, v = torch.split(tensor, qkv_rows)

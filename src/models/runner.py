@@ -45,6 +45,7 @@ from .attention_backend import AttentionMetadata, select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
 from .cpu_linear import pack_linears, unpack_linears
 from .cuda_graphs import CaptureMode, DecodeGraphRunner, capture_sizes, wants_decode_graphs
+from .gguf_checkpoint import gguf_weights_file
 from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
 from .loader import fill_weights, load_model
@@ -175,10 +176,28 @@ class ModelRunner:
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         self.backend = select_backend(attention_backend or config.attention_backend, self.device)
         wanted_len = config.max_model_len or mcfg.max_position_embeddings
+        # CPU, one rank, no LoRA: a GGUF file's quantized matrices stay quantized
+        self._keep_quantized = (
+            gguf_weights_file(self.model_dir) is not None
+            and self.device.type == "cpu"
+            and parallel is None
+            and not config.enable_lora
+            and not config.gguf_dequantize
+        )
         if parallel is None:
             self.model: LlamaForCausalLM = load_model(
-                self.model_dir, mcfg, self.backend, self.dtype, self.device, wanted_len + 1
+                self.model_dir,
+                mcfg,
+                self.backend,
+                self.dtype,
+                self.device,
+                wanted_len + 1,
+                keep_quantized=self._keep_quantized,
             )
+            if self.model.quantized_bytes():
+                logger.info(
+                    "GGUF weights kept quantized: %.0f MB", self.model.quantized_bytes() / 2**20
+                )
         else:
             self.model = parallel.load_model(
                 self.model_dir,
@@ -637,6 +656,7 @@ class ModelRunner:
         self.kv_caches = []
         if level == 2:
             unpack_linears(self.model)
+            self.model.drop_quantized()
             self._packed_bytes = 0
             for param in self.model.parameters():
                 param.data = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -665,7 +685,7 @@ class ModelRunner:
                     self._param_shapes[name], dtype=self.dtype, device=self.device
                 )
             if self.parallel is None:
-                fill_weights(self.model, self.model_dir)
+                fill_weights(self.model, self.model_dir, keep_quantized=self._keep_quantized)
             else:
                 self.parallel.fill_weights(self.model, self.model_dir, self._checkpoint_config)
             self._packed_bytes = pack_linears(self.model)

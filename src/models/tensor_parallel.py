@@ -36,7 +36,7 @@ from ..distributed.group import TensorParallelGroup
 from ..distributed.sharding import Shard, TensorParallelPlan
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
-from .gguf_checkpoint import is_gguf_path, iter_gguf_weights, open_gguf
+from .gguf_checkpoint import gguf_weights_file, iter_gguf_weights, open_gguf
 from .layers import Embedding, Linear, RMSNorm
 from .llama import _FUSED, DecoderLayer, LlamaForCausalLM
 from .loader import RANDOM_WEIGHTS_FILE, build_model, safetensors_files
@@ -198,8 +198,8 @@ class TensorParallel:
                 std=float(spec.get("std", 0.02)),
             )
             weights = shard_weights(full, plan)
-        elif is_gguf_path(model_dir):
-            weights = shard_weights(iter_gguf_weights(open_gguf(model_dir)), plan)
+        elif (gguf := gguf_weights_file(model_dir)) is not None:
+            weights = shard_weights(iter_gguf_weights(open_gguf(gguf)), plan)
         else:
             weights = iter_sharded_safetensors(model_dir, plan)
         with torch.no_grad():

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..models.loader import iter_weights
 
@@ -89,6 +90,7 @@ def write_gguf(
     if (rope_freqs := _llama3_rope_freqs(config)) is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
     for hf_name, tensor in iter_weights(root):
+        assert isinstance(tensor, torch.Tensor)  # a directory holds no quantized weights
         gguf_name = _gguf_name(hf_name)
         array = tensor.float().numpy()
         if arch == "llama" and ".attn_q." in gguf_name:

@@ -1,0 +1,158 @@
+"""Quantized weights (legato.models.quantized): each GGUF type kept quantized gives the
+weights ``gguf.quants.dequantize`` gives, and its matmul equals "dequantize, then F.linear",
+on random blocks, odd shapes, the native kernel and the plain-torch fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from legato import LLM
+from legato.models import cpu_kernels
+from legato.models.attention_backend import TorchBackend
+from legato.models.config import load_model_config
+from legato.models.layers import Linear
+from legato.models.loader import load_model
+from legato.models.quantized import KEPT_TYPES, QuantizedLinear, from_gguf
+from legato.models.registry import resolve_architecture
+from legato.protocol.params import SamplingParams
+
+_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
+_BLOCK |= {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+_HALF_FIELDS = {  # byte offsets of fp16 fields in a block (scales and mins)
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """``[rows, bytes]`` GGUF blocks of ``kind``: random codes and sub-scales, fp16 scales
+    drawn from a sane range (random bytes there would be NaN or huge)."""
+    rng = np.random.default_rng(seed)
+    per, size = _BLOCK[kind]
+    blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+    for at in _HALF_FIELDS[kind]:
+        half = rng.uniform(-0.05, 0.05, size=(rows, cols // per)).astype(np.float16)
+        blocks[..., at : at + 2] = half.view(np.uint8).reshape(rows, cols // per, 2)
+    return blocks.reshape(rows, -1)
+
+
+def reference_weight(raw: np.ndarray, kind: str) -> torch.Tensor:
+    return torch.from_numpy(
+        np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).copy()
+    )
+
+
+@pytest.fixture(params=[True, False], ids=["native", "fallback"])
+def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    if request.param and not cpu_kernels.available():
+        pytest.skip("the native CPU kernels did not build here")
+    if not request.param:
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    yield bool(request.param)
+
+
+@pytest.mark.parametrize("kind", KEPT_TYPES)
+def test_dequantized_values_are_gguf_values(kind: str) -> None:
+    """Repacking loses nothing: the weight the codes stand for is bit-identical to gguf's."""
+    raw = random_blocks(kind, 7, 512, seed=1)
+    weight = from_gguf(raw, kind, 7, 512)
+    assert torch.equal(weight.dequantize(), reference_weight(raw, kind))
+
+
+@pytest.mark.parametrize("kind", KEPT_TYPES)
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"), [(1, 13, 256), (5, 37, 768), (17, 6, 512)]
+)
+def test_matmul_matches_dequantize_then_linear(
+    native: bool, kind: str, rows: int, out_features: int, in_features: int
+) -> None:
+    """Odd row counts (tails of the kernel's 4-row and 2x6 tiles), 1 to 17 input rows."""
+    raw = random_blocks(kind, out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    expected = F.linear(x, reference_weight(raw, kind))
+    got = QuantizedLinear([from_gguf(raw, kind, out_features, in_features)])(x)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_layouts_fill_their_own_columns(native: bool) -> None:
+    """A fused projection of Q4_K, Q4_K and Q6_K blocks (as a Q4_K_M file stores q, k, v):
+    the two Q4_K blocks are stacked into one, the Q6_K block writes the last columns; a
+    strided and a bf16 input give the same."""
+    parts = [("Q4_K", 10), ("Q4_K", 6), ("Q6_K", 9)]
+    raws = [random_blocks(kind, n, 256, seed=i) for i, (kind, n) in enumerate(parts)]
+    layer = QuantizedLinear([from_gguf(r, k, n, 256) for r, (k, n) in zip(raws, parts)])
+    assert len(layer.parts) == 2
+    weight = torch.cat([reference_weight(r, k) for r, (k, _) in zip(raws, parts)])
+    wide = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    x = wide[:, ::2]  # a strided input
+    torch.testing.assert_close(layer(x), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    dense = x.contiguous()  # the direct path: one kernel call per part into its columns
+    torch.testing.assert_close(layer(dense), F.linear(dense, weight), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        layer(x.bfloat16()).float(), F.linear(x.bfloat16().float(), weight), atol=2e-2, rtol=2e-2
+    )
+
+
+def test_kernel_refuses_what_it_cannot_take() -> None:
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels did not build here")
+    weight = from_gguf(random_blocks("Q8_0", 4, 64), "Q8_0", 4, 64)
+    out = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="quantized_matmul"):  # width not the weight's
+        cpu_kernels.quantized_matmul(
+            torch.randn(2, 32), weight.codes, weight.scales, None, 8, 32, out
+        )
+    assert not out.any()
+
+
+def test_unsupported_type_is_refused() -> None:
+    with pytest.raises(ValueError, match="Q2_K"):
+        from_gguf(np.zeros((1, 84), np.uint8), "Q2_K", 1, 256)
+
+
+# -- the default model, end to end ----------------------------------------------------
+
+
+def test_default_model_loads_quantized(smollm2_gguf: Path) -> None:
+    """Every matrix of the Q4_1 file (the Q8_0 embedding, tied LM head, included) is held
+    quantized, no parameter keeps an fp32 copy of it, and the model's quantized bytes stay
+    within 1.3x of the file."""
+    cfg = resolve_architecture(load_model_config(smollm2_gguf))[1]
+    model = load_model(
+        smollm2_gguf, cfg, TorchBackend(), torch.float32, torch.device("cpu"), 64,
+        keep_quantized=True,
+    )  # fmt: skip
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.quantized is not None for m in linears)
+    assert model.model.embed_tokens.quantized is not None
+    dense = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert dense == 0
+    assert model.quantized_bytes() <= 1.3 * smollm2_gguf.stat().st_size
+
+
+def test_greedy_tokens_equal_the_dequantized_fp32_path(smollm2_gguf: Path) -> None:
+    """The kernels compute in fp32 from bit-identical weights: greedy decoding of the default
+    model gives the tokens the dequantized fp32 path gives (``gguf_dequantize=True``)."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for widened in (False, True):
+        with LLM(
+            str(smollm2_gguf), executor="inproc", gguf_dequantize=widened, max_num_seqs=4
+        ) as llm:
+            tokens[widened] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    assert tokens[False] == tokens[True]
