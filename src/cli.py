@@ -171,6 +171,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="HTTP and WebSocket requests in flight at once (503 server_busy past it)",
     )
     group.add_argument(
+        "--max-sequences-in-flight",
+        type=int,
+        default=d.max_sequences_in_flight,
+        help="engine sequences in flight at once, each of a request's n counted: bounds the "
+        "engine's waiting queue (503 server_busy past it)",
+    )
+    group.add_argument(
         "--shutdown-grace",
         type=float,
         default=d.shutdown_grace,
@@ -329,6 +336,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             body_timeout=args.body_timeout,
             max_connections=args.max_connections,
             max_requests_in_flight=args.max_requests_in_flight,
+            max_sequences_in_flight=args.max_sequences_in_flight,
             log_requests=not args.disable_log_requests,
             web_ui=args.web_ui,
             web_ui_ws_url=args.web_ui_ws_url,

@@ -214,7 +214,9 @@ class Generation:
         jobs: list[Job] = []
         try:
             with state.track(
-                self.request_id, _engine_ids(self.request_id, len(self.prompts))
+                self.request_id,
+                _engine_ids(self.request_id, len(self.prompts)),
+                n=self.params.n,
             ) as live:
                 async with AsyncExitStack() as stack:
 

@@ -64,6 +64,10 @@ class ServerSettings:
     max_requests_in_flight: int = 512
     """Requests (HTTP and WebSocket) in flight at once; one more gets 503 ``server_busy``
     with ``Retry-After`` (WebSocket: an error frame)."""
+    max_sequences_in_flight: int = 2048
+    """Engine sequences in flight at once, each of a request's ``n`` counted: this bounds
+    the engine's waiting queue in the unit it grows by. A request that would pass it gets
+    503 ``server_busy`` with ``Retry-After`` (WebSocket: an error frame)."""
     log_requests: bool = True
     web_ui: bool = True
     """Serve the chat page at ``/`` (``--no-web-ui`` turns it off)."""
@@ -127,6 +131,7 @@ class ServerSettings:
             "ws_max_requests",
             "max_connections",
             "max_requests_in_flight",
+            "max_sequences_in_flight",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -212,6 +217,7 @@ class ServingState:
         self.created = int(time.time())
         self.draining = False
         self._live: dict[str, LiveRequest] = {}
+        self._num_sequences = 0  # engine sequences of the live requests (n each)
         self._emptied = trio.Event()
         self._emptied.set()
         # Host / WebSocket Origin allowlists; the app sets the HTTP port once it is bound.
@@ -262,8 +268,13 @@ class ServingState:
             raise Unavailable("engine_dead", f"the engine is dead: {why}")
 
     @contextmanager
-    def track(self, request_id: str, engine_ids: list[str]) -> Iterator[LiveRequest]:
+    def track(
+        self, request_id: str, engine_ids: list[str], *, n: int = 1
+    ) -> Iterator[LiveRequest]:
         """Admit one request for the ``with`` body, inside a cancel scope the drain may cancel.
+
+        It counts ``len(engine_ids) * n`` engine sequences against
+        ``max_sequences_in_flight`` (``n``: each prompt's completions).
 
         Raises ``Unavailable`` (before the body runs) while draining or once
         the engine is dead, and ``ValidationError`` (a ValueError) naming
@@ -273,6 +284,14 @@ class ServingState:
         """
         self.check_available()
         self.check_capacity()
+        sequences = max(1, len(engine_ids)) * max(1, n)
+        cap = self.settings.max_sequences_in_flight
+        if self._num_sequences + sequences > cap:
+            raise Unavailable(
+                "server_busy",
+                f"the engine has {self._num_sequences} of at most {cap} sequences in flight; "
+                f"this request needs {sequences}: retry shortly",
+            )
         if request_id in self._live:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         with trio.CancelScope() as scope:
@@ -280,9 +299,11 @@ class ServingState:
             if not self._live:
                 self._emptied = trio.Event()
             self._live[request_id] = live
+            self._num_sequences += sequences
             try:
                 yield live
             finally:
+                self._num_sequences -= sequences
                 del self._live[request_id]
                 if not self._live:
                     self._emptied.set()

@@ -542,7 +542,7 @@ class Connection:
         outcome = "connection closed"  # unless it finishes or fails first
         error: FrameError | None = None
         try:
-            with self.state.track(engine_id, [engine_id]) as live:
+            with self.state.track(engine_id, [engine_id], n=request.params.n) as live:
                 prompt, abort_asked = request.prompt, False
                 if request.messages is not None:
                     assert isinstance(prompt, dict)

@@ -51,6 +51,41 @@ async def test_requests_past_the_in_flight_cap_get_503_and_an_error_frame(
         assert (await client.post("/v1/completions", json=BODY)).status_code == 200
 
 
+async def test_requests_past_the_sequence_cap_get_503_counted_by_n(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    """The engine's queue is bounded in sequences: a request's n children each count."""
+    gate = gate_steps(engine)
+    gate.close()  # the first request stays in flight
+    async with (
+        serving(engine, max_sequences_in_flight=3, max_n=4) as server,
+        httpx.AsyncClient(base_url=server.http_url, timeout=30) as client,
+        trio.open_nursery() as nursery,
+    ):
+        too_many = await client.post("/v1/completions", json={**BODY, "n": 4})
+        assert too_many.status_code == 503, too_many.text
+        assert too_many.json()["error"]["code"] == "server_busy"
+        assert too_many.headers["retry-after"]
+        answers: list[httpx.Response] = []
+
+        async def first() -> None:
+            answers.append(await client.post("/v1/completions", json={**BODY, "n": 2}))
+
+        nursery.start_soon(first)
+        await wait_until(lambda: _async(server.state.num_live == 1))
+        busy = await client.post("/v1/completions", json={**BODY, "n": 2})  # 2 + 2 > 3
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_busy"
+        async with open_websocket_url(server.ws_url + "/") as ws:
+            frame = {"type": "generate", "request_id": "w", "prompt": "hi", "params": {"n": 2}}
+            await ws.send_message(json.dumps(frame))
+            reply = json.loads(await ws.get_message())
+            assert reply["type"] == "error" and reply["code"] == "server_busy", reply
+        gate.open()
+        await wait_until(lambda: _async(bool(answers)))
+        assert answers[0].status_code == 200
+        assert (await client.post("/v1/completions", json={**BODY, "n": 3})).status_code == 200
+
+
 async def _async(value: bool) -> bool:
     return value
 
