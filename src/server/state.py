@@ -245,13 +245,21 @@ class ServingState:
     def num_live(self) -> int:
         return len(self._live)
 
-    def check_capacity(self) -> None:
-        """Raise ``Unavailable("server_busy")`` if ``max_requests_in_flight`` are in flight."""
+    def check_capacity(self, sequences: int = 0) -> None:
+        """Raise ``Unavailable("server_busy")`` if ``max_requests_in_flight`` are in flight,
+        or if ``sequences`` more engine sequences would pass ``max_sequences_in_flight``."""
         if len(self._live) >= self.settings.max_requests_in_flight:
             raise Unavailable(
                 "server_busy",
                 f"the server has {self.settings.max_requests_in_flight} requests in flight; "
                 "retry shortly",
+            )
+        cap = self.settings.max_sequences_in_flight
+        if self._num_sequences + sequences > cap:
+            raise Unavailable(
+                "server_busy",
+                f"the engine has {self._num_sequences} of at most {cap} sequences in flight; "
+                f"this request needs {sequences}: retry shortly",
             )
 
     def check_available(self) -> None:
@@ -283,15 +291,8 @@ class ServingState:
         the ``with`` ends quietly after it: the caller ends its response.
         """
         self.check_available()
-        self.check_capacity()
         sequences = max(1, len(engine_ids)) * max(1, n)
-        cap = self.settings.max_sequences_in_flight
-        if self._num_sequences + sequences > cap:
-            raise Unavailable(
-                "server_busy",
-                f"the engine has {self._num_sequences} of at most {cap} sequences in flight; "
-                f"this request needs {sequences}: retry shortly",
-            )
+        self.check_capacity(sequences)
         if request_id in self._live:
             raise ValidationError("request_id", f"{request_id!r} is already running")
         with trio.CancelScope() as scope:
