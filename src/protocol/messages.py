@@ -126,10 +126,6 @@ class RunnerSamplingParams(Message):
             bad_words_token_ids or [],
         )
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _SAMPLING_EPS
-
     def estimated_size(self) -> int:
         """An upper bound on its msgpack size in bytes (for a step's frame budget)."""
         return 64 + 9 * (
@@ -138,9 +134,6 @@ class RunnerSamplingParams(Message):
             + 2 * len(self.logit_bias)
             + sum(len(ids) + 1 for ids in self.bad_words_token_ids)
         )
-
-
-_SAMPLING_EPS = 1e-5
 
 
 class NewRequestData(Message):

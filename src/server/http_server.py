@@ -53,6 +53,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState
 from hypercorn.utils import parse_socket_addr, repr_socket_addr
 
+from .asgi import HTTPError, dumps
+
 logger = logging.getLogger("legato.server")
 
 
@@ -117,12 +119,18 @@ async def serve_http(
             connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
 
 
-SERVER_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
-    b"Connection: close\r\nContent-Length: 113\r\n\r\n"
-    b'{"error":{"message":"too many connections","type":"service_unavailable_error",'
-    b'"param":null,"code":"server_busy"}}'
-)
+def _server_busy() -> bytes:
+    """The whole answer to a connection past ``max_connections``: OpenAI's error body,
+    written once (no app runs for it)."""
+    body = dumps(HTTPError(503, "too many connections", code="server_busy").body())
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n"
+        f"Content-Type: application/json\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+SERVER_BUSY = _server_busy()
 
 
 async def _serve_connection(

@@ -19,6 +19,7 @@ Pure code; never imports trio.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -56,9 +57,10 @@ class SiteGuard:
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
 
-    @property
+    @functools.cached_property
     def _names(self) -> frozenset[str]:
-        """Hosts that name this server (for its own origin)."""
+        """Hosts that name this server (for its own origin); computed once per guard, not
+        per request."""
         bound = self.bound_host.strip("[]").lower()
         extra = {h.lower() for h in self.allowed_hosts if h != "*"}
         names = LOOPBACK_NAMES | extra

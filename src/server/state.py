@@ -32,7 +32,7 @@ from ..supervise import SupervisedEngine
 from .asgi import Request
 from .cors import CORSPolicy
 from .reasoning import ReasoningParser, reasoning_parser
-from .site_guard import SiteGuard
+from .site_guard import LOOPBACK_NAMES, SiteGuard
 from .tokenizing import TokenizerOffload
 from .tool_parsers import ToolParser, tool_parser
 
@@ -101,7 +101,7 @@ class ServerSettings:
         if self.api_key is not None:
             return []
         warnings = []
-        if self.host.strip("[]") not in ("127.0.0.1", "localhost", "::1"):
+        if self.host.strip("[]") not in LOOPBACK_NAMES:
             warnings.append(
                 f"listening on {self.host} without --api-key: anyone who reaches this "
                 "address can use the model (set --api-key or LEGATO_API_KEY)"
