@@ -68,8 +68,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, backend, dtype, device, max_positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
-        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors
-        (which must be plain tensors: a quantized fused tensor is refused)."""
+        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors."""
         super().load_weights(self._split_fused(weights))
 
     def _split_fused(
@@ -80,12 +79,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         rotary_dim = cfg.rope.rotary_dim(cfg.head_dim)
         order = partial_rotary_order(cfg.head_dim, rotary_dim)
         for name, tensor in weights:
-            if isinstance(tensor, QuantizedWeight):
-                if name.endswith((_QKV, _GATE_UP)):
-                    raise ValueError(
-                        f"checkpoint tensor {name!r}: a quantized fused tensor is not "
-                        "supported (load with gguf_dequantize)"
-                    )
+            if isinstance(tensor, QuantizedWeight):  # GGUF knows no Phi-3: never fused here
                 yield name, tensor
             elif name.endswith(_QKV):
                 prefix = name[: -len(_QKV)]

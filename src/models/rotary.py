@@ -243,10 +243,6 @@ class RotaryEmbedding(nn.Module):
             table = torch.cat((table, long))
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
-    @property
-    def length_dependent(self) -> bool:
-        return self.rope.rope_type in _LENGTH_DEPENDENT
-
     def for_step(self, meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
         """``(cos_sin_cache, meta)`` for :meth:`Backend.begin_step`."""
         kind = self.rope.rope_type

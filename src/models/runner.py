@@ -194,10 +194,9 @@ class ModelRunner:
                 wanted_len + 1,
                 keep_quantized=self._keep_quantized,
             )
-            if self.model.quantized_bytes():
-                logger.info(
-                    "GGUF weights kept quantized: %.0f MB", self.model.quantized_bytes() / 2**20
-                )
+            quantized = self.model.quantized_bytes()
+            if quantized:
+                logger.info("GGUF weights kept quantized: %.0f MB", quantized / 2**20)
         else:
             self.model = parallel.load_model(
                 self.model_dir,
