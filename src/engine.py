@@ -895,7 +895,7 @@ async def open_engine(
     failures (a bad model directory, weights that fail to load) raise here.
     On exit every request is ended, the actors stop and the worker is reaped.
     ``faults`` is for chaos testing only (``legato.testing.chaos``).
-    ``stat_loggers``: custom stat loggers (``legato.actors.stats.StatLoggerBase``)
+    ``stat_loggers``: custom stat loggers (``legato.metrics.logger_base.StatLoggerBase``)
     or vLLM-style factories ``(config, engine_index) -> logger``, fed besides the
     built-in Prometheus and log-line loggers.
     """
