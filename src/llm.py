@@ -30,7 +30,13 @@ from .metrics.logger_base import StatLoggerBase
 from .protocol import messages as m
 from .protocol.errors import ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
-from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .protocol.params import (
+    LoRARequest,
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+    check_lora_request,
+)
 from .scheduling.core_steps import AddRequests, CoreSteps, FinishRequests, FrontendMessage
 from .serving_gc import tune_gc_for_serving
 from .tokenizer_loading import load_tokenizer
@@ -508,11 +514,7 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter in this process; ValidationError naming the field if it cannot."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValidationError(
-                "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
-            )
-        return bool(self._call("add_lora", lora_request))
+        return bool(self._call("add_lora", check_lora_request(lora_request)))
 
     def remove_lora(self, lora_id: int) -> bool:
         return bool(self._call("remove_lora", lora_id))
