@@ -88,15 +88,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding, decoder layers (``layer_class``, built with the layer index) and the
+    final norm."""
 
     def __init__(
-        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer_class: type[nn.Module] = DecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers)
+            layer_class(cfg, backend, dtype, device, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype, device)
 
@@ -106,7 +112,11 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward`` returns the final hidden states ``[T, hidden]`` of a flat batch;
     ``compute_logits`` applies the LM head to the rows that need logits.
+    A family whose layers differ sets ``layer_class`` (the layer must keep
+    ``self_attn.o_proj`` and ``mlp.down_proj``, which tensor parallelism swaps).
     """
+
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(
         self,
@@ -120,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.backend = backend
         self.dtype = dtype
-        self.model = LlamaModel(cfg, backend, dtype, device)
+        self.model = LlamaModel(cfg, backend, dtype, device, self.layer_class)
         if cfg.tie_word_embeddings:  # the head shares the embedding table
             self.lm_head = Linear(0, 0, False, dtype, device)
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -37,8 +37,8 @@ from ..distributed.sharding import Shard, TensorParallelPlan
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
 from .gguf_checkpoint import gguf_weights_file, iter_gguf_weights, open_gguf
-from .layers import Embedding, Linear, RMSNorm
-from .llama import _FUSED, DecoderLayer, LlamaForCausalLM
+from .layers import MLP, Attention, Embedding, Linear, RMSNorm
+from .llama import _FUSED, LlamaForCausalLM
 from .loader import RANDOM_WEIGHTS_FILE, build_model, safetensors_files
 
 
@@ -146,8 +146,8 @@ class TensorParallel:
         model = build_model(plan.rank_config(cfg), backend, dtype, device, max_positions)
         group = self.group
         for layer in model.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.mlp  # every family's layer has these
+            assert isinstance(attn, Attention) and isinstance(mlp, MLP)
             attn.o_proj = RowParallelLinear(
                 plan.heads_per_rank * plan.head_dim, cfg.hidden_size, cfg.o_bias, dtype, device,
                 group,

@@ -99,10 +99,23 @@ def _make(kind: str, path: Path, max_shard_size: str | None = None, **overrides:
     elif kind == "phi3":
         config = tf.Phi3Config(**kwargs)
         cls = tf.Phi3ForCausalLM
+    elif kind in ("gemma2", "gemma3"):
+        # eager attention: transformers' SDPA path takes no soft cap
+        config_class = tf.Gemma2Config if kind == "gemma2" else tf.Gemma3TextConfig
+        config = config_class(
+            **{"head_dim": 16, "query_pre_attn_scalar": 24, "attn_implementation": "eager",
+               **kwargs}
+        )  # fmt: skip
+        cls = tf.Gemma2ForCausalLM if kind == "gemma2" else tf.Gemma3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234 + KINDS.index(kind) if kind in KINDS else 99)
     model = cls(config).eval()
+    if kind in ("gemma2", "gemma3"):  # random norm weights, so (1 + w) is exercised
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     if kind == "qwen2":  # random biases, so the bias path is exercised
         with torch.no_grad():
             for layer in model.model.layers:
