@@ -55,9 +55,9 @@ from typing import Any, Generic, TypeVar, cast
 
 import trio
 
-from .actors.output_slot import merge_delta_outputs
 from .engine import AsyncEngine, RequestStream
 from .engine import open_engine as open_trio_engine
+from .outputs.delta_merge import merge_delta_outputs
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput

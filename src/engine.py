@@ -40,20 +40,22 @@ from .actors.frontend import Frontend, thread_renderer
 from .actors.heartbeat import run_heartbeat
 from .actors.inproc_executor import InprocExecutor
 from .actors.output_slot import OutputSlot
-from .actors.pause_gate import PauseMode
 from .actors.process_executor import ProcessExecutor
-from .actors.renderer import PromptType, check_tokenization_kwargs
-from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector, run_stats
+from .actors.stats import run_stats
 from .actors.supervisor import Supervisor
 from .config import EngineConfig
 from .engine_adapters import EngineAdapters
 from .engine_parts import build_engine_parts
 from .exception_groups import unwrap_single_error
+from .frontend.renderer import PromptType, check_tokenization_kwargs
+from .metrics.collector import StatLoggerArg, StatsCollector
+from .metrics.logger_base import StatLoggerBase
 from .protocol import messages as m
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError, ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .scheduling.pause_gate import PauseMode
 from .serving_gc import tune_gc_for_serving
 from .tokenizer_loading import load_tokenizer
 from .vllm_config import DecodingConfig, EngineArgs, ModelConfig, VllmConfig
@@ -84,7 +86,7 @@ def make_executor(
     """The executor ``config`` asks for: tensor-parallel, in-process or a child process."""
     if config.tensor_parallel_size > 1:
         # Imported here: it reaches the rank worker's module, which `python -m
-        # legato.worker` must not find imported already by `import legato`.
+        # legato.workers.worker` must not find imported already by `import legato`.
         from .actors.tensor_parallel_executor import TensorParallelExecutor
 
         return TensorParallelExecutor(config, on_failure=on_failure, inject_fault=inject_fault)

@@ -19,18 +19,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from .actors.core_steps import AddRequests, CoreSteps, FinishRequests, FrontendMessage
 from .actors.executor import WorkerCallError, check_runner_output
-from .actors.frontend_core import FrontendCore, RenderedRequest
 from .actors.output_slot import OutputSlot
-from .actors.renderer import PromptType
-from .actors.stats import StatLoggerArg, StatLoggerBase, StatsCollector
 from .config import EngineConfig
 from .engine_parts import build_engine_parts
+from .frontend.frontend_core import FrontendCore, RenderedRequest
+from .frontend.renderer import PromptType
+from .metrics.collector import StatLoggerArg, StatsCollector
+from .metrics.logger_base import StatLoggerBase
 from .protocol import messages as m
 from .protocol.errors import ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .scheduling.core_steps import AddRequests, CoreSteps, FinishRequests, FrontendMessage
 from .serving_gc import tune_gc_for_serving
 from .tokenizer_loading import load_tokenizer
 from .vllm_config import EngineArgs, ModelConfig, VllmConfig
@@ -351,7 +352,7 @@ class LLMEngine:
         """``stat_loggers``: custom stat loggers or vLLM-style factories, fed besides
         the built-in Prometheus and log-line loggers (see ``legato.actors.stats``)."""
         from .engine import resolve_model
-        from .worker import Worker
+        from .workers.worker import Worker
 
         config = resolve_model(config)
         if config.tensor_parallel_size > 1:  # refused, never silently run on one device
@@ -374,7 +375,7 @@ class LLMEngine:
         self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers)
         self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
         self.processor = parts.processor
-        self.frontend = FrontendCore(
+        self.frontend: FrontendCore[OutputSlot] = FrontendCore(
             self.renderer, self.processor, self._to_core, self.stats.record
         )
         self._stats = m.SchedulerStats()

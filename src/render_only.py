@@ -18,8 +18,8 @@ from typing import Any
 
 import trio
 
-from .actors.renderer import PromptType, RenderedPrompt, Renderer
 from .config import EngineConfig
+from .frontend.renderer import PromptType, RenderedPrompt, Renderer
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput

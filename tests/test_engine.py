@@ -12,8 +12,9 @@ import trio.testing
 
 from legato import EngineDeadError, RequestOutput, RequestOutputKind, SamplingParams
 from legato.actors.frontend import INLINE_MAX_PROMPT_CHARS
-from legato.actors.stats import StatLoggerBase, StepStats
 from legato.engine import AsyncEngine, open_engine
+from legato.metrics.logger_base import StatLoggerBase
+from legato.metrics.records import StepStats
 from legato.protocol.errors import EngineStartupError, PromptTooLongError, ValidationError
 
 DELTA = RequestOutputKind.DELTA

@@ -13,9 +13,10 @@ import trio
 import trio.testing
 
 from legato import RequestOutput, SamplingParams
-from legato.actors.stats import StatLoggerBase, StepStats
 from legato.config import EngineConfig
 from legato.engine import AsyncEngine, open_engine
+from legato.metrics.logger_base import StatLoggerBase
+from legato.metrics.records import StepStats
 
 
 def greedy(n: int) -> SamplingParams:
