@@ -105,6 +105,14 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = its -1/2 power (Gemma)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # mixture of experts (Mixtral, Qwen2/3-MoE); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert; 0: none
+    decoder_sparse_step: int = 1  # every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
     config_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -117,6 +125,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` routes to experts (as transformers' Qwen2/3-MoE decide)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (it attends to its last that many positions,
@@ -301,6 +317,15 @@ def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelCon
         query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
         attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
         final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
+        num_experts=int(raw.get("num_local_experts") or raw.get("num_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(
+            raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0
+        ),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         config_dtype=_DTYPES.get(str(dtype_name)) if dtype_name else None,
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,

@@ -24,7 +24,7 @@ Never imports trio or transformers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -138,10 +138,14 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        filled_elsewhere: Collection[str] = (),
+    ) -> None:
         """As :meth:`LlamaForCausalLM.load_weights`, with every norm weight ``w`` loaded as
         ``1 + w`` (Gemma's RMSNorm scales by it)."""
-        super().load_weights(self._shift_norms(weights))
+        super().load_weights(self._shift_norms(weights), filled_elsewhere)
 
     @staticmethod
     def _shift_norms(

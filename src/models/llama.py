@@ -12,7 +12,7 @@ Never imports trio or transformers.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -68,7 +68,15 @@ class DecoderLayer(nn.Module):
             sliding_window=cfg.window_of(layer),
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, backend, dtype, device)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, backend, dtype, device)
+        self.mlp = self.build_mlp(cfg, backend, dtype, device, layer)
+
+    def build_mlp(
+        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device,
+        layer: int,
+    ) -> nn.Module:  # fmt: skip
+        """Layer ``layer``'s feed-forward block (a mixture of experts overrides this)."""
+        del layer
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, backend, dtype, device)
 
     def forward(
         self,
@@ -168,8 +176,15 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        filled_elsewhere: Collection[str] = (),
+    ) -> None:
         """Copy checkpoint tensors (HF names) into the parameters.
+
+        ``filled_elsewhere`` names parameters a subclass fills itself (left out of
+        the check for missing weights).
 
         A :class:`~.quantized.QuantizedWeight` is kept as it is: its linear layer
         (or the embedding, and a tied LM head with it) computes from it and the
@@ -225,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
         missing = []
         for target in params:
             if target == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if target in filled_elsewhere:
                 continue
             is_fused = any(f in target for f in shards)
             expected = self._loaded_shape(target, params[target])[0] if is_fused else 1

@@ -20,6 +20,8 @@ from .config import ModelConfig
 from .gemma2 import Gemma2ForCausalLM
 from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
+from .mixtral import MixtralForCausalLM
+from .moe import MoeForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 
@@ -42,6 +44,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, {"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, {"qk_norm": True}),
     "Phi3ForCausalLM": ArchSpec(Phi3ForCausalLM, partial_rotary=True),
+    "MixtralForCausalLM": ArchSpec(MixtralForCausalLM, {"norm_topk_prob": True}),
+    "Qwen2MoeForCausalLM": ArchSpec(MoeForCausalLM, {"qkv_bias": True, "o_bias": False}),
+    "Qwen3MoeForCausalLM": ArchSpec(MoeForCausalLM, {"qk_norm": True}),
     "Gemma2ForCausalLM": ArchSpec(Gemma2ForCausalLM, activations=_GELU),
     "Gemma3ForCausalLM": ArchSpec(Gemma3ForCausalLM, {"qk_norm": True}, activations=_GELU),
 }

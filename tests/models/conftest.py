@@ -51,6 +51,7 @@ SMALL: dict[str, Any] = dict(
 )
 
 KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+MOE = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}  # test kinds
 
 # Where the Triton kernels run: the GPU when there is one; else the CPU, under the
 # interpreter that the root conftest switches on (Triton cannot take CPU tensors otherwise).
@@ -99,6 +100,12 @@ def _make(kind: str, path: Path, max_shard_size: str | None = None, **overrides:
     elif kind == "phi3":
         config = tf.Phi3Config(**kwargs)
         cls = tf.Phi3ForCausalLM
+    elif kind in MOE:
+        config_class = getattr(tf, MOE[kind] + "Config")
+        cls = getattr(tf, MOE[kind] + "ForCausalLM")
+        experts = {"num_local_experts" if kind == "mixtral" else "num_experts": 8}
+        sizes = {} if kind == "mixtral" else {"moe_intermediate_size": 48}
+        config = config_class(**{"num_experts_per_tok": 2, **experts, **sizes, **kwargs})
     elif kind in ("gemma2", "gemma3"):
         # eager attention: transformers' SDPA path takes no soft cap
         config_class = tf.Gemma2Config if kind == "gemma2" else tf.Gemma3TextConfig
