@@ -30,7 +30,7 @@ Never imports trio or transformers.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden, experts, False, dtype, device)
         self.w13 = _stacked(experts, 2 * inter, hidden, dtype=dtype, device=device)
         self.w2 = _stacked(experts, hidden, inter, dtype=dtype, device=device)
+        # tensor parallelism: sums the ranks' partial expert outputs (None: one rank)
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
@@ -120,6 +122,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)
         out = grouped_experts(x, self.w13, self.w2, weights, experts, self.backend)
+        if self.all_reduce is not None:
+            out = self.all_reduce(out)  # the shared expert's down_proj reduces its own
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out = out + gate * self.shared_expert(x)

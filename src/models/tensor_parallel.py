@@ -38,6 +38,7 @@ from .gguf_checkpoint import gguf_weights_file, iter_gguf_weights, open_gguf
 from .layers import MLP, Attention, Embedding, Linear, RMSNorm
 from .llama import _FUSED, LlamaForCausalLM
 from .loader import RANDOM_WEIGHTS_FILE, build_model, safetensors_files
+from .moe import SparseMoeBlock
 from .process_group import TensorParallelGroup
 from .sharding import Shard, TensorParallelPlan
 
@@ -147,11 +148,20 @@ class TensorParallel:
         group = self.group
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp  # every family's layer has these
-            assert isinstance(attn, Attention) and isinstance(mlp, MLP)
+            assert isinstance(attn, Attention)
             attn.o_proj = RowParallelLinear(
                 plan.heads_per_rank * plan.head_dim, cfg.hidden_size, cfg.o_bias, dtype, device,
                 group,
             )  # fmt: skip
+            if isinstance(mlp, SparseMoeBlock):  # sharded within each expert
+                mlp.all_reduce = group.all_reduce
+                if mlp.shared_expert is not None:
+                    mlp.shared_expert.down_proj = RowParallelLinear(
+                        plan.shared_expert_intermediate_size // plan.world_size, cfg.hidden_size,
+                        False, dtype, device, group,
+                    )  # fmt: skip
+                continue
+            assert isinstance(mlp, MLP)
             mlp.down_proj = RowParallelLinear(
                 plan.intermediate_per_rank, cfg.hidden_size, cfg.mlp_bias, dtype, device, group
             )
