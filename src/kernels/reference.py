@@ -56,6 +56,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, num_heads, head_dim]`` over the paged cache.
 
@@ -67,7 +68,8 @@ def paged_attention(
     ``max_query_len`` / ``max_seq_len`` are the Triton path's sync-free hints;
     the reference reads the lengths itself and ignores them. With ``sliding_window``
     a query at position ``p`` sees only keys at ``p - sliding_window < k <= p`` (as
-    transformers' sliding-window mask).
+    transformers' sliding-window mask). With ``softcap`` the scores become
+    ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
     """
     del max_query_len, max_seq_len
     num_tokens, num_heads, head_dim = query.shape
@@ -94,6 +96,8 @@ def paged_attention(
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         scores = torch.matmul(q, k.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)

@@ -75,10 +75,12 @@ class StepContext(Protocol):
         scale: float,
         *,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the layer's cache, attend; ``[T, H, D]``.
 
         ``sliding_window``: a query at position ``p`` sees keys ``p - window < k <= p``.
+        ``softcap``: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2).
         """
         ...
 
@@ -120,14 +122,15 @@ class _TorchStep:
         self.cos_sin_cache = cos_sin_cache
         if not native:
             self.cos, self.sin = torch_ops.rotary_tables(cos_sin_cache, meta.positions, dtype)
-        # one plan per window size the layers use (full attention: None), built on first use
-        self.plans: dict[int | None, torch_ops.AttentionPlan] = {}
+        # one plan per (window size, soft-capped) the layers use, built on first use
+        self.plans: dict[tuple[int | None, bool], torch_ops.AttentionPlan] = {}
 
-    def _plan(self, sliding_window: int | None) -> torch_ops.AttentionPlan:
-        plan = self.plans.get(sliding_window)
+    def _plan(self, sliding_window: int | None, capped: bool) -> torch_ops.AttentionPlan:
+        plan = self.plans.get((sliding_window, capped))
         if plan is None:
             meta = self.meta
-            plan = self.plans[sliding_window] = torch_ops.plan_attention(
+            # the native decode kernel takes no soft cap: capped layers gather
+            plan = self.plans[(sliding_window, capped)] = torch_ops.plan_attention(
                 meta.block_tables,
                 meta.seq_lens_host,
                 meta.query_start_loc_host,
@@ -136,7 +139,7 @@ class _TorchStep:
                 self.dtype,
                 meta.num_decodes,
                 seq_lens_tensor=meta.seq_lens,
-                native=self.native,
+                native=self.native and not capped,
                 sliding_window=sliding_window,
             )
         return plan
@@ -158,9 +161,10 @@ class _TorchStep:
         scale: float,
         *,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        plan = self._plan(sliding_window)
-        return torch_ops.attend(query, key, value, key_cache, value_cache, plan, scale)
+        plan = self._plan(sliding_window, softcap is not None)
+        return torch_ops.attend(query, key, value, key_cache, value_cache, plan, scale, softcap)
 
 
 class TorchBackend:
@@ -237,10 +241,15 @@ class _KernelStep:
         scale: float,
         *,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         self.kernels.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        window = {"sliding_window": sliding_window} if sliding_window is not None else {}
+        extra: dict[str, float] = {}
+        if sliding_window is not None:
+            extra["sliding_window"] = sliding_window
+        if softcap is not None:
+            extra["softcap"] = softcap
         out: torch.Tensor = self.kernels.paged_attention(
             query,
             key_cache,
@@ -250,7 +259,7 @@ class _KernelStep:
             meta.query_start_loc,
             scale,
             **self.hints,
-            **window,
+            **extra,
         )
         return out
 

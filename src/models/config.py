@@ -101,6 +101,18 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer: "sliding_attention" or "full_attention"
+    local_rope: RopeConfig | None = None  # the sliding layers' own rotary (Gemma 3), else None
+    query_pre_attn_scalar: float | None = None  # attention scale = its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # mixture of experts (Mixtral, Qwen2/3-MoE); num_experts 0: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's (Mixtral: intermediate_size)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert; 0: none
+    decoder_sparse_step: int = 1  # every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
     config_dtype: torch.dtype | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -113,6 +125,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` routes to experts (as transformers' Qwen2/3-MoE decide)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (it attends to its last that many positions,
@@ -135,13 +155,25 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _rope_from(raw: dict[str, Any]) -> RopeConfig:
-    """The rotary settings in ``raw`` (config.json): ``rope_parameters`` (transformers 5,
-    possibly per layer type) or the older ``rope_theta`` + ``rope_scaling`` (``type`` or
-    ``rope_type``). Raises ``ValueError`` naming an unknown rope type or a missing field."""
+def _local_rope_from(raw: dict[str, Any]) -> RopeConfig | None:
+    """The sliding layers' own rotary settings where the config gives them (Gemma 3:
+    ``rope_parameters["sliding_attention"]``, or the older ``rope_local_base_freq``)."""
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        params = params["full_attention"]
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        return _rope_from(raw, "sliding_attention")
+    if raw.get("rope_local_base_freq") is not None:
+        return RopeConfig(theta=float(raw["rope_local_base_freq"]))
+    return None
+
+
+def _rope_from(raw: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
+    """The rotary settings in ``raw`` (config.json): ``rope_parameters`` (transformers 5,
+    possibly per layer type: ``layer_type``'s) or the older ``rope_theta`` + ``rope_scaling``
+    (``type`` or ``rope_type``). Raises ``ValueError`` naming an unknown rope type or a
+    missing field."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
     if not isinstance(params, dict):
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
@@ -193,6 +225,10 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _optional_float(value: Any) -> float | None:
+    return float(value) if value is not None else None
+
+
 def _eos_ids(*values: Any) -> tuple[int, ...]:
     out: list[int] = []
     for value in values:
@@ -215,17 +251,27 @@ def load_model_config(model: str | Path) -> ModelConfig:
     return model_config_from_dict(raw, gen)
 
 
+# Gemma configs without ``layer_types``: every n-th layer is global (transformers' default n)
+_SLIDING_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}
+
+
 def _layer_types(
     raw: dict[str, Any], model_type: str, num_layers: int, sliding: Any
 ) -> tuple[str, ...]:
     """Which layers use the sliding window, as transformers decides: ``layer_types``
-    where the config lists them; Qwen2/Qwen3 from ``max_window_layers`` on; else
-    (Mistral) every layer once a window is set."""
+    where the config lists them; Gemma's older configs by their pattern; Qwen2/Qwen3
+    from ``max_window_layers`` on; else (Mistral) every layer once a window is set."""
     if not sliding:
         return ("full_attention",) * num_layers
     listed = raw.get("layer_types")
     if isinstance(listed, list) and len(listed) == num_layers:
         return tuple(str(t) for t in listed)
+    if model_type in _SLIDING_PATTERNS:  # Gemma: every n-th layer global, the others sliding
+        every = int(raw.get("sliding_window_pattern") or _SLIDING_PATTERNS[model_type])
+        return tuple(
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention"
+            for i in range(num_layers)
+        )
     if model_type in ("qwen2", "qwen3"):
         first = int(raw.get("max_window_layers", num_layers))
         return tuple(
@@ -261,12 +307,25 @@ def model_config_from_dict(raw: dict[str, Any], gen: dict[str, Any]) -> ModelCon
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope=_rope_from(raw),
-        hidden_act=str(raw.get("hidden_act", "silu")),
+        hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
         qkv_bias=bool(raw.get("attention_bias", False)),
         o_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         sliding_window=int(sliding) if sliding else None,
         layer_types=layer_types,
+        local_rope=_local_rope_from(raw),
+        query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
+        attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
+        final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
+        num_experts=int(raw.get("num_local_experts") or raw.get("num_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(
+            raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0
+        ),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
         config_dtype=_DTYPES.get(str(dtype_name)) if dtype_name else None,
         eos_token_ids=_eos_ids(gen.get("eos_token_id"), raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,

@@ -95,8 +95,16 @@ class RMSNorm(nn.Module):
         return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+"""Gated MLP activations, named as in transformers' configs."""
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward with fused gate/up projection: ``down(silu(gate) * up)``."""
+    """Gated feed-forward with fused gate/up projection: ``down(act(gate) * up)``.
+
+    ``activation`` "silu" (SwiGLU) goes through the backend's fused op;
+    "gelu_pytorch_tanh" (GeGLU, Gemma) is plain torch on every backend.
+    """
 
     def __init__(
         self,
@@ -106,14 +114,25 @@ class MLP(nn.Module):
         backend: Backend,
         dtype: torch.dtype,
         device: torch.device,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            supported = ", ".join(ACTIVATIONS)
+            raise ValueError(f"hidden_act: {activation!r} is not supported ({supported})")
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, device)
         self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
         self.backend = backend
+        self.gelu = activation == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        else:
+            act = self.backend.silu_and_mul(gate_up)
+        out: torch.Tensor = self.down_proj(act)
         return out
 
 
@@ -122,6 +141,8 @@ class Attention(nn.Module):
 
     ``qk_norm`` adds per-head RMSNorm of queries and keys before rotary (Qwen3).
     ``sliding_window``: each query sees only its last that many positions (None: all).
+    ``scale``: the score scale (default ``head_dim ** -0.5``); ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` (Gemma 2).
     """
 
     def __init__(
@@ -138,15 +159,18 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         sliding_window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = scale if scale is not None else head_dim**-0.5
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
         self.q_norm = RMSNorm(head_dim, eps, backend, dtype, device) if qk_norm else None
@@ -168,7 +192,8 @@ class Attention(nn.Module):
             )
         q, k = step.rotary(qk, self.num_heads)
         out = step.attention(
-            q, k, v, kv_cache[0], kv_cache[1], self.scale, sliding_window=self.sliding_window
-        )
+            q, k, v, kv_cache[0], kv_cache[1], self.scale,
+            sliding_window=self.sliding_window, softcap=self.softcap,
+        )  # fmt: skip
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected

@@ -12,7 +12,7 @@ Never imports trio or transformers.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -68,7 +68,15 @@ class DecoderLayer(nn.Module):
             sliding_window=cfg.window_of(layer),
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, backend, dtype, device)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, backend, dtype, device)
+        self.mlp = self.build_mlp(cfg, backend, dtype, device, layer)
+
+    def build_mlp(
+        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device,
+        layer: int,
+    ) -> nn.Module:  # fmt: skip
+        """Layer ``layer``'s feed-forward block (a mixture of experts overrides this)."""
+        del layer
+        return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, backend, dtype, device)
 
     def forward(
         self,
@@ -88,15 +96,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding, decoder layers (``layer_class``, built with the layer index) and the
+    final norm."""
 
     def __init__(
-        self, cfg: ModelConfig, backend: Backend, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        device: torch.device,
+        layer_class: type[nn.Module] = DecoderLayer,
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, dtype, device, i) for i in range(cfg.num_layers)
+            layer_class(cfg, backend, dtype, device, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, dtype, device)
 
@@ -106,7 +120,11 @@ class LlamaForCausalLM(nn.Module):
 
     ``forward`` returns the final hidden states ``[T, hidden]`` of a flat batch;
     ``compute_logits`` applies the LM head to the rows that need logits.
+    A family whose layers differ sets ``layer_class`` (the layer must keep
+    ``self_attn.o_proj`` and ``mlp.down_proj``, which tensor parallelism swaps).
     """
+
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(
         self,
@@ -120,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.backend = backend
         self.dtype = dtype
-        self.model = LlamaModel(cfg, backend, dtype, device)
+        self.model = LlamaModel(cfg, backend, dtype, device, self.layer_class)
         if cfg.tie_word_embeddings:  # the head shares the embedding table
             self.lm_head = Linear(0, 0, False, dtype, device)
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -158,8 +176,15 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------ weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        filled_elsewhere: Collection[str] = (),
+    ) -> None:
         """Copy checkpoint tensors (HF names) into the parameters.
+
+        ``filled_elsewhere`` names parameters a subclass fills itself (left out of
+        the check for missing weights).
 
         A :class:`~.quantized.QuantizedWeight` is kept as it is: its linear layer
         (or the embedding, and a tied LM head with it) computes from it and the
@@ -215,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
         missing = []
         for target in params:
             if target == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if target in filled_elsewhere:
                 continue
             is_fused = any(f in target for f in shards)
             expected = self._loaded_shape(target, params[target])[0] if is_fused else 1

@@ -31,7 +31,7 @@ Never imports trio or transformers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
@@ -67,9 +67,13 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             )
         super().__init__(cfg, backend, dtype, device, max_positions)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
+        filled_elsewhere: Collection[str] = (),
+    ) -> None:
         """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors."""
-        super().load_weights(self._split_fused(weights))
+        super().load_weights(self._split_fused(weights), filled_elsewhere)
 
     def _split_fused(
         self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]

@@ -17,7 +17,11 @@ from typing import Any
 from torch import nn
 
 from .config import ModelConfig
+from .gemma2 import Gemma2ForCausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
+from .mixtral import MixtralForCausalLM
+from .moe import MoeForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 
@@ -28,6 +32,10 @@ class ArchSpec:
     model_class: type[nn.Module]
     overrides: dict[str, Any] = field(default_factory=dict)
     partial_rotary: bool = False  # the class loads checkpoints that rotate part of each head
+    activations: tuple[str, ...] = ("silu", "swish")  # the MLP activations it computes
+
+
+_GELU = ("gelu_pytorch_tanh",)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -36,6 +44,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, {"qkv_bias": True, "o_bias": False}),
     "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, {"qk_norm": True}),
     "Phi3ForCausalLM": ArchSpec(Phi3ForCausalLM, partial_rotary=True),
+    "MixtralForCausalLM": ArchSpec(MixtralForCausalLM, {"norm_topk_prob": True}),
+    "Qwen2MoeForCausalLM": ArchSpec(MoeForCausalLM, {"qkv_bias": True, "o_bias": False}),
+    "Qwen3MoeForCausalLM": ArchSpec(MoeForCausalLM, {"qk_norm": True}),
+    "Gemma2ForCausalLM": ArchSpec(Gemma2ForCausalLM, activations=_GELU),
+    "Gemma3ForCausalLM": ArchSpec(Gemma3ForCausalLM, {"qk_norm": True}, activations=_GELU),
 }
 
 
@@ -55,8 +68,11 @@ def resolve_architecture(cfg: ModelConfig) -> tuple[type[LlamaForCausalLM], Mode
             f"unsupported model architecture {name}; "
             f"supported: {', '.join(supported_architectures())}"
         )
-    if cfg.hidden_act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} (supported: silu)")
+    if cfg.hidden_act not in spec.activations:
+        raise ValueError(
+            f"hidden_act: {cfg.hidden_act!r} is not supported for {cfg.architecture} "
+            f"(supported: {', '.join(spec.activations)})"
+        )
     if cfg.rope.partial_rotary_factor != 1.0 and not spec.partial_rotary:
         raise ValueError(
             f"partial_rotary_factor: {cfg.rope.partial_rotary_factor} is not supported "

@@ -13,7 +13,15 @@ For ``world_size`` ranks, rank ``r`` holds:
 - **vocab-parallel** rows of the embedding and the LM head: rank ``r`` owns
   token ids ``[r * per_rank, (r + 1) * per_rank)``, the vocabulary padded with
   zero rows to a multiple of ``world_size``;
-- everything else (norms, per-head q/k norms) whole.
+- mixture of experts: within each expert, like the dense MLP (its ``gate`` and
+  ``up`` rows, its ``down`` columns, of ``moe_intermediate_size / world_size``;
+  Qwen2-MoE's shared expert likewise); every rank routes all tokens with the
+  whole router and the ranks sum the experts' partial outputs. Chosen over
+  placing whole experts on ranks: every rank does an equal share whatever the
+  routing picks (a hot expert does not load one rank), any expert count works,
+  and the only collective is the dense MLP's all-reduce, where expert placement
+  needs an all-to-all of tokens;
+- everything else (norms, per-head q/k norms, routers) whole.
 
 Query heads are split evenly. KV heads are split evenly when there are at
 least as many as ranks; when there are fewer, each is replicated on
@@ -39,6 +47,12 @@ from .config import ModelConfig
 _LAYER = r"^model\.layers\.\d+\."
 _COLUMN_RE = re.compile(_LAYER + r"(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
 _ROW_RE = re.compile(_LAYER + r"(self_attn\.o_proj|mlp\.down_proj)\.(weight|bias)$")
+# mixture of experts: each expert's projections (Qwen-MoE and Mixtral names), the shared expert's
+_EXPERT_RE = re.compile(
+    _LAYER + r"(mlp\.experts\.\d+\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.(w1|w3|w2))"
+    r"\.weight$"
+)
+_SHARED_EXPERT_RE = re.compile(_LAYER + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight$")
 _VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -69,6 +83,8 @@ class TensorParallelPlan:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, world_size: int, rank: int) -> TensorParallelPlan:
@@ -91,7 +107,17 @@ class TensorParallelPlan:
                 f"{name}: {world_size} does not divide the model's intermediate size "
                 f"{cfg.intermediate_size}"
             )
+        for figure, size in (
+            ("expert intermediate size", cfg.moe_intermediate_size if cfg.num_experts else 0),
+            ("shared expert intermediate size", cfg.shared_expert_intermediate_size),
+        ):
+            if size % world_size:
+                raise ValueError(
+                    f"{name}: {world_size} does not divide the model's {figure} {size}"
+                )
         return cls(
+            moe_intermediate_size=cfg.moe_intermediate_size if cfg.num_experts else 0,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
             world_size=world_size,
             rank=rank,
             num_heads=cfg.num_heads,
@@ -145,6 +171,8 @@ class TensorParallelPlan:
             num_heads=self.heads_per_rank,
             num_kv_heads=self.kv_heads_per_rank,
             intermediate_size=self.intermediate_per_rank,
+            moe_intermediate_size=self.moe_intermediate_size // self.world_size,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size // self.world_size,
         )
 
     # ------------------------------------------------------- checkpoint
@@ -154,6 +182,16 @@ class TensorParallelPlan:
         if name in _VOCAB_NAMES:
             per = self.vocab_per_rank
             return Shard(0, self.vocab_start, self.vocab_stop, per)
+        expert = _EXPERT_RE.match(name) or _SHARED_EXPERT_RE.match(name)
+        if expert:
+            per = (
+                self.shared_expert_intermediate_size
+                if "shared_expert" in name
+                else self.moe_intermediate_size
+            ) // self.world_size
+            start = self.rank * per
+            column = name.endswith(("down_proj.weight", "w2.weight"))
+            return Shard(1 if column else 0, start, start + per, per)
         match = _COLUMN_RE.match(name)
         if match:
             proj = match.group(1).rsplit(".", 1)[1]

@@ -35,9 +35,10 @@ from safetensors import safe_open
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
 from .gguf_checkpoint import gguf_weights_file, iter_gguf_weights, open_gguf
-from .layers import Embedding, Linear, RMSNorm
-from .llama import _FUSED, DecoderLayer, LlamaForCausalLM
+from .layers import MLP, Attention, Embedding, Linear, RMSNorm
+from .llama import _FUSED, LlamaForCausalLM
 from .loader import RANDOM_WEIGHTS_FILE, build_model, safetensors_files
+from .moe import SparseMoeBlock
 from .process_group import TensorParallelGroup
 from .sharding import Shard, TensorParallelPlan
 
@@ -146,12 +147,21 @@ class TensorParallel:
         model = build_model(plan.rank_config(cfg), backend, dtype, device, max_positions)
         group = self.group
         for layer in model.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, layer.mlp  # every family's layer has these
+            assert isinstance(attn, Attention)
             attn.o_proj = RowParallelLinear(
                 plan.heads_per_rank * plan.head_dim, cfg.hidden_size, cfg.o_bias, dtype, device,
                 group,
             )  # fmt: skip
+            if isinstance(mlp, SparseMoeBlock):  # sharded within each expert
+                mlp.all_reduce = group.all_reduce
+                if mlp.shared_expert is not None:
+                    mlp.shared_expert.down_proj = RowParallelLinear(
+                        plan.shared_expert_intermediate_size // plan.world_size, cfg.hidden_size,
+                        False, dtype, device, group,
+                    )  # fmt: skip
+                continue
+            assert isinstance(mlp, MLP)
             mlp.down_proj = RowParallelLinear(
                 plan.intermediate_per_rank, cfg.hidden_size, cfg.mlp_bias, dtype, device, group
             )

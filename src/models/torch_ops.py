@@ -279,26 +279,34 @@ def attend(
     value_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend; ``[T, H, D]`` in query's dtype."""
+    """Write this step's K/V into the cache, then attend; ``[T, H, D]`` in query's dtype.
+
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax
+    (Gemma 2); the plan must then be a gathered one (``native`` False).
+    """
+    assert softcap is None or not plan.native, "the native kernel takes no soft cap"
     if plan.native:
         cpu_kernels.write_kv(key, value, key_cache, value_cache, plan.slot_mapping)
     else:
         write_kv(key, value, key_cache, value_cache, plan.slot_mapping)
     nd = plan.num_decodes
     if nd == plan.num_tokens:
-        return _decode(query, key_cache, value_cache, plan, scale)
+        return _decode(query, key_cache, value_cache, plan, scale, softcap=softcap)
     out = query.new_empty(query.shape)
     if nd:
-        _decode(query[:nd], key_cache, value_cache, plan, scale, out=out[:nd])
+        _decode(query[:nd], key_cache, value_cache, plan, scale, out=out[:nd], softcap=softcap)
     for run in plan.prefill_runs:
         if len(run) == 1:
             seg = run[0]
             out[seg.start : seg.end] = _prefill(
-                query, key, value, key_cache, value_cache, seg, scale
+                query, key, value, key_cache, value_cache, seg, scale, softcap
             )
         else:
-            out[run[0].start : run[-1].end] = _fresh_prefills(query, key, value, run, scale)
+            out[run[0].start : run[-1].end] = _fresh_prefills(
+                query, key, value, run, scale, softcap
+            )
     return out
 
 
@@ -308,23 +316,18 @@ def _fresh_prefills(
     value: torch.Tensor,
     run: tuple[PrefillSegment, ...],
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``run``'s equal-length fresh segments as one batch."""
     start, end, count = run[0].start, run[-1].end, len(run)
     length = run[0].end - run[0].start
     num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key.shape[1]
 
     def batched(x: torch.Tensor) -> torch.Tensor:
         return x[start:end].view(count, length, x.shape[1], head_dim).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(
-        batched(query),
-        batched(key),
-        batched(value),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=num_kv_heads != num_heads,
+    out = _sdpa(
+        batched(query), batched(key), batched(value), None, scale=scale, softcap=softcap
     )
     return out.transpose(1, 2).reshape(end - start, num_heads, head_dim)
 
@@ -336,13 +339,14 @@ def _decode(
     plan: AttentionPlan,
     scale: float,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     if plan.native:
         assert plan.decode_table is not None and plan.decode_lens is not None
         return cpu_kernels.decode_attention(
             query, key_cache, value_cache, plan.decode_table, plan.decode_lens, scale, out=out
         )
-    result = _gathered_decode(query, key_cache, value_cache, plan, scale)
+    result = _gathered_decode(query, key_cache, value_cache, plan, scale, softcap)
     if out is None:
         return result
     out.copy_(result)
@@ -363,6 +367,7 @@ def _gathered_decode(
     value_cache: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     nd, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
@@ -371,13 +376,13 @@ def _gathered_decode(
     k = _gather_blocks(key_cache, plan.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
     v = _gather_blocks(value_cache, plan.decode_block_ids).view(nd, ctx, num_kv_heads, head_dim)
     if query.dtype == torch.float32:
-        out = F.scaled_dot_product_attention(
+        out = _sdpa(
             query.unsqueeze(2),
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=plan.decode_mask,
+            plan.decode_mask,
             scale=scale,
-            enable_gqa=num_kv_heads != num_heads,
+            softcap=softcap,
         )
         return out.view(nd, num_heads, head_dim)
     # Half precision: CPU SDPA with a mask is slow here; batched matmuls in the
@@ -386,7 +391,10 @@ def _gathered_decode(
     k = k.transpose(1, 2).contiguous()
     v = v.transpose(1, 2).contiguous()
     q = (query * scale).view(nd, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).add_(plan.decode_mask)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores.add_(plan.decode_mask)
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v).view(nd, num_heads, head_dim)
 
@@ -399,8 +407,8 @@ def _prefill(
     value_cache: torch.Tensor,
     seg: PrefillSegment,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    num_heads = query.shape[1]
     _, _, num_kv_heads, head_dim = key_cache.shape
     q = query[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
     if seg.block_ids is None:
@@ -410,16 +418,54 @@ def _prefill(
         k = _gather_blocks(key_cache, seg.block_ids).view(-1, num_kv_heads, head_dim)
         v = _gather_blocks(value_cache, seg.block_ids).view(-1, num_kv_heads, head_dim)
         k, v = k[: seg.context_len], v[: seg.context_len]
-    out = F.scaled_dot_product_attention(
+    out = _sdpa(
         q,
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=seg.mask,
-        is_causal=seg.mask is None,
+        seg.mask,
         scale=scale,
-        enable_gqa=num_kv_heads != num_heads,
+        softcap=softcap,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, H, L, D]`` over ``k``/``v`` ``[B, Hkv, S, D]``; ``mask``
+    (bool, True = attend; or additive) broadcast to ``[B, H, L, S]``, None = causal.
+
+    Without ``softcap`` this is torch's SDPA. SDPA takes no soft cap, so with one the
+    scores are computed whole, capped, masked and softmaxed in fp32, as transformers'
+    eager Gemma 2 attention does.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # fmt: skip
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        length, context = scores.shape[-2:]
+        mask = torch.ones(length, context, dtype=torch.bool, device=q.device).tril(
+            context - length
+        )
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def paged_attention(
@@ -432,6 +478,7 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The reference ``paged_attention`` contract, computed with the fast path.
 
@@ -444,12 +491,12 @@ def paged_attention(
     empty = torch.empty(0, dtype=torch.long, device=query.device)
     plan = plan_attention(
         block_tables, lens, starts, empty, block_size, query.dtype, seq_lens_tensor=seq_lens,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, native=False if softcap is not None else None,
     )  # fmt: skip
     nd = plan.num_decodes
     out = query.new_empty(query.shape)
     if nd:
-        _decode(query[:nd], key_cache, value_cache, plan, scale, out=out[:nd])
+        _decode(query[:nd], key_cache, value_cache, plan, scale, out=out[:nd], softcap=softcap)
     for seg in plan.prefills:
         if seg.block_ids is None:  # the keys are not passed in here: read them from the cache
             n_blocks = (seg.context_len + block_size - 1) // block_size
@@ -457,5 +504,7 @@ def paged_attention(
             seg = PrefillSegment(
                 seg.seq_index, seg.start, seg.end, seg.context_len, blocks, seg.mask
             )
-        out[seg.start : seg.end] = _prefill(query, query, query, key_cache, value_cache, seg, scale)
+        out[seg.start : seg.end] = _prefill(
+            query, query, query, key_cache, value_cache, seg, scale, softcap
+        )
     return out

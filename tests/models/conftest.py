@@ -51,6 +51,7 @@ SMALL: dict[str, Any] = dict(
 )
 
 KINDS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+MOE = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}  # test kinds
 
 # Where the Triton kernels run: the GPU when there is one; else the CPU, under the
 # interpreter that the root conftest switches on (Triton cannot take CPU tensors otherwise).
@@ -99,10 +100,29 @@ def _make(kind: str, path: Path, max_shard_size: str | None = None, **overrides:
     elif kind == "phi3":
         config = tf.Phi3Config(**kwargs)
         cls = tf.Phi3ForCausalLM
+    elif kind in MOE:
+        config_class = getattr(tf, MOE[kind] + "Config")
+        cls = getattr(tf, MOE[kind] + "ForCausalLM")
+        experts = {"num_local_experts" if kind == "mixtral" else "num_experts": 8}
+        sizes = {} if kind == "mixtral" else {"moe_intermediate_size": 48}
+        config = config_class(**{"num_experts_per_tok": 2, **experts, **sizes, **kwargs})
+    elif kind in ("gemma2", "gemma3"):
+        # eager attention: transformers' SDPA path takes no soft cap
+        config_class = tf.Gemma2Config if kind == "gemma2" else tf.Gemma3TextConfig
+        config = config_class(
+            **{"head_dim": 16, "query_pre_attn_scalar": 24, "attn_implementation": "eager",
+               **kwargs}
+        )  # fmt: skip
+        cls = tf.Gemma2ForCausalLM if kind == "gemma2" else tf.Gemma3ForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(1234 + KINDS.index(kind) if kind in KINDS else 99)
     model = cls(config).eval()
+    if kind in ("gemma2", "gemma3"):  # random norm weights, so (1 + w) is exercised
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     if kind == "qwen2":  # random biases, so the bias path is exercised
         with torch.no_grad():
             for layer in model.model.layers:

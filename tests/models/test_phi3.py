@@ -163,7 +163,7 @@ def test_tensor_parallel_load_fails_with_the_reason(phi3: Any) -> None:
 
 def test_unsupported_architecture_fails_at_start_naming_it(tmp_path: Path, phi3: Any) -> None:
     raw = json.loads((phi3.path / "config.json").read_text())
-    raw["architectures"] = ["Gemma2ForCausalLM"]
+    raw["architectures"] = ["FalconForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="unsupported model architecture Gemma2ForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported model architecture FalconForCausalLM"):
         ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=8))

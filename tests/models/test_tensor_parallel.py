@@ -73,6 +73,12 @@ CASES = [
     ("llama", {"num_key_value_heads": 1, "vocab_size": 383}),  # KV heads < ranks; odd vocab
     ("mistral", {"sliding_window": 6}),  # every layer windowed, prompts past the window
     ("llama", {"rope_scaling": YARN}),  # rope scaling past its original window of 8
+    # sandwich norms, GeGLU, soft caps, sliding layers between global ones
+    ("gemma2", {"sliding_window": 6, "attn_logit_softcapping": 1.0, "tie_word_embeddings": False}),
+    ("gemma3", {"sliding_window": 6, "sliding_window_pattern": 2}),  # q/k norms, local rope
+    ("mixtral", {}),  # 8 experts, top-2, each sharded across the ranks
+    ("qwen2_moe", {"shared_expert_intermediate_size": 40}),  # with a shared expert
+    ("qwen3_moe", {"head_dim": 16, "mlp_only_layers": [0]}),  # a dense layer, then experts
 ]
 
 
