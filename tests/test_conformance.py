@@ -358,20 +358,21 @@ ROWS: list[Row] = [
       "(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished, metrics=None,"
       " lora_request=None, encoder_prompt=None, encoder_prompt_token_ids=None,"
       " num_cached_tokens=None, *, multi_modal_placeholders=None, kv_transfer_params=None)",
-      DIFFER_SIG, "7th/8th positional are num_cached_tokens, metrics: the detokenizer builds "
-      "it positionally (issue 27); pass them by keyword"),
+      SAME),
     r("X", 2, "CompletionOutput", "mod:legato:CompletionOutput", "type",
       "(index, text, token_ids, cumulative_logprob, logprobs, finish_reason=None,"
       " stop_reason=None, lora_request=None)", SAME),
     r("X", 3, "PoolingRequestOutput", "mod:legato:PoolingRequestOutput", "type",
       "(request_id, outputs, prompt_token_ids, num_cached_tokens, finished)", SAME),
     r("X", 4, "RequestOutputKind", "mod:legato:RequestOutputKind", "type", None, SAME),
-    r("X", 5, "n>1 parents", None, "behaviour", None, DIFFER,
-      "streaming CUMULATIVE carries all n completions in every output"),
+    r("X", 5, "n>1 parents",
+      "test:tests/outputs/test_output_processor.py::test_n3_cumulative_streams_what_advanced_"
+      "and_final_only_carries_all", "behaviour", None, SAME),
     r("X", 6, "prompt forms", None, "behaviour", None, DIFFER,
       "no embeds, encoder/decoder, EngineCoreRequest or StreamingInput prompts"),
-    r("X", 7, "stat-logger API", None, "behaviour", None, DIFFER,
-      "StatLoggerBase.record(step); factories take an EngineConfig"),
+    r("X", 7, "stat-logger API",
+      "test:tests/metrics/test_stats.py::test_a_logger_written_for_vllm_is_built_and_fed_in_"
+      "vllms_shape", "behaviour", None, SAME),
     r("X", 8, "cancellation -> abort",
       "test:tests/test_engine.py::test_cancelled_scopes_abort_their_requests_and_free_blocks",
       "behaviour", None, SAME),

@@ -14,7 +14,6 @@ from legato import EngineDeadError, RequestOutput, RequestOutputKind, SamplingPa
 from legato.actors.frontend import INLINE_MAX_PROMPT_CHARS
 from legato.engine import AsyncEngine, open_engine
 from legato.metrics.logger_base import StatLoggerBase
-from legato.metrics.records import StepStats
 from legato.protocol.errors import EngineStartupError, PromptTooLongError, ValidationError
 
 DELTA = RequestOutputKind.DELTA
@@ -546,14 +545,21 @@ async def test_prompt_text_and_tokenization_kwargs_are_honoured(engine: AsyncEng
 
 
 class ReasonSink(StatLoggerBase):
-    """A custom stat logger: the finish reasons it was told of."""
+    """A custom stat logger in vLLM's shape: the finish reasons it was told of."""
 
     def __init__(self) -> None:
         self.reasons: list[str] = []
         self.logs = self.initialized = 0
 
-    def record(self, step: StepStats) -> None:
-        self.reasons += [done.finish_reason for done in step.finished]
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if iteration_stats is not None:
+            self.reasons += [done.finish_reason for done in iteration_stats.finished_requests]
 
     def log(self) -> None:
         self.logs += 1

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..vllm_config import VllmConfig
 from .log_line import LoggingStatLogger
 from .logger_base import StatLoggerBase, StatLoggerFactory
 from .prometheus import PrometheusStatLogger, cache_config_labels
@@ -58,7 +59,7 @@ class StatsCollector:
         cls, config: EngineConfig, model_name: str, stat_loggers: Sequence[StatLoggerArg] = ()
     ) -> StatsCollector:
         """The collector an engine with ``config`` starts with; ``stat_loggers`` are
-        loggers or vLLM-style factories ``(config, engine_index) -> logger``."""
+        loggers or vLLM-style factories ``(vllm_config, engine_index) -> logger``."""
         return cls(
             model_name,
             log_stats=not config.disable_log_stats,
@@ -98,7 +99,8 @@ class StatsCollector:
                     self._loggers.remove(one)
 
     def record(self, step: StepStats) -> None:
-        self._call("record", step)
+        """Every logger's ``record`` in vLLM's shape: ``(step.scheduler, step, None, 0)``."""
+        self._call("record", step.scheduler, step, None, 0)
 
     def log(self) -> None:
         """Every logger's ``log()``; nothing when stats logging is disabled."""
@@ -120,18 +122,20 @@ class StatsCollector:
 
 
 StatLoggerArg = StatLoggerBase | StatLoggerFactory
-"""What ``stat_loggers=`` takes: a logger, or a factory ``(config, engine_index) -> logger``."""
+"""What ``stat_loggers=`` takes: a logger, or a factory ``(vllm_config, engine_index) ->
+logger`` (vLLM's; a StatLoggerBase subclass with vLLM's constructor is one)."""
 
 
 def make_stat_logger(arg: StatLoggerArg, config: EngineConfig) -> StatLoggerBase:
-    """``arg`` itself if it is a logger, else ``arg(config, 0)`` (engine index 0: one engine)."""
+    """``arg`` itself if it is a logger, else ``arg(VllmConfig.of(config), 0)``, as vLLM
+    builds its loggers (engine index 0: one engine)."""
     if isinstance(arg, StatLoggerBase):
         return arg
     if not callable(arg):
         raise TypeError(
             f"stat_loggers: expected a StatLoggerBase or a factory, got {type(arg).__name__}"
         )
-    made = arg(config, 0)
+    made = arg(VllmConfig.of(config), 0)
     if not isinstance(made, StatLoggerBase):
         raise TypeError(f"stat_loggers: {arg!r} made a {type(made).__name__}, not a StatLoggerBase")
     return made

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..protocol.errors import ConstraintFailedError, EngineGenerateError
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from ..protocol.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
-from ..protocol.params import RequestOutputKind, SamplingParams
+from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams
 from ..protocol.request_ids import child_id
 from .detokenizer import AnyTokenizer, DetokenizationError, TokenTexts, make_detokenizer
 from .logprobs import add_logprobs, add_prompt_logprobs
@@ -42,7 +42,9 @@ class OutputProcessor:
 
     - ``DELTA``: only what is new since the last output, and only the
       completions that have news (new tokens or a finish);
-    - ``CUMULATIVE``: all n completions, each with everything so far;
+    - ``CUMULATIVE``: the completions that have news, each with everything so far
+      (as vLLM streams n>1; the slot folds untaken ones by index, so a consumer that
+      reads late still sees every completion's latest);
     - ``FINAL_ONLY``: one output, when every completion has finished.
 
     ``finished=True`` is on the last output only. While a request has stop
@@ -73,6 +75,7 @@ class OutputProcessor:
         slot: OutputSink,
         child_ids: Sequence[str] | None = None,
         output_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         """Register a request; return the ids the scheduler runs it under.
 
@@ -81,7 +84,8 @@ class OutputProcessor:
         for n > 1 (the renderer's naming). ``params`` are
         the caller's (n, stop strings, output kind). ``output_id`` is the id
         the outputs and errors carry (default ``request_id``): the caller's,
-        when the engine runs the request under an id of its own. Raises
+        when the engine runs the request under an id of its own. ``lora_request``:
+        the adapter it runs through, which its outputs name (as vLLM's). Raises
         ValueError for a live duplicate id, a slot of another output kind, or
         stop strings without a tokenizer.
         """
@@ -112,6 +116,7 @@ class OutputProcessor:
             params,
             arrival_time,
             slot,
+            lora_request=lora_request,
         )
         for index, completion_id in enumerate(ids):
             detokenizer = None
@@ -233,10 +238,17 @@ class OutputProcessor:
                 request.prompt,
                 request.prompt_token_ids,
                 None,
-                [CompletionOutput(0, text, list(new_ids), None, None, None, None)],
+                [
+                    CompletionOutput(
+                        0, text, list(new_ids), None, None, None, None, request.lora_request
+                    )
+                ],
                 False,
-                completion.num_cached_tokens,
                 RequestMetrics(request.arrival_time, None, completion.first_token_time, now, None),
+                request.lora_request,
+                None,
+                None,
+                completion.num_cached_tokens,
             )
         )
         return True
@@ -344,7 +356,12 @@ class OutputProcessor:
             if news and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         else:
-            if news and (kind == RequestOutputKind.CUMULATIVE or finished):
+            if news and kind == RequestOutputKind.CUMULATIVE:
+                # As vLLM streams n>1: the completions that advanced, each whole so far
+                # (a consumer's slot folds what it has not taken yet, by index).
+                completions = list(map(CompletionState.cumulative_output, news))
+                prompt_logprobs = request.prompt_logprobs
+            elif news and finished:  # FINAL_ONLY: all n at once
                 completions = list(map(CompletionState.cumulative_output, every))
                 prompt_logprobs = request.prompt_logprobs
             for c in news:
@@ -358,8 +375,11 @@ class OutputProcessor:
                     None if prompt_logprobs is None else list(prompt_logprobs),
                     completions,
                     finished,
-                    request.completions[0].num_cached_tokens,
                     request.metrics(now if finished else None),
+                    request.lora_request,
+                    None,
+                    None,
+                    request.completions[0].num_cached_tokens,
                 )
             )
         if finished:

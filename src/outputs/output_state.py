@@ -25,7 +25,7 @@ from ..protocol.outputs import (
     RequestMetrics,
     SampleLogprobs,
 )
-from ..protocol.params import SamplingParams
+from ..protocol.params import LoRARequest, SamplingParams
 from .detokenizer import Detokenizer
 from .stop_strings import partial_stop_length
 
@@ -88,6 +88,7 @@ class ProcessedStep:
                     f.e2e_latency,
                     f.num_prompt_tokens,
                     f.num_generation_tokens,
+                    f.num_cached_tokens,
                 )
                 for f in self.finished
             ],
@@ -160,6 +161,7 @@ class CompletionState:
             new_logprobs,
             None if finish_reason is None else str(finish_reason),
             self.stop_reason,
+            self.parent.lora_request,
         )
         self.clear_news()
         return output
@@ -173,6 +175,7 @@ class CompletionState:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=None if self.finish_reason is None else str(self.finish_reason),
             stop_reason=self.stop_reason,
+            lora_request=self.parent.lora_request,
         )
 
 
@@ -194,6 +197,7 @@ class RequestState:
     completions: list[CompletionState] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
+    lora_request: LoRARequest | None = None  # the adapter it runs through, for its outputs
 
     @property
     def finished(self) -> bool:
