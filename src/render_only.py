@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from .config import EngineConfig
+from .frontend.input_processor import InputProcessor
 from .frontend.renderer import PromptType, RenderedPrompt, Renderer
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
@@ -67,6 +68,10 @@ class RenderOnlyClient(EngineClient):
             if self.tokenizer.eos_token_id is None
             else [self.tokenizer.eos_token_id],
         )
+        # vLLM's: the input processor renders for process_inputs; io_processor is what
+        # get_io_processor gives a model with no IO plugin configured, None.
+        self.input_processor = InputProcessor(self.renderer)
+        self.io_processor: None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig) -> RenderOnlyClient:

@@ -512,8 +512,34 @@ def test_a_logger_written_for_vllm_is_built_and_fed_in_vllms_shape() -> None:
         EngineConfig(model="m", max_model_len=300, disable_log_stats=True), "m", [VllmShapedLogger]
     )
     made = collector.loggers[-1]
-    assert isinstance(made, VllmShapedLogger) and (made.max_model_len, made.engine_index) == (300, 0)
+    assert isinstance(made, VllmShapedLogger) and (made.max_model_len, made.engine_index) == (
+        300,
+        0,
+    )
     collector.record(step(1.0))
     assert made.seen == [
         (3, 2, 0.25, (10, 4), 7, 5, 1, [0.01], [0.002, 0.003], [("length", 5)], None, 0)
     ]
+
+
+def test_metrics_snapshot_reads_the_registry_as_vllms_reader() -> None:
+    """vLLM's ``list[Metric]``: a Gauge / Counter per labelled sample, a Histogram with
+    ``le`` buckets, count and sum; ``vllm:`` names with ``vllm_names``."""
+    from legato.metrics.reader import Counter, Gauge, Histogram, get_metrics_snapshot
+
+    logger_ = PrometheusStatLogger("m", vllm_names=True)
+    logger_.record_step(step(1.0))
+    logger_.record_step(step(2.0, reason="stop"))
+    got = {
+        (m.name, tuple(sorted(m.labels.items()))): m for m in get_metrics_snapshot(logger_.registry)
+    }
+    running = got[("vllm:num_requests_running", (("model_name", "m"),))]
+    assert isinstance(running, Gauge) and running.value == 3
+    tokens = got[("vllm:generation_tokens", (("model_name", "m"),))]
+    assert isinstance(tokens, Counter) and tokens.value == 10
+    stops = got[("vllm:request_success", (("finished_reason", "stop"), ("model_name", "m")))]
+    assert isinstance(stops, Counter) and stops.value == 1
+    ttft = got[("vllm:time_to_first_token_seconds", (("model_name", "m"),))]
+    assert isinstance(ttft, Histogram) and (ttft.count, ttft.sum) == (2, pytest.approx(0.02))
+    assert ttft.buckets["+Inf"] == 2 and min(ttft.buckets.values()) <= 2
+    assert ("legato:num_requests_running", (("model_name", "m"),)) in got
