@@ -52,7 +52,7 @@ from .metrics.collector import StatLoggerArg, StatsCollector
 from .metrics.logger_base import StatLoggerBase
 from .protocol import messages as m
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
-from .protocol.errors import EngineDeadError, ValidationError
+from .protocol.errors import EngineDeadError, MQClientClosedError, ValidationError
 from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
 from .scheduling.pause_gate import PauseMode
@@ -353,7 +353,7 @@ class AsyncEngine(EngineClient):
         if self.supervisor.dead_error is not None:
             raise self.supervisor.dead_error
         if self._stopped:
-            raise EngineDeadError("the engine has been shut down")
+            raise MQClientClosedError()
 
     def generate(
         self,
@@ -818,7 +818,7 @@ class AsyncEngine(EngineClient):
         self.supervisor.stopping = True
         frontend: Frontend | None = getattr(self, "frontend", None)  # None: never started
         if frontend is not None:
-            frontend.fail_all(EngineDeadError("the engine has been shut down"))
+            frontend.fail_all(MQClientClosedError())
         self.executor.begin_shutdown()
         self.supervisor.cancel_all()
 

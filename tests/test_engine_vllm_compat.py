@@ -139,3 +139,19 @@ async def test_collective_rpc_raises_vllms_error_types(engine: AsyncEngine) -> N
     with pytest.raises(TimeoutError, match="held_requests"):
         await engine.collective_rpc("held_requests", timeout=0)
     await engine.check_health()  # neither failure hurts the engine
+
+
+async def test_calls_after_shutdown_raise_vllms_client_closed_error(toy_model_dir: Any) -> None:
+    """vLLM's multiprocess client raises MQClientClosedError once closed; here it is an
+    EngineDeadError too, so either ``except`` holds. ``abort`` stays silent."""
+    from legato.protocol.errors import MQClientClosedError
+
+    async with open_engine(str(toy_model_dir), executor="inproc", **ENGINE_ARGS) as engine:
+        engine.shutdown()
+        with pytest.raises(MQClientClosedError) as info:
+            async with engine.generate("hi", SamplingParams(max_tokens=1), "late") as stream:
+                await stream.__anext__()
+        assert isinstance(info.value, EngineDeadError)
+        with pytest.raises(MQClientClosedError):
+            await engine.check_health()
+        await engine.abort("late")
