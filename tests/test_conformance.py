@@ -93,7 +93,6 @@ GENERATE_V0 = (
 )
 PAUSE = "(*, mode='abort', wait_for_inflight_requests=None, clear_cache=True)"
 RESET_PREFIX = "(reset_running_requests=False, reset_connector=False)"
-ISSUE_27 = "LLMEngine is being rebuilt over the shared front end (issue 27)"
 
 ROWS: list[Row] = [
     # ---- 000 vLLM LaunchEngineClient -> RenderOnlyClient
@@ -181,14 +180,13 @@ ROWS: list[Row] = [
       MISSING, "async-generator prompts are not accepted"),
     # ---- 002 vLLM LLMEngine (v1) -> legato LLMEngine
     r("002", 1, "__init__", "LLM.__init__", "method", "(vllm_config, executor_class, log_stats)",
-      DIFFER_SIG, ISSUE_27),
+      SAME),
     r("002", 2, "vllm_config / model_config / observability_config", "llm.vllm_config", "attr",
       None, SAME),
     r("002", 3, "log_stats", "llm.log_stats", "attr", None, SAME),
-    r("002", 4, "dp_group / external_launcher_dp", "llm.dp_group", "attr", None, MISSING,
-      "no data parallelism"),
+    r("002", 4, "dp_group / external_launcher_dp", "llm.dp_group", "attr", None, SAME),
     r("002", 5, "renderer", "llm.renderer", "attr", None, DIFFER, "legato's Renderer API"),
-    r("002", 6, "input_processor", "llm.input_processor", "attr", None, MISSING, ISSUE_27),
+    r("002", 6, "input_processor", "llm.input_processor", "attr", None, SAME),
     r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER, "named processor"),
     r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER, "named core (CoreSteps)"),
     r("002", 9, "logger_manager", "llm.stats", "attr", None, DIFFER, "named stats"),
@@ -198,19 +196,18 @@ ROWS: list[Row] = [
       "(engine_args, usage_context=None, stat_loggers=None, enable_multiprocessing=False)",
       SAME),
     r("002", 13, "get_num_unfinished_requests", "llm.get_num_unfinished_requests", "method",
-      "()", DIFFER, "n>1 counts the parent once"),
+      "()", SAME),
     r("002", 14, "has_unfinished_requests", "llm.has_unfinished_requests", "method", "()", SAME),
-    r("002", 15, "has_unfinished_requests_dp", "llm.has_unfinished_requests_dp", "method", None,
-      MISSING, "no data parallelism"),
+    r("002", 15, "has_unfinished_requests_dp", "llm.has_unfinished_requests_dp", "method",
+      "(has_unfinished)", SAME),
     r("002", 16, "get_supported_tasks", "llm.get_supported_tasks", "method", "()", SAME),
     r("002", 17, "abort_request", "llm.abort_request", "method",
-      "(request_ids, internal=False)", DIFFER, "an abort yields a final output from step()"),
+      "(request_ids, internal=False)", SAME),
     r("002", 18, "add_request", "llm.add_request", "method",
       "(request_id, prompt, params, arrival_time=None, lora_request=None,"
       " tokenization_kwargs=None, trace_headers=None, priority=0, prompt_text=None)",
-      DIFFER_SIG, ISSUE_27),
-    r("002", 19, "step", "llm.step", "method", "()", DIFFER,
-      "n>1 gives one merged output per parent"),
+      SAME),
+    r("002", 19, "step", "llm.step", "method", "()", SAME),
     r("002", 20, "start_profile", "llm.start_profile", "method", "()", SAME),
     r("002", 21, "stop_profile", "llm.stop_profile", "method", "()", SAME),
     r("002", 22, "reset_mm_cache", "llm.reset_mm_cache", "method", "()", SAME),
@@ -220,8 +217,7 @@ ROWS: list[Row] = [
       "mode='keep' is refused: a frozen request needs the KV cache sleep frees"),
     r("002", 26, "wake_up", "llm.wake_up", "method", "(tags=None)", SAME),
     r("002", 27, "is_sleeping", "llm.is_sleeping", "method", "()", SAME),
-    r("002", 28, "get_metrics", "llm.get_metrics", "method", "()", DIFFER,
-      "a dict of four gauges, not list[Metric]"),
+    r("002", 28, "get_metrics", "llm.get_metrics", "method", "()", SAME),
     r("002", 29, "tokenizer", "llm.tokenizer", "attr", None, SAME),
     r("002", 30, "get_tokenizer", "llm.get_tokenizer", "method", "()", SAME),
     r("002", 31, "do_log_stats", "llm.do_log_stats", "method", "()", SAME),
@@ -232,9 +228,8 @@ ROWS: list[Row] = [
     r("002", 35, "list_loras", "llm.list_loras", "method", "()", SAME),
     r("002", 36, "pin_lora", "llm.pin_lora", "method", "(lora_id)", SAME),
     r("002", 37, "collective_rpc", "llm.collective_rpc", "method",
-      "(method, timeout=None, args=(), kwargs=None)", DIFFER,
-      "runner method names only; timeout ignored"),
-    r("002", 38, "apply_model", "llm.apply_model", "method", None, MISSING, ISSUE_27),
+      "(method, timeout=None, args=(), kwargs=None)", SAME),
+    r("002", 38, "apply_model", "llm.apply_model", "method", "(func)", SAME),
     r("002", 39, "_cleanup_instance_caches", None, "method", None, NA, "torch.compile hooks"),
     r("002", 40, "__del__ (DP group)", None, "method", None, NA, "no DP group"),
     r("002", 41, "validate_outputs", "LLM.validate_outputs", "method", "(outputs, output_type)",
