@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -155,3 +156,36 @@ async def test_calls_after_shutdown_raise_vllms_client_closed_error(toy_model_di
         with pytest.raises(MQClientClosedError):
             await engine.check_health()
         await engine.abort("late")
+
+
+async def test_input_processor_add_request_and_vllms_other_members(engine: AsyncEngine) -> None:
+    """``input_processor`` (and the older ``get_input_preprocessor``) builds an
+    EngineCoreRequest that ``generate`` runs with its own params and id, as vLLM's;
+    ``add_request`` submits at once; ``stat_loggers`` by name; ``is_unsupported_config``."""
+    from legato.vllm_config import ParallelConfig
+
+    assert await engine.get_input_preprocessor() is engine.input_processor
+    assert engine.input_preprocessor is engine.input_processor
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    request = engine.input_processor.process_inputs("from-core", "hello there", params)
+    engine.input_processor.assign_request_id(request)
+    async with engine.generate(request, SamplingParams(max_tokens=9), "ignored") as stream:
+        outs = [out async for out in stream]
+    assert outs[-1].request_id == "from-core"  # the request's own id...
+    assert len(outs[-1].outputs[0].token_ids) == 3  # ...and its own sampling params
+    assert outs[-1].prompt_token_ids == request.prompt_token_ids
+    # vLLM's AsyncLLM.add_request: positional, submitted before the first read.
+    stream = await engine.add_request("added", "hi", params, None, None, None, None, 0)
+    assert "added" in engine.frontend.core.live
+    assert [out async for out in stream][-1].finished
+    with pytest.raises(TypeError, match="request_id"):
+        await engine.add_request(3, "hi", params)  # type: ignore[arg-type]
+    loggers = engine.stat_loggers
+    assert loggers["prometheus"] is engine.stats.prometheus and "logging" not in loggers
+    vllm_config = engine.vllm_config
+    assert not AsyncEngine.is_unsupported_config(vllm_config)
+    pp2 = dataclasses.replace(
+        vllm_config,
+        parallel_config=ParallelConfig(1, 1, 0, "127.0.0.1", 0, pipeline_parallel_size=2),
+    )
+    assert AsyncEngine.is_unsupported_config(pp2)
