@@ -880,10 +880,10 @@ class AsyncEngine(EngineClient):
 
         Synchronous and idempotent; the actors finish within the nursery's exit.
         The worker gets ``timeout`` seconds to exit by itself before it is
-        killed (vLLM's parameter), at most the executor's own grace of 5 s; None:
-        that grace. With the in-process executor there is no process to kill,
-        so ``timeout`` bounds nothing there. Only the first call's ``timeout``
-        counts.
+        killed (vLLM's parameter), shorter or longer than the executor's default
+        grace of 5 s (None: that grace). With the in-process executor there is no
+        process to kill, so ``timeout`` bounds nothing there. Only the first
+        call's ``timeout`` counts.
         """
         if self._stopped:
             return
@@ -897,7 +897,7 @@ class AsyncEngine(EngineClient):
         frontend: Frontend | None = getattr(self, "frontend", None)  # None: never started
         if frontend is not None:
             frontend.fail_all(MQClientClosedError())
-        self.executor.begin_shutdown()
+        self.executor.begin_shutdown(None if timeout is None else max(0.0, timeout))
         self.supervisor.cancel_all()
 
     async def _kill_worker_after(self, timeout: float) -> None:  # noqa: ASYNC109 - a deadline

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -189,3 +190,15 @@ async def test_input_processor_add_request_and_vllms_other_members(engine: Async
         parallel_config=ParallelConfig(1, 1, 0, "127.0.0.1", 0, pipeline_parallel_size=2),
     )
     assert AsyncEngine.is_unsupported_config(pp2)
+
+
+async def test_a_shutdown_timeout_past_the_default_grace_is_honoured() -> None:
+    """``shutdown(timeout)`` gives the worker that long to exit by itself, also past the
+    executor's default 5 s: a process that exits on its own after 5.5 s is reaped with
+    its own exit status, not killed (it was killed at 5 s before)."""
+    from legato.actors.process_executor import DEFAULT_GRACE, reap_process
+
+    code = "import time; time.sleep(5.5)"
+    process = await trio.lowlevel.open_process([sys.executable, "-c", code], start_new_session=True)
+    await reap_process(process, graceful=True, grace=DEFAULT_GRACE + 3)
+    assert process.returncode == 0
