@@ -96,8 +96,7 @@ RESET_PREFIX = "(reset_running_requests=False, reset_connector=False)"
 
 ROWS: list[Row] = [
     # ---- 000 vLLM LaunchEngineClient -> RenderOnlyClient
-    r("000", 1, "__init__", "RO.__init__", "method", "(vllm_config)", DIFFER_SIG,
-      "takes a model path or tokenizer; RenderOnlyClient.from_vllm_config takes a VllmConfig"),
+    r("000", 1, "__init__", "RO.__init__", "method", "(vllm_config)", SAME),
     r("000", 2, "vllm_config", "ro.vllm_config", "attr", None, SAME),
     r("000", 3, "model_config", "ro.model_config", "attr", None, SAME),
     r("000", 4, "renderer", "ro.renderer", "attr", None, DIFFER,

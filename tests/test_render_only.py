@@ -61,6 +61,8 @@ async def test_vllm_config_surface(toy_model_dir: Any) -> None:
     again = RenderOnlyClient.from_vllm_config(args.create_engine_config())
     assert again.model_config.max_model_len == 200 == again.renderer.max_model_len
     assert again.tokenize("hello") == client.tokenize("hello")
+    direct = RenderOnlyClient(args.create_engine_config())  # vLLM's __init__(vllm_config)
+    assert direct.renderer.max_model_len == 200 and direct.tokenize("hi") == client.tokenize("hi")
 
 
 async def test_input_and_io_processors_as_vllms(toy_model_dir: Any) -> None:
