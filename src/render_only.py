@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from .config import EngineConfig
+from .config_views import VllmConfigViews
 from .frontend.input_processor import InputProcessor
 from .frontend.renderer import PromptType, RenderedPrompt, Renderer
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
@@ -26,7 +27,7 @@ from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .tokenizer_loading import load_tokenizer
-from .vllm_config import DecodingConfig, ModelConfig, VllmConfig
+from .vllm_config import VllmConfig
 
 
 def _no_model(what: str) -> NotImplementedError:
@@ -35,7 +36,7 @@ def _no_model(what: str) -> NotImplementedError:
     )
 
 
-class RenderOnlyClient(EngineClient):
+class RenderOnlyClient(VllmConfigViews, EngineClient):
     """Render prompts for a model. ``vllm_config``: vLLM's constructor argument, a
     ``VllmConfig`` (its model, tokenizer and max_model_len), or legato's shorthand, the
     model itself (a local HF directory or GGUF file; None: the default model, "toy":
@@ -92,24 +93,9 @@ class RenderOnlyClient(EngineClient):
 
     @property
     def vllm_config(self) -> VllmConfig:
-        """vLLM's read-only view of the client's configuration (legato.vllm_config)."""
+        """vLLM's read-only view of the client's configuration (legato.vllm_config);
+        ``model_config`` and the ``get_*_config`` calls derive from it (VllmConfigViews)."""
         return VllmConfig.of(self.config)
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.vllm_config.model_config
-
-    async def get_vllm_config(self) -> VllmConfig:
-        await trio.lowlevel.checkpoint()
-        return self.vllm_config
-
-    async def get_model_config(self) -> ModelConfig:
-        await trio.lowlevel.checkpoint()
-        return self.model_config
-
-    async def get_decoding_config(self) -> DecodingConfig:
-        await trio.lowlevel.checkpoint()
-        return self.vllm_config.decoding_config
 
     # ------------------------------------------------------------ rendering
 

@@ -232,20 +232,17 @@ class OutputProcessor:
         completion.last_token_time = now
         completion.token_ids += new_ids
         request = completion.parent
+        lora = request.lora_request
         request.slot.put(
             RequestOutput(  # positional: see CompletionState.take_delta
                 request.output_id,
                 request.prompt,
                 request.prompt_token_ids,
                 None,
-                [
-                    CompletionOutput(
-                        0, text, list(new_ids), None, None, None, None, request.lora_request
-                    )
-                ],
+                [CompletionOutput(0, text, list(new_ids), None, None, None, None, lora)],
                 False,
                 RequestMetrics(request.arrival_time, None, completion.first_token_time, now, None),
-                request.lora_request,
+                lora,
                 None,
                 None,
                 completion.num_cached_tokens,

@@ -197,7 +197,8 @@ class RequestState:
     completions: list[CompletionState] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
-    lora_request: LoRARequest | None = None  # the adapter it runs through, for its outputs
+    # The adapter it runs through: every output (and each completion) names it, as vLLM's.
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:

@@ -73,6 +73,13 @@ def outcome(out: RequestOutput) -> Outcome:
     ]
 
 
+def folded(latest: dict[int, Any], out: RequestOutput) -> RequestOutput:
+    """``out`` with every completion seen so far (CUMULATIVE n>1 streams, as vLLM's, only
+    the completions that advanced; a consumer keeps the latest of each index)."""
+    latest.update((c.index, c) for c in out.outputs)
+    return RequestOutput(out.request_id, None, None, None, list(latest.values()), out.finished)
+
+
 def with_llm_engine(
     model: Path, requests: dict[str, Any]
 ) -> tuple[dict[str, Outcome], list[float]]:
@@ -82,12 +89,15 @@ def with_llm_engine(
     engine.add_request("embed", {"prompt_token_ids": PROMPTS[2]}, PoolingParams(task="embed"))
     finals: dict[str, Outcome] = {}
     vector: list[float] = []
+    latest: dict[str, dict[int, Any]] = {name: {} for name in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if isinstance(out, PoolingRequestOutput):
                 vector = out.outputs.data
-            elif out.finished:
-                finals[out.request_id] = outcome(out)
+            else:
+                whole = folded(latest[out.request_id], out)
+                if out.finished:
+                    finals[out.request_id] = outcome(whole)
     return finals, vector
 
 
@@ -105,9 +115,11 @@ def with_async_engine(
                 async with engine.generate(
                     {"prompt_token_ids": prompt}, params, name, lora_request=lora
                 ) as stream:
+                    latest: dict[int, Any] = {}
                     async for out in stream:
+                        whole = folded(latest, out)
                         if out.finished:
-                            finals[name] = outcome(out)
+                            finals[name] = outcome(whole)
 
             async def embed() -> None:
                 nonlocal vector
