@@ -64,6 +64,16 @@ class EngineLifecycle:
             return self.supervisor.dead_error
         return EngineDeadError("the engine is not dead (dead_error read while running)")
 
+    async def setup(self) -> None:
+        """vLLM's multiprocess client's two-phase start: here ``open_engine`` has started
+        the engine already, so this only checks it is alive. A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        self._check_alive()
+
+    def close(self) -> None:
+        """vLLM's multiprocess client's name for ``shutdown()``."""
+        self.shutdown()
+
     async def check_health(self) -> None:
         """Raise the engine's EngineDeadError if it is dead; return otherwise. A checkpoint."""
         await trio.lowlevel.checkpoint()

@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..engine_parts import build_engine_parts
 from ..frontend.frontend_core import FrontendCore, RenderedRequest
 from ..frontend.renderer import PromptType
-from ..metrics.collector import StatLoggerArg, StatsCollector
+from ..metrics.collector import StatLoggerArg, StatLoggerManager, StatsCollector
 from ..metrics.logger_base import StatLoggerBase
 from ..metrics.reader import Metric, get_metrics_snapshot
 from ..protocol import messages as m
@@ -338,6 +338,11 @@ class LLMEngine:
             or bool(self._failures)
             or self.scheduler.has_unfinished_requests()
         )
+
+    @property
+    def logger_manager(self) -> StatLoggerManager:
+        """vLLM's name: the stat loggers' manager, over ``stats`` (the collector)."""
+        return StatLoggerManager(self.stats)
 
     def has_unfinished_requests_dp(self, has_unfinished: bool) -> bool:
         """vLLM's data-parallel form; with one engine (no DP group) its own answer."""

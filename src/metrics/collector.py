@@ -6,7 +6,9 @@ Never imports trio or torch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ from .records import StepStats
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..protocol.messages import SchedulerStats
 
 logger = logging.getLogger("legato.stats")
 
@@ -119,6 +122,43 @@ class StatsCollector:
     def exposition(self) -> bytes:
         """The metrics in Prometheus text format."""
         return self.prometheus.exposition()
+
+
+class StatLoggerManager:
+    """vLLM's ``StatLoggerManager`` calls over a ``StatsCollector`` (what
+    ``LLMEngine.logger_manager`` is): ``record(scheduler_stats, iteration_stats,
+    mm_cache_stats, engine_idx)``, ``log()``, ``log_engine_initialized()``,
+    ``record_sleep_state(is_awake, level)``. ``iteration_stats`` is a ``StepStats``
+    (as the engine's loggers receive it) or None."""
+
+    def __init__(self, collector: StatsCollector) -> None:
+        self.collector = collector
+
+    @property
+    def stat_loggers(self) -> tuple[StatLoggerBase, ...]:
+        return self.collector.loggers
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: StepStats | None,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if iteration_stats is None:
+            iteration_stats = StepStats(timestamp=time.monotonic(), scheduler=scheduler_stats)
+        elif iteration_stats.scheduler is None and scheduler_stats is not None:
+            iteration_stats = dataclasses.replace(iteration_stats, scheduler=scheduler_stats)
+        self.collector.record(iteration_stats)
+
+    def log(self) -> None:
+        self.collector.log()
+
+    def log_engine_initialized(self) -> None:
+        self.collector.log_engine_initialized()
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        self.collector._call("record_sleep_state", is_awake, level)
 
 
 StatLoggerArg = StatLoggerBase | StatLoggerFactory

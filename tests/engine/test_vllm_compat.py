@@ -202,3 +202,25 @@ async def test_a_shutdown_timeout_past_the_default_grace_is_honoured() -> None:
     process = await trio.lowlevel.open_process([sys.executable, "-c", code], start_new_session=True)
     await reap_process(process, graceful=True, grace=DEFAULT_GRACE + 3)
     assert process.returncode == 0
+
+
+async def test_vllms_remaining_names_on_the_async_engine(engine: AsyncEngine) -> None:
+    """The early AsyncLLM's ``processor``; the multiprocess client's ``setup`` / ``close``;
+    the ``AsyncLLMEngine`` / ``AsyncLLM`` names; ``encode`` refusing a pooling task the
+    engine does not list in ``get_supported_tasks``, with a ValueError, as vLLM's."""
+    import legato
+    from legato import PoolingParams
+
+    assert engine.processor is engine.input_processor
+    assert legato.AsyncLLMEngine is legato.AsyncLLM is AsyncEngine
+    await engine.setup()  # started already: returns
+    tasks = await engine.get_supported_tasks()
+    assert "classify" not in tasks and "embed" in tasks
+    with pytest.raises(ValueError) as info:
+        async for _ in engine.encode("hi", PoolingParams(task="classify"), "c"):
+            pass
+    assert isinstance(info.value, ValidationError) and info.value.field == "task"
+    engine.close()  # vLLM's name for shutdown()
+    assert engine.is_stopped
+    with pytest.raises(EngineDeadError):
+        await engine.setup()

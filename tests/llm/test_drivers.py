@@ -280,3 +280,29 @@ def test_llm_engine_takes_vllms_calls_unchanged(toy_model_dir: Path) -> None:
     (params_count,) = engine.apply_model(lambda model: sum(p.numel() for p in model.parameters()))
     assert isinstance(params_count, int) and params_count > 0
     assert isinstance(engine.apply_model(lambda model: model)[0], torch.nn.Module)
+
+
+def test_llm_engine_logger_manager_takes_vllms_record(toy_model_dir: Path) -> None:
+    """``logger_manager.record(scheduler_stats, iteration_stats, mm_cache_stats,
+    engine_idx)`` reaches every logger, as vLLM's StatLoggerManager."""
+    from legato.metrics.logger_base import StatLoggerBase
+    from legato.metrics.records import StepStats
+    from legato.protocol.messages import SchedulerStats
+
+    seen: list[tuple[int, int]] = []
+
+    class Sink(StatLoggerBase):
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm: Any = None,
+                   engine_idx: int = 0) -> None:  # fmt: skip
+            seen.append((scheduler_stats.num_running_reqs, iteration_stats.num_generation_tokens))
+
+    engine = LLMEngine.from_engine_args(
+        str(toy_model_dir), max_model_len=128, num_kv_blocks=64, stat_loggers=[Sink()]
+    )
+    manager = engine.logger_manager
+    manager.record(SchedulerStats(num_running=2), StepStats(0.0, num_generation_tokens=5), None, 0)
+    manager.record(SchedulerStats(num_running=1), None)
+    assert seen == [(2, 5), (1, 0)]
+    assert any(isinstance(one, Sink) for one in manager.stat_loggers)
+    manager.log_engine_initialized()
+    manager.log()
