@@ -25,12 +25,19 @@ from .render_only import RenderOnlyClient
 from .supervise import open_supervised_engine
 from .vllm_config import AsyncEngineArgs, EngineArgs, VllmConfig
 
+# vLLM's class names, for code that imports them: the same trio engine (built by
+# ``open_engine`` / ``AsyncEngine.from_engine_args`` inside ``async with``).
+AsyncLLM = AsyncEngine
+AsyncLLMEngine = AsyncEngine
+
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
     "AsyncEngine",
     "AsyncEngineArgs",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "EngineClient",
     "EngineArgs",

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import logging
 import uuid
 import weakref
@@ -56,7 +57,7 @@ import trio
 
 from .engine import AsyncEngine, RequestStream
 from .engine.thread import SHUT_DOWN, Crossing, EngineThread
-from .outputs.delta_merge import merge_delta_outputs
+from .outputs.delta_merge import merge_cumulative, merge_delta_outputs
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
@@ -294,6 +295,10 @@ class AioStream(Generic[OutputT]):
     def _merge(self, pending: list[OutputT]) -> OutputT:
         if self._merge_deltas:
             return cast(OutputT, merge_delta_outputs(cast(list[RequestOutput], pending)))
+        if isinstance(pending[-1], RequestOutput):  # CUMULATIVE n>1: keep every completion
+            return cast(
+                OutputT, functools.reduce(merge_cumulative, cast(list[RequestOutput], pending))
+            )
         return pending[-1]
 
     async def aclose(self) -> None:

@@ -20,6 +20,7 @@ import trio
 
 from .config import EngineConfig
 from .config_views import VllmConfigViews
+from .frontend.input_processor import InputProcessor
 from .frontend.renderer import PromptType, RenderedPrompt, Renderer
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
@@ -36,16 +37,25 @@ def _no_model(what: str) -> NotImplementedError:
 
 
 class RenderOnlyClient(VllmConfigViews, EngineClient):
-    """Render prompts for ``model`` (a local HF directory or GGUF file; None: the default
-    model, "toy": the toy model; see legato.model_source)."""
+    """Render prompts for a model. ``vllm_config``: vLLM's constructor argument, a
+    ``VllmConfig`` (its model, tokenizer and max_model_len), or legato's shorthand, the
+    model itself (a local HF directory or GGUF file; None: the default model, "toy":
+    the toy model; see legato.model_source) with ``tokenizer`` / ``max_model_len``."""
 
     def __init__(
         self,
-        model: str | None = None,
+        vllm_config: VllmConfig | str | None = None,
         *,
         tokenizer: str | None = None,
         max_model_len: int | None = None,
     ):
+        if isinstance(vllm_config, VllmConfig):
+            model_config = vllm_config.model_config
+            model: str | None = model_config.model
+            tokenizer = tokenizer or model_config.tokenizer
+            max_model_len = max_model_len or model_config.max_model_len
+        else:
+            model = vllm_config
         if tokenizer is None:
             from .model_source import resolve_model_source
 
@@ -68,13 +78,16 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
             if self.tokenizer.eos_token_id is None
             else [self.tokenizer.eos_token_id],
         )
+        # vLLM's: the input processor renders for process_inputs; io_processor is what
+        # get_io_processor gives a model with no IO plugin configured, None.
+        self.input_processor = InputProcessor(self.renderer)
+        self.io_processor: None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig) -> RenderOnlyClient:
         """vLLM's constructor: a client for ``vllm_config``'s model, tokenizer and
         max_model_len (legato.vllm_config; ``EngineArgs.create_engine_config()``)."""
-        model = vllm_config.model_config
-        return cls(model.model, tokenizer=model.tokenizer, max_model_len=model.max_model_len)
+        return cls(vllm_config)
 
     # ------------------------------------------------------------ configuration
 

@@ -61,3 +61,14 @@ async def test_vllm_config_surface(toy_model_dir: Any) -> None:
     again = RenderOnlyClient.from_vllm_config(args.create_engine_config())
     assert again.model_config.max_model_len == 200 == again.renderer.max_model_len
     assert again.tokenize("hello") == client.tokenize("hello")
+    direct = RenderOnlyClient(args.create_engine_config())  # vLLM's __init__(vllm_config)
+    assert direct.renderer.max_model_len == 200 and direct.tokenize("hi") == client.tokenize("hi")
+
+
+async def test_input_and_io_processors_as_vllms(toy_model_dir: Any) -> None:
+    """``input_processor.process_inputs`` renders as the client does; ``io_processor`` is
+    None, what vLLM's ``get_io_processor`` gives a model with no IO plugin."""
+    client = RenderOnlyClient(str(toy_model_dir))
+    request = client.input_processor.process_inputs("r", "hello", legato.SamplingParams())
+    assert request.prompt_token_ids == client.tokenize("hello")
+    assert client.io_processor is None

@@ -41,6 +41,7 @@ from ..metrics.records import StepStats
 from ..outputs.output_processor import OutputProcessor
 from ..protocol import messages as m
 from ..protocol.errors import EngineGenerateError
+from ..protocol.inputs import EngineCoreRequest
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 from ..scheduling.core_steps import FrontendMessage
 from .output_slot import OutputSlot
@@ -63,8 +64,11 @@ INLINE_MAX_PROMPT_TOKENS = 16384
 (about 1 ms of Python per 16k ids)."""
 
 
-def renders_inline(prompt: PromptType) -> bool:
+def renders_inline(prompt: PromptType | EngineCoreRequest) -> bool:
     """Whether ``prompt`` is small enough to render on the event-loop thread."""
+    if isinstance(prompt, EngineCoreRequest):
+        ids = prompt.prompt_token_ids
+        return not isinstance(ids, Sequence) or len(ids) <= INLINE_MAX_PROMPT_TOKENS
     if isinstance(prompt, str):
         return len(prompt) <= INLINE_MAX_PROMPT_CHARS
     if isinstance(prompt, Mapping):
@@ -168,7 +172,7 @@ class Frontend:
     async def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         params: SamplingParams,
         slot: OutputSlot,
         *,

@@ -79,7 +79,7 @@ class InprocExecutor(WorkerFrames):
     def _send_unanswered(self, message: object) -> None:
         self._submit(message)
 
-    def begin_shutdown(self) -> None:
+    def begin_shutdown(self, grace: float | None = None) -> None:
         pass
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

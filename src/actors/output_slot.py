@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import trio
 
-from ..outputs.delta_merge import merge_delta_outputs
+from ..outputs.delta_merge import merge_cumulative, merge_delta_outputs
 from ..protocol.outputs import RequestOutput
 from ..protocol.params import RequestOutputKind
 
@@ -24,8 +24,10 @@ class OutputSlot:
     ``put`` merges with the pending output the consumer has not taken yet:
     for ``DELTA`` the pieces are concatenated per completion index (text,
     token ids, logprobs) and the newest finish info, cumulative logprob and
-    metrics win; for ``CUMULATIVE`` and ``FINAL_ONLY`` the newer output
-    replaces the pending one (it already carries everything).
+    metrics win; for ``CUMULATIVE`` the newer output replaces the pending one,
+    keeping the pending completions it does not carry (n>1: each output carries
+    the completions that advanced; ``merge_cumulative``); for ``FINAL_ONLY``
+    there is one output.
 
     Errors take precedence: ``put_error`` drops any pending output, and every
     later ``get`` / ``get_nowait`` raises that error (the first error put
@@ -43,6 +45,7 @@ class OutputSlot:
     def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.output_kind = output_kind
         self._delta = output_kind == RequestOutputKind.DELTA
+        self._cumulative = output_kind == RequestOutputKind.CUMULATIVE
         self._pending: list[RequestOutput] = []
         self._error: BaseException | None = None
         self._waiter: trio.lowlevel.Task | None = None  # the consumer, parked in get
@@ -55,6 +58,8 @@ class OutputSlot:
             return
         if self._delta:
             self._pending.append(output)  # merged lazily, by the consumer's get
+        elif self._cumulative and self._pending:
+            self._pending = [merge_cumulative(self._pending[0], output)]
         else:
             self._pending = [output]
         # _wake, inline: the detokenizer puts for every stream on every step.

@@ -81,6 +81,7 @@ class ProcessExecutor(WorkerFrames):
         self._last_id = 0  # frames are numbered 1, 2, ...
         self._failure: BaseException | None = None  # set once the worker is gone
         self._closing = False
+        self._grace: float | None = None  # begin_shutdown's, for a graceful stop
         self.ready: m.WorkerReady | None = None
         self.on_failure = on_failure
 
@@ -218,13 +219,14 @@ class ProcessExecutor(WorkerFrames):
         """
         graceful = self._closing
         self._closing = True
+        grace = self._grace if graceful else None
         self._outbox.close()
         try:
             if process.stdin is not None:
                 await process.stdin.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
-        await reap_process(process, graceful=graceful)
+        await reap_process(process, graceful=graceful, grace=grace)
         if process.stdout is not None:
             await process.stdout.aclose()
 
@@ -252,9 +254,11 @@ class ProcessExecutor(WorkerFrames):
             raise self._failure
         self._outbox.send_nowait(self._frame(message)[1])
 
-    def begin_shutdown(self) -> None:
-        """Mark the coming stop as graceful: the worker gets time to exit by itself."""
+    def begin_shutdown(self, grace: float | None = None) -> None:
+        """Mark the coming stop as graceful: the worker gets ``grace`` seconds (None: the
+        default 5 s) to exit by itself before it is killed."""
         self._closing = True
+        self._grace = grace
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the worker (chaos testing)."""
@@ -262,10 +266,17 @@ class ProcessExecutor(WorkerFrames):
             os.kill(self._process.pid, sig)
 
 
-async def reap_process(process: trio.Process, *, graceful: bool) -> None:
-    """Give a worker process a moment to exit by itself (5 s after a graceful stop, else
-    0.2 s), then SIGKILL its process group. Bounded; a checkpoint."""
-    with trio.move_on_after(5 if graceful else 0.2):
+DEFAULT_GRACE = 5.0
+"""Seconds a worker gets to exit by itself after a graceful stop without a timeout."""
+
+
+async def reap_process(
+    process: trio.Process, *, graceful: bool, grace: float | None = None
+) -> None:
+    """Give a worker process a moment to exit by itself (after a graceful stop ``grace``
+    seconds, None: 5; else 0.2 s), then SIGKILL its process group. Bounded; a checkpoint."""
+    wait = (DEFAULT_GRACE if grace is None else grace) if graceful else 0.2
+    with trio.move_on_after(wait):
         await process.wait()
     if process.returncode is None:
         try:

@@ -128,7 +128,7 @@ class TensorParallelExecutor(ProcessExecutor):
         finally:
             with trio.CancelScope(shield=True):
                 for process in self._others.values():
-                    await reap_process(process, graceful=self._graceful)
+                    await reap_process(process, graceful=self._graceful, grace=self._grace)
 
     async def _run_rank_zero(
         self,
@@ -163,8 +163,8 @@ class TensorParallelExecutor(ProcessExecutor):
             self.on_failure(error)
         raise error
 
-    def begin_shutdown(self) -> None:
-        super().begin_shutdown()
+    def begin_shutdown(self, grace: float | None = None) -> None:
+        super().begin_shutdown(grace)
         self._graceful = True
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:

@@ -38,12 +38,14 @@ from ..config_views import VllmConfigViews
 from ..engine_adapters import EngineAdapters
 from ..engine_parts import build_engine_parts
 from ..exception_groups import unwrap_single_error
+from ..frontend.input_processor import InputProcessor
 from ..frontend.renderer import PromptType
 from ..metrics.collector import StatLoggerArg, StatsCollector
 from ..metrics.logger_base import StatLoggerBase
 from ..protocol import messages as m
 from ..protocol.client import EngineClient, SupportedTask
 from ..protocol.errors import EngineDeadError
+from ..protocol.inputs import EngineCoreRequest
 from ..protocol.outputs import PoolingOutput, PoolingRequestOutput
 from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams, check_lora_request
 from ..serving_gc import tune_gc_for_serving
@@ -114,6 +116,47 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
         return open_engine(engine_args, stat_loggers=stat_loggers)
 
     @property
+    def input_preprocessor(self) -> InputProcessor:
+        """vLLM's older name: the input processor (``input_processor``, once started)."""
+        return self.input_processor
+
+    async def get_input_preprocessor(self) -> InputProcessor:
+        """vLLM's getter; its v1 successor ``input_processor`` (``process_inputs``), with
+        the older ``preprocess`` and ``get_tokenizer`` too."""
+        await trio.lowlevel.checkpoint()
+        return self.input_processor
+
+    @property
+    def processor(self) -> InputProcessor:
+        """The early v1 AsyncLLM's name for its input processor (``process_inputs``)."""
+        return self.input_processor
+
+    @staticmethod
+    def is_unsupported_config(vllm_config: VllmConfig) -> bool:
+        """vLLM's multiprocess client's check: pipeline parallelism is not supported
+        (nor data parallelism here, which EngineArgs refuses by name)."""
+        parallel = vllm_config.parallel_config
+        return parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1
+
+    @property
+    def stat_loggers(self) -> dict[str, StatLoggerBase]:
+        """vLLM's AsyncLLM attribute: the loggers by name ("prometheus", "logging", then
+        each custom one by its class name). Change them with ``add_logger`` /
+        ``remove_logger``."""
+        named: dict[str, StatLoggerBase] = {}
+        for one in self.stats.loggers:
+            if one is self.stats.prometheus:
+                name = "prometheus"
+            elif one is self.stats.log_line_logger:
+                name = "logging"
+            else:
+                name = type(one).__name__
+                while name in named:
+                    name += "_"
+            named[name] = one
+        return named
+
+    @property
     def model_name(self) -> str:
         return self.config.served_model_name or self.config.model or ""
 
@@ -131,6 +174,7 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
         parts = build_engine_parts(config, ready, tokenizer)
         self.config = config = parts.config
         self.renderer = parts.renderer
+        self.input_processor = InputProcessor(self.renderer)
         self.tokenizer = tokenizer
         offload_renderer = await trio.to_thread.run_sync(thread_renderer, self.renderer)
         self.scheduler = parts.scheduler
@@ -172,7 +216,7 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
 
     def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: Any = None,
@@ -205,12 +249,18 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
 
         As vLLM's: a ``priority`` other than 0 is refused unless the engine
         schedules by priority; a prompt carrying ``multi_modal_data`` (or
-        ``mm_processor_kwargs``) is refused, legato serving text-only models.
+        ``mm_processor_kwargs``) is refused, legato serving text-only models. An
+        ``EngineCoreRequest`` (from ``input_processor.process_inputs``) runs with its
+        own sampling parameters, id, adapter and priority; its tokens are checked again.
         ``reasoning_ended`` and ``reasoning_parser_kwargs`` are accepted and
         checked: the engine has no reasoning parser (``legato serve
         --reasoning-parser`` splits reasoning in the server), so a structured
         output constrains from the first token, as vLLM's does without one.
         """
+        if isinstance(prompt, EngineCoreRequest):  # vLLM's: the request's own settings
+            sampling_params = prompt.sampling_params or sampling_params
+            request_id = prompt.external_req_id or prompt.request_id
+            lora_request, priority = prompt.lora_request or lora_request, prompt.priority
         request = check_request(
             prompt,
             sampling_params,
@@ -226,6 +276,39 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
         )
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         return RequestStream(self, request, request_id)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType | EngineCoreRequest,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        data_parallel_rank: int | None = None,
+        prompt_text: str | None = None,
+    ) -> RequestStream:
+        """vLLM's AsyncLLM ``add_request``: submit the request now and return its stream
+        (``generate``'s, entered: iterate it, or ``aclose`` it to abort). Raises what
+        submission raises (a duplicate id, a dead engine). ``arrival_time`` is accepted
+        and unused: the engine stamps arrival itself (``time.monotonic()``)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        stream = self.generate(
+            prompt,
+            params,
+            request_id,
+            lora_request,
+            trace_headers,
+            None,
+            priority,
+            prompt_text=prompt_text,
+            tokenization_kwargs=tokenization_kwargs,
+            data_parallel_rank=data_parallel_rank,
+        )
+        return await stream.__aenter__()
 
     async def _submit(self, stream: RequestStream) -> None:
         """Render and register the stream's request in the caller's task; a checkpoint.

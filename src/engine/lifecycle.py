@@ -16,7 +16,7 @@ from ..actors.executor import Executor, WorkerCallError
 from ..actors.frontend import Frontend
 from ..actors.supervisor import Supervisor
 from ..protocol import messages as m
-from ..protocol.errors import EngineDeadError
+from ..protocol.errors import EngineDeadError, MQClientClosedError
 
 
 class EngineLifecycle:
@@ -34,7 +34,7 @@ class EngineLifecycle:
         if self.supervisor.dead_error is not None:
             raise self.supervisor.dead_error
         if self._stopped:
-            raise EngineDeadError("the engine has been shut down")
+            raise MQClientClosedError()
 
     async def _run_executor(
         self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
@@ -64,6 +64,16 @@ class EngineLifecycle:
             return self.supervisor.dead_error
         return EngineDeadError("the engine is not dead (dead_error read while running)")
 
+    async def setup(self) -> None:
+        """vLLM's multiprocess client's two-phase start: here ``open_engine`` has started
+        the engine already, so this only checks it is alive. A checkpoint."""
+        await trio.lowlevel.checkpoint()
+        self._check_alive()
+
+    def close(self) -> None:
+        """vLLM's multiprocess client's name for ``shutdown()``."""
+        self.shutdown()
+
     async def check_health(self) -> None:
         """Raise the engine's EngineDeadError if it is dead; return otherwise. A checkpoint."""
         await trio.lowlevel.checkpoint()
@@ -74,10 +84,11 @@ class EngineLifecycle:
 
         Synchronous and idempotent; the actors finish within the nursery's exit.
         The worker gets ``timeout`` seconds to exit by itself before it is
-        killed (vLLM's parameter), at most the executor's own grace of 5 s; None:
-        that grace. With the in-process executor there is no process to kill,
-        so ``timeout`` bounds nothing there. Only the first call's ``timeout``
-        counts.
+        killed (vLLM's parameter), shorter or longer than the executor's default
+        grace of 5 s (None: that grace). With the in-process executor there is no
+        process to kill, so ``timeout`` bounds nothing there. Only the first
+        call's ``timeout`` counts. Later calls raise ``MQClientClosedError`` (an
+        EngineDeadError), as vLLM's multiprocess client once closed.
         """
         if self._stopped:
             return
@@ -90,8 +101,8 @@ class EngineLifecycle:
         self.supervisor.stopping = True
         frontend: Frontend | None = getattr(self, "frontend", None)  # None: never started
         if frontend is not None:
-            frontend.fail_all(EngineDeadError("the engine has been shut down"))
-        self.executor.begin_shutdown()
+            frontend.fail_all(MQClientClosedError())
+        self.executor.begin_shutdown(None if timeout is None else max(0.0, timeout))
         self.supervisor.cancel_all()
 
     async def _kill_worker_after(self, timeout: float) -> None:  # noqa: ASYNC109 - a deadline

@@ -13,12 +13,13 @@ from typing import Any
 
 from ..frontend.renderer import PromptType, check_tokenization_kwargs
 from ..protocol.errors import ValidationError
+from ..protocol.inputs import EngineCoreRequest
 from ..protocol.params import PoolingParams, SamplingParams, check_lora_request
 from .request_stream import StreamRequest
 
 
 def check_request(
-    prompt: PromptType,
+    prompt: PromptType | EngineCoreRequest,
     sampling_params: object,
     *,
     scheduling_policy: str,

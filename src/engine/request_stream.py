@@ -20,6 +20,7 @@ import trio
 
 from ..actors.output_slot import OutputSlot
 from ..frontend.renderer import PromptType
+from ..protocol.inputs import EngineCoreRequest
 from ..protocol.outputs import RequestOutput
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 
@@ -28,7 +29,7 @@ from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 class StreamRequest:
     """What a stream submits, as the caller gave it (checked by ``generate``)."""
 
-    prompt: PromptType
+    prompt: PromptType | EngineCoreRequest
     params: SamplingParams
     priority: int = 0
     lora_request: LoRARequest | None = None  # the adapter it runs through

@@ -33,6 +33,7 @@ from ..outputs.output_processor import OutputProcessor, ProcessedStep
 from ..outputs.sink import OutputSink
 from ..protocol import messages as m
 from ..protocol.errors import EngineDeadError, ValidationError
+from ..protocol.inputs import EngineCoreRequest
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 from ..protocol.request_ids import EngineIds
 from ..scheduling.core_steps import AddRequests, FinishRequests, FrontendMessage
@@ -107,7 +108,7 @@ class FrontendCore(Generic[SinkT]):
         self,
         renderer: Renderer,
         engine_id: str,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         params: SamplingParams,
         *,
         arrival_time: float | None = None,

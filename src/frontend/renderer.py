@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import PromptTooLongError, ValidationError
+from ..protocol.inputs import EngineCoreRequest
 from ..protocol.messages import EngineRequest, RunnerSamplingParams
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 from ..protocol.request_ids import child_id
@@ -33,6 +34,8 @@ class RenderedPrompt:
     token_ids: list[int]
     cache_salt: str | None = None
 
+
+_NO_EMBEDS = "embedding prompts are not supported: legato's models take token ids"
 
 TOKENIZATION_KWARGS: dict[str, type] = {
     "add_special_tokens": bool,
@@ -121,7 +124,7 @@ class Renderer:
 
     def render_prompt(
         self,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         *,
         tokenization_kwargs: Mapping[str, Any] | None = None,
         prompt_text: str | None = None,
@@ -144,10 +147,25 @@ class Renderer:
             rendered.text = prompt_text
         return rendered
 
-    def _render(self, prompt: PromptType, kwargs: dict[str, Any]) -> RenderedPrompt:
+    def _render(
+        self, prompt: PromptType | EngineCoreRequest, kwargs: dict[str, Any]
+    ) -> RenderedPrompt:
         if isinstance(prompt, str):
             return RenderedPrompt(prompt, self.encode(prompt, **kwargs))
+        if isinstance(prompt, EngineCoreRequest):  # processed already: checked again here
+            if prompt.prompt_embeds is not None:
+                raise ValidationError("prompt_embeds", _NO_EMBEDS)
+            if prompt.mm_features:
+                raise ValidationError("mm_features", "multimodal inputs are not supported")
+            salt = _cache_salt({"cache_salt": prompt.cache_salt} if prompt.cache_salt else {})
+            return RenderedPrompt(prompt.prompt, self._check_ids(prompt.prompt_token_ids), salt)
         if isinstance(prompt, Mapping):
+            if "prompt_embeds" in prompt:
+                raise ValidationError("prompt_embeds", _NO_EMBEDS)
+            if "encoder_prompt" in prompt or "decoder_prompt" in prompt:
+                raise ValidationError(
+                    "prompt", "encoder/decoder prompts: legato serves decoder-only models"
+                )
             salt = _cache_salt(prompt)
             if "prompt_token_ids" in prompt:
                 ids = self._check_ids(prompt["prompt_token_ids"])

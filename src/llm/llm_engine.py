@@ -11,10 +11,11 @@ runner-output check.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ..actors.executor import WorkerCallError, check_runner_output
 from ..actors.output_slot import OutputSlot
@@ -22,10 +23,12 @@ from ..config import EngineConfig
 from ..engine_parts import build_engine_parts
 from ..frontend.frontend_core import FrontendCore, RenderedRequest
 from ..frontend.renderer import PromptType
-from ..metrics.collector import StatLoggerArg, StatsCollector
+from ..metrics.collector import StatLoggerArg, StatLoggerManager, StatsCollector
 from ..metrics.logger_base import StatLoggerBase
+from ..metrics.reader import Metric, get_metrics_snapshot
 from ..protocol import messages as m
 from ..protocol.errors import ValidationError
+from ..protocol.inputs import EngineCoreRequest
 from ..protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from ..protocol.params import (
     LoRARequest,
@@ -38,6 +41,8 @@ from ..scheduling.core_steps import AddRequests, CoreSteps, FinishRequests, Fron
 from ..serving_gc import tune_gc_for_serving
 from ..tokenizer_loading import load_tokenizer
 from ..vllm_config import EngineArgs, ModelConfig, VllmConfig
+
+_R = TypeVar("_R")
 
 
 class LLMEngine:
@@ -52,12 +57,41 @@ class LLMEngine:
     thread-safe.
     """
 
-    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerArg] = ()) -> None:
-        """``stat_loggers``: custom stat loggers or vLLM-style factories, fed besides
-        the built-in Prometheus and log-line loggers (see ``legato.actors.stats``)."""
+    def __init__(
+        self,
+        vllm_config: VllmConfig | EngineConfig,
+        executor_class: Any = None,
+        log_stats: bool | None = None,
+        aggregate_engine_logging: bool = False,
+        usage_context: Any = None,
+        stat_loggers: Sequence[StatLoggerArg] | None = None,
+        mm_registry: Any = None,
+        use_cached_outputs: bool = False,
+        multiprocess_mode: bool = False,
+    ) -> None:
+        """vLLM's constructor. ``vllm_config``: a ``VllmConfig`` (legato's view) or
+        legato's ``EngineConfig``. ``executor_class`` must be None and
+        ``multiprocess_mode`` False: this engine runs its one worker in the calling
+        thread. ``log_stats``: None keeps the config's ``disable_log_stats``.
+        ``stat_loggers``: custom stat loggers or vLLM-style factories, fed besides the
+        built-in Prometheus and log-line loggers (see ``legato.metrics.logger_base``).
+        ``usage_context``, ``aggregate_engine_logging``, ``mm_registry`` and
+        ``use_cached_outputs`` are accepted and unused (one engine, no multimodal)."""
         from ..engine.wiring import resolve_model
+        from ..frontend.input_processor import InputProcessor
         from ..workers.worker import Worker
 
+        if executor_class is not None:
+            raise ValidationError(
+                "executor_class", "LLMEngine runs its worker in this thread; use LLM or AsyncEngine"
+            )
+        if multiprocess_mode:
+            raise ValidationError(
+                "multiprocess_mode", "LLMEngine runs its worker in this thread; use LLM"
+            )
+        config = vllm_config.engine_config if isinstance(vllm_config, VllmConfig) else vllm_config
+        if log_stats is not None and log_stats == config.disable_log_stats:
+            config = dataclasses.replace(config, disable_log_stats=not log_stats)
         config = resolve_model(config)
         if config.tensor_parallel_size > 1:  # refused, never silently run on one device
             raise ValidationError(
@@ -70,13 +104,18 @@ class LLMEngine:
         parts = build_engine_parts(config, self.worker.ready(), self.tokenizer)
         self.config = parts.config
         self.renderer = parts.renderer
+        self.input_processor = InputProcessor(self.renderer)
         self.grammars = parts.grammars
         self.scheduler = parts.scheduler
+        # vLLM's data-parallel members, at their values for one engine (no DP group).
+        self.dp_group: Any = None
+        self.external_launcher_dp = False
+        self.should_execute_dummy_batch = False
         self._sleeping = False
         self._failures: list[Exception] = []  # failed requests step() has yet to raise
         self._last_logged = time.monotonic()
         model_name = self.config.served_model_name or self.config.model or "legato-toy"
-        self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers)
+        self.stats = StatsCollector.for_config(self.config, model_name, stat_loggers or ())
         self.core = CoreSteps(self.scheduler, self.stats.record, self.grammars)
         self.processor = parts.processor
         self.frontend: FrontendCore[OutputSlot] = FrontendCore(
@@ -109,14 +148,14 @@ class LLMEngine:
             config = engine_args.to_engine_config()
         else:
             config = EngineConfig.from_kwargs(model=engine_args, **legato_args)
-        return cls(config, stat_loggers or ())
+        return cls(config, stat_loggers=stat_loggers)
 
     @classmethod
     def from_vllm_config(
         cls, vllm_config: VllmConfig, stat_loggers: Sequence[StatLoggerArg] | None = None
     ) -> LLMEngine:
         """vLLM's constructor from a ``VllmConfig`` (legato's view of an EngineConfig)."""
-        return cls(vllm_config.engine_config, stat_loggers or ())
+        return cls(vllm_config, stat_loggers=stat_loggers)
 
     @property
     def vllm_config(self) -> VllmConfig:
@@ -137,23 +176,34 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | EngineCoreRequest,
         params: SamplingParams | PoolingParams | None = None,
-        *,
         arrival_time: float | None = None,
-        priority: int = 0,
-        tokenization_kwargs: dict[str, Any] | None = None,
-        prompt_text: str | None = None,
         lora_request: LoRARequest | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        prompt_text: str | None = None,
     ) -> str:
-        """Render and queue a request; returns its id. Raises ValueError for bad input
-        or a live duplicate id (and queues nothing).
+        """Render and queue a request; returns its id (vLLM's positional order). Raises
+        TypeError for a non-str id, ValueError for bad input or a live duplicate id (and
+        queues nothing).
 
-        ``tokenization_kwargs``, ``prompt_text`` and ``lora_request``: as for
-        ``AsyncEngine.generate`` (an adapter not loaded yet is loaded here).
+        ``prompt`` may be an EngineCoreRequest from ``input_processor.process_inputs``:
+        its parameters, adapter, priority, arrival time and id are used, as vLLM's
+        (its tokens are checked again). ``tokenization_kwargs``, ``prompt_text`` and
+        ``lora_request``: as for ``AsyncEngine.generate`` (an adapter not loaded yet is
+        loaded here); ``trace_headers`` are accepted, unused (no tracing).
         ``params`` a PoolingParams: an embedding request (``AsyncEngine.encode``);
         ``step()`` gives its one PoolingRequestOutput when its prompt is computed.
         """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if isinstance(prompt, EngineCoreRequest):
+            request_id = prompt.external_req_id or prompt.request_id
+            params = prompt.params
+            arrival_time, priority = prompt.arrival_time, prompt.priority
+            lora_request = prompt.lora_request
         pooling = None
         if isinstance(params, PoolingParams):  # one step's worth, nothing sampled
             pooling = self._check_pooling(params)
@@ -224,19 +274,24 @@ class LLMEngine:
         return bool(self._call("pin_lora", lora_id))
 
     def abort_request(self, request_ids: str | Sequence[str], internal: bool = False) -> None:
-        """Abort requests (the caller's ids; ``internal``: the engine's ids); each one's
-        last output (finish_reason "abort") comes from the next ``step()``. Unknown ids
-        are ignored."""
+        """Abort requests (the caller's ids; ``internal``: the engine's ids) and forget
+        them: as vLLM's, no output follows (stat loggers still see them finish as
+        "abort"). Unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if internal:
             by_engine_id = {live.engine_id: rid for rid, live in self.frontend.live.items()}
             ids = [by_engine_id[i] for i in ids if i in by_engine_id]
         self.frontend.abort(ids)
+        for rid in ids:
+            live = self.frontend.live.get(rid)
+            if live is not None:
+                self.frontend.release(rid, live.engine_id)
 
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one engine step; return the outputs it produced (finished ones included):
-        a RequestOutput per generation request with news, a PoolingRequestOutput per
-        embedding request that finished (an aborted one gives its RequestOutput).
+        a RequestOutput per generation request with news (with n>1 and DELTA or
+        CUMULATIVE, one per completion that advanced, as vLLM's children; FINAL_ONLY:
+        one with all n), a PoolingRequestOutput per embedding request that finished.
 
         A request that failed (a grammar or detokenizer error) is removed and its
         error raised once: by this call if it has no other outputs to return, else by
@@ -266,6 +321,8 @@ class LLMEngine:
 
                 pooled = PoolingOutput(torch.tensor(vector, dtype=torch.float32))
                 results.append(PoolingRequestOutput(rid, pooled, list(out.prompt_token_ids or [])))
+            elif len(out.outputs) > 1 and live.slot.output_kind != RequestOutputKind.FINAL_ONLY:
+                results += _per_completion(out)
             else:
                 results.append(out)
             if out.finished:
@@ -282,17 +339,25 @@ class LLMEngine:
             or self.scheduler.has_unfinished_requests()
         )
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.frontend.live)
+    @property
+    def logger_manager(self) -> StatLoggerManager:
+        """vLLM's name: the stat loggers' manager, over ``stats`` (the collector)."""
+        return StatLoggerManager(self.stats)
 
-    def get_metrics(self) -> dict[str, float]:
-        s = self._stats
-        return {
-            "num_requests_running": s.num_running,
-            "num_requests_waiting": s.num_waiting,
-            "kv_cache_usage": s.kv_cache_usage,
-            "kv_cache_blocks_used": s.num_blocks_used,
-        }
+    def has_unfinished_requests_dp(self, has_unfinished: bool) -> bool:
+        """vLLM's data-parallel form; with one engine (no DP group) its own answer."""
+        return has_unfinished
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests not finished yet, each of a request's n completions counted, as
+        vLLM counts its child requests."""
+        return self.scheduler.get_num_unfinished_requests()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's Prometheus series as vLLM's ``list[Metric]`` (Gauge, Counter,
+        Histogram; see ``legato.metrics.reader``): ``legato:`` names, and ``vllm:``
+        names too with ``vllm_metric_names``."""
+        return get_metrics_snapshot(self.stats.prometheus.registry)
 
     def do_log_stats(self) -> None:
         """Every stat logger's ``log()``; silent when ``disable_log_stats``."""
@@ -372,10 +437,32 @@ class LLMEngine:
 
     def collective_rpc(
         self,
-        method: str,
+        method: str | Callable[..., _R],
         timeout: float | None = None,
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Call ``method`` on the model runner (the one worker); its result in a list."""
+        """Call ``method`` on the one worker; its result in a list, as vLLM's.
+
+        A name calls that public method of the model runner (its checks apply). A
+        callable is called as vLLM calls one, ``method(worker, *args, **kwargs)``, with
+        legato's in-process ``Worker`` (``worker.get_model()``, ``worker.model_runner``).
+        ``timeout`` is accepted and unused, as by vLLM's in-process executor: the call
+        runs in this thread."""
+        if callable(method):
+            return [method(self.worker, *args, **(kwargs or {}))]
         return [self._call(method, *args, **(kwargs or {}))]
+
+    def apply_model(self, func: Callable[[Any], _R]) -> list[_R]:
+        """vLLM's: ``func(model)`` on the worker's model (a ``torch.nn.Module``)."""
+        return self.collective_rpc(lambda worker: func(worker.get_model()))
+
+
+def _per_completion(output: RequestOutput) -> list[RequestOutput]:
+    """One output per completion, as vLLM's LLMEngine gives n>1 children's outputs: the
+    parent's id on each, ``finished`` on the last only (the parent ends with it)."""
+    last = len(output.outputs) - 1
+    return [
+        dataclasses.replace(output, outputs=[one], finished=output.finished and i == last)
+        for i, one in enumerate(output.outputs)
+    ]

@@ -6,10 +6,13 @@ Never imports trio or torch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..vllm_config import VllmConfig
 from .log_line import LoggingStatLogger
 from .logger_base import StatLoggerBase, StatLoggerFactory
 from .prometheus import PrometheusStatLogger, cache_config_labels
@@ -17,6 +20,7 @@ from .records import StepStats
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..protocol.messages import SchedulerStats
 
 logger = logging.getLogger("legato.stats")
 
@@ -58,7 +62,7 @@ class StatsCollector:
         cls, config: EngineConfig, model_name: str, stat_loggers: Sequence[StatLoggerArg] = ()
     ) -> StatsCollector:
         """The collector an engine with ``config`` starts with; ``stat_loggers`` are
-        loggers or vLLM-style factories ``(config, engine_index) -> logger``."""
+        loggers or vLLM-style factories ``(vllm_config, engine_index) -> logger``."""
         return cls(
             model_name,
             log_stats=not config.disable_log_stats,
@@ -98,7 +102,8 @@ class StatsCollector:
                     self._loggers.remove(one)
 
     def record(self, step: StepStats) -> None:
-        self._call("record", step)
+        """Every logger's ``record`` in vLLM's shape: ``(step.scheduler, step, None, 0)``."""
+        self._call("record", step.scheduler, step, None, 0)
 
     def log(self) -> None:
         """Every logger's ``log()``; nothing when stats logging is disabled."""
@@ -119,19 +124,58 @@ class StatsCollector:
         return self.prometheus.exposition()
 
 
+class StatLoggerManager:
+    """vLLM's ``StatLoggerManager`` calls over a ``StatsCollector`` (what
+    ``LLMEngine.logger_manager`` is): ``record(scheduler_stats, iteration_stats,
+    mm_cache_stats, engine_idx)``, ``log()``, ``log_engine_initialized()``,
+    ``record_sleep_state(is_awake, level)``. ``iteration_stats`` is a ``StepStats``
+    (as the engine's loggers receive it) or None."""
+
+    def __init__(self, collector: StatsCollector) -> None:
+        self.collector = collector
+
+    @property
+    def stat_loggers(self) -> tuple[StatLoggerBase, ...]:
+        return self.collector.loggers
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: StepStats | None,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if iteration_stats is None:
+            iteration_stats = StepStats(timestamp=time.monotonic(), scheduler=scheduler_stats)
+        elif iteration_stats.scheduler is None and scheduler_stats is not None:
+            iteration_stats = dataclasses.replace(iteration_stats, scheduler=scheduler_stats)
+        self.collector.record(iteration_stats)
+
+    def log(self) -> None:
+        self.collector.log()
+
+    def log_engine_initialized(self) -> None:
+        self.collector.log_engine_initialized()
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        self.collector._call("record_sleep_state", is_awake, level)
+
+
 StatLoggerArg = StatLoggerBase | StatLoggerFactory
-"""What ``stat_loggers=`` takes: a logger, or a factory ``(config, engine_index) -> logger``."""
+"""What ``stat_loggers=`` takes: a logger, or a factory ``(vllm_config, engine_index) ->
+logger`` (vLLM's; a StatLoggerBase subclass with vLLM's constructor is one)."""
 
 
 def make_stat_logger(arg: StatLoggerArg, config: EngineConfig) -> StatLoggerBase:
-    """``arg`` itself if it is a logger, else ``arg(config, 0)`` (engine index 0: one engine)."""
+    """``arg`` itself if it is a logger, else ``arg(VllmConfig.of(config), 0)``, as vLLM
+    builds its loggers (engine index 0: one engine)."""
     if isinstance(arg, StatLoggerBase):
         return arg
     if not callable(arg):
         raise TypeError(
             f"stat_loggers: expected a StatLoggerBase or a factory, got {type(arg).__name__}"
         )
-    made = arg(config, 0)
+    made = arg(VllmConfig.of(config), 0)
     if not isinstance(made, StatLoggerBase):
         raise TypeError(f"stat_loggers: {arg!r} made a {type(made).__name__}, not a StatLoggerBase")
     return made

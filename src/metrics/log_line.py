@@ -10,13 +10,13 @@ import time
 from collections import deque
 
 from ..protocol.messages import SchedulerStats
-from .logger_base import StatLoggerBase
+from .logger_base import StepStatLogger
 from .records import StepStats
 
 logger = logging.getLogger("legato.stats")
 
 
-class LoggingStatLogger(StatLoggerBase):
+class LoggingStatLogger(StepStatLogger):
     """The periodic log line, as vLLM's: throughput over the last interval, the
     queues, KV-cache usage and the prefix-cache hit rate."""
 
@@ -27,7 +27,7 @@ class LoggingStatLogger(StatLoggerBase):
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt, generation)
         self._prefix_window: deque[tuple[float, int, int]] = deque()
 
-    def record(self, step: StepStats) -> None:
+    def record_step(self, step: StepStats) -> None:
         s = step.scheduler
         if s is not None:
             self._last_scheduler = s

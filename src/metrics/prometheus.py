@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from .logger_base import StatLoggerBase
+from .logger_base import StepStatLogger
 from .records import StepStats
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ class _Series:
             self.request_generation.observe_many([done.num_generation_tokens for done in finished])
 
 
-class PrometheusStatLogger(StatLoggerBase):
+class PrometheusStatLogger(StepStatLogger):
     """The engine's Prometheus series, in a registry of its own (``exposition()`` is
     what ``/metrics`` serves). Every series has the ``model_name`` label.
 
@@ -260,7 +260,7 @@ class PrometheusStatLogger(StatLoggerBase):
                     registry=self.registry,
                 )
 
-    def record(self, step: StepStats) -> None:
+    def record_step(self, step: StepStats) -> None:
         for series in self._series:
             series.record(step)
         s = step.scheduler

@@ -1,11 +1,13 @@
-"""``merge_delta_outputs``: several DELTA outputs of one request folded into one, for a
-consumer that took them late (the trio ``OutputSlot`` and the asyncio stream both use it).
+"""``merge_delta_outputs`` / ``merge_cumulative``: several outputs of one request folded
+into one, for a consumer that took them late (the trio ``OutputSlot`` and the asyncio
+stream both use them), as vLLM's ``RequestOutputCollector`` folds them.
 
 Pure; never imports trio or torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from ..protocol.outputs import CompletionOutput, RequestOutput
@@ -34,6 +36,7 @@ def merge_delta_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         finished=last.finished,
         num_cached_tokens=last.num_cached_tokens,
         metrics=last.metrics,
+        lora_request=last.lora_request,
     )
 
 
@@ -54,4 +57,21 @@ def _merge_completions(parts: list[CompletionOutput]) -> CompletionOutput:
         ),
         finish_reason=last.finish_reason,
         stop_reason=last.stop_reason,
+        lora_request=last.lora_request,
     )
+
+
+def merge_cumulative(pending: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """``newer`` (a CUMULATIVE output), with the completions of ``pending`` it does not
+    carry kept: with n>1 each output carries only the completions that advanced, and a
+    late consumer must still see every completion's latest (vLLM's ``add(aggregate=False)``:
+    a completion is replaced by index, a new index appended). ``pending`` is not changed."""
+    theirs = newer.outputs
+    if len(theirs) >= len(pending.outputs) and {c.index for c in pending.outputs} <= {
+        c.index for c in theirs
+    }:
+        return newer  # it carries everything pending did (n=1: always)
+    by_index = {c.index: c for c in theirs}
+    merged = [by_index.pop(c.index, c) for c in pending.outputs]
+    merged.extend(c for c in theirs if c.index in by_index)
+    return dataclasses.replace(newer, outputs=merged)

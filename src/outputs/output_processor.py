@@ -42,7 +42,9 @@ class OutputProcessor:
 
     - ``DELTA``: only what is new since the last output, and only the
       completions that have news (new tokens or a finish);
-    - ``CUMULATIVE``: all n completions, each with everything so far;
+    - ``CUMULATIVE``: the completions that have news, each with everything so far
+      (as vLLM streams n>1; the slot folds untaken ones by index, so a consumer that
+      reads late still sees every completion's latest);
     - ``FINAL_ONLY``: one output, when every completion has finished.
 
     ``finished=True`` is on the last output only. While a request has stop
@@ -82,7 +84,8 @@ class OutputProcessor:
         for n > 1 (the renderer's naming). ``params`` are
         the caller's (n, stop strings, output kind). ``output_id`` is the id
         the outputs and errors carry (default ``request_id``): the caller's,
-        when the engine runs the request under an id of its own. Raises
+        when the engine runs the request under an id of its own. ``lora_request``:
+        the adapter it runs through, which its outputs name (as vLLM's). Raises
         ValueError for a live duplicate id, a slot of another output kind, or
         stop strings without a tokenizer.
         """
@@ -238,9 +241,11 @@ class OutputProcessor:
                 None,
                 [CompletionOutput(0, text, list(new_ids), None, None, None, None, lora)],
                 False,
-                completion.num_cached_tokens,
                 RequestMetrics(request.arrival_time, None, completion.first_token_time, now, None),
                 lora,
+                None,
+                None,
+                completion.num_cached_tokens,
             )
         )
         return True
@@ -348,7 +353,12 @@ class OutputProcessor:
             if news and not request.prompt_logprobs_sent:
                 prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         else:
-            if news and (kind == RequestOutputKind.CUMULATIVE or finished):
+            if news and kind == RequestOutputKind.CUMULATIVE:
+                # As vLLM streams n>1: the completions that advanced, each whole so far
+                # (a consumer's slot folds what it has not taken yet, by index).
+                completions = list(map(CompletionState.cumulative_output, news))
+                prompt_logprobs = request.prompt_logprobs
+            elif news and finished:  # FINAL_ONLY: all n at once
                 completions = list(map(CompletionState.cumulative_output, every))
                 prompt_logprobs = request.prompt_logprobs
             for c in news:
@@ -362,9 +372,11 @@ class OutputProcessor:
                     None if prompt_logprobs is None else list(prompt_logprobs),
                     completions,
                     finished,
-                    request.completions[0].num_cached_tokens,
                     request.metrics(now if finished else None),
                     request.lora_request,
+                    None,
+                    None,
+                    request.completions[0].num_cached_tokens,
                 )
             )
         if finished:

@@ -88,6 +88,7 @@ class ProcessedStep:
                     f.e2e_latency,
                     f.num_prompt_tokens,
                     f.num_generation_tokens,
+                    f.num_cached_tokens,
                 )
                 for f in self.finished
             ],

@@ -37,6 +37,18 @@ class EngineDeadError(LegatoError, RuntimeError):
         self.__suppress_context__ = suppress_context
 
 
+class MQClientClosedError(EngineDeadError):
+    """A call reached an engine that has been shut down (vLLM's multiprocess client's name).
+
+    An EngineDeadError too: after ``shutdown()`` new requests and control calls raise
+    this; ``abort`` and the properties never do. Code written for vLLM that suppresses
+    ``MQClientClosedError`` around calls made while closing keeps working.
+    """
+
+    def __init__(self, message: str = "the engine has been shut down") -> None:
+        super().__init__(message)
+
+
 class EngineGenerateError(LegatoError):
     """One request failed; the engine is healthy and keeps serving others.
 

@@ -16,6 +16,7 @@ Never imports torch or trio.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -321,6 +322,32 @@ class SchedulerStats(Message):
     # With enable_lora: requests per adapter name, as vLLM's (vllm:lora_requests_info).
     running_lora_adapters: dict[str, int] | None = None
     waiting_lora_adapters: dict[str, int] | None = None
+
+    # ---- vLLM's SchedulerStats names, for stat loggers written for vLLM
+
+    @property
+    def num_running_reqs(self) -> int:
+        return self.num_running
+
+    @property
+    def num_waiting_reqs(self) -> int:
+        return self.num_waiting
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """This step's prefix-cache lookups, as vLLM's (tokens, as vLLM counts them)."""
+        return PrefixCacheStats(queries=self.prefix_cache_queries, hits=self.prefix_cache_hits)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """vLLM's ``PrefixCacheStats``: one step's prefix-cache lookups (``requests`` is
+    not counted separately here; ``reset`` is never set)."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0
+    reset: bool = False
 
 
 class EngineCoreOutput(Message):

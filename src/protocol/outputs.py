@@ -2,9 +2,8 @@
 
 Shapes follow vLLM so consumers carry over: the same fields under the same names,
 ``RequestOutput.add``, ``CompletionOutput.lora_request``, ``PoolingOutput.data`` a
-tensor. Where legato still differs: ``RequestOutput``'s 7th and 8th positional
-arguments are ``num_cached_tokens, metrics`` (vLLM: ``metrics, lora_request``; pass
-them by keyword), and ``RequestMetrics`` holds ``time.monotonic()`` seconds.
+tensor, ``RequestOutput``'s positional order. Where legato still differs:
+``RequestMetrics`` holds ``time.monotonic()`` seconds.
 
 Never imports torch or trio.
 """
@@ -64,7 +63,7 @@ class CompletionOutput:
 class RequestOutput:
     """One step's report on a request; ``finished`` is True on the last one only.
 
-    vLLM's fields: ``lora_request`` is the adapter the request ran through;
+    vLLM's fields in vLLM's positional order: ``lora_request`` is the adapter the request ran through;
     the encoder-prompt fields and ``multi_modal_placeholders`` stay empty
     (legato serves decoder-only text models); ``kv_transfer_params`` stays
     None (no KV connector).
@@ -76,11 +75,11 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
     lora_request: LoRARequest | None = None
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int | None = None
     _: KW_ONLY
     multi_modal_placeholders: dict[str, Any] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None

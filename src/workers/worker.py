@@ -182,6 +182,17 @@ class Worker:
         faults = _FaultPlan(init.inject_fault)
         return cls(_build_runner(init, faults, parallel), faults)
 
+    def get_model(self) -> Any:
+        """The model (a ``torch.nn.Module``), as vLLM's worker gives it to
+        ``collective_rpc`` callables and ``apply_model`` (None for a runner without one,
+        the null-model runner)."""
+        return getattr(self.runner, "model", None)
+
+    @property
+    def model_runner(self) -> Runner:
+        """vLLM's name for the runner."""
+        return self.runner
+
     def ready(self) -> m.WorkerReady:
         runner = self.runner
         return m.WorkerReady(

@@ -14,7 +14,6 @@ from legato import EngineDeadError, RequestOutput, RequestOutputKind, SamplingPa
 from legato.actors.frontend import INLINE_MAX_PROMPT_CHARS
 from legato.engine import AsyncEngine, open_engine
 from legato.metrics.logger_base import StatLoggerBase
-from legato.metrics.records import StepStats
 from legato.protocol.errors import EngineStartupError, PromptTooLongError, ValidationError
 
 DELTA = RequestOutputKind.DELTA
@@ -513,6 +512,7 @@ async def test_prompt_text_and_tokenization_kwargs_are_honoured(engine: AsyncEng
     ids = tok.encode(text)
     out = (await run_one(engine, ids, greedy(2), "ids"))[-1]
     assert out.prompt is None
+
     async def last(stream: Any) -> RequestOutput:
         async with stream:
             outs = [out async for out in stream]
@@ -546,14 +546,21 @@ async def test_prompt_text_and_tokenization_kwargs_are_honoured(engine: AsyncEng
 
 
 class ReasonSink(StatLoggerBase):
-    """A custom stat logger: the finish reasons it was told of."""
+    """A custom stat logger in vLLM's shape: the finish reasons it was told of."""
 
     def __init__(self) -> None:
         self.reasons: list[str] = []
         self.logs = self.initialized = 0
 
-    def record(self, step: StepStats) -> None:
-        self.reasons += [done.finish_reason for done in step.finished]
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if iteration_stats is not None:
+            self.reasons += [done.finish_reason for done in iteration_stats.finished_requests]
 
     def log(self) -> None:
         self.logs += 1
@@ -566,12 +573,13 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
     toy_model_dir: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """LLMEngine drives the engine core's step: add_request returns the id, user aborts
-    (by the caller's id or the engine's) finish as "abort", stop strings as "stop"."""
+    (by the caller's id or the engine's) are forgotten with no further output, as vLLM's
+    (the stat logger still sees them finish as "abort"), and the rest run to the end."""
     from legato.config import EngineConfig
     from legato.llm import LLMEngine
 
     sink = ReasonSink()
-    eng = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS), [sink])
+    eng = LLMEngine(EngineConfig(model=str(toy_model_dir), **ENGINE_ARGS), stat_loggers=[sink])
     assert sink.initialized == 1
     assert eng.get_supported_tasks() == ("generate", "embed")
     assert eng.get_tokenizer() is eng.tokenizer
@@ -584,16 +592,16 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
     eng.abort_request(["a", "unknown"])
     eng.abort_request(engine_id_of_b, internal=True)
     assert eng.scheduler.get_num_unfinished_requests() == 1  # freed at once
+    assert eng.get_num_unfinished_requests() == 1
     ends: dict[str, RequestOutput] = {}
+    seen: set[str] = set()
     while eng.has_unfinished_requests():
         for out in eng.step():
+            seen.add(out.request_id)
             if out.finished:
                 ends[out.request_id] = out
-    assert {rid: o.outputs[0].finish_reason for rid, o in ends.items()} == {
-        "a": "abort",
-        "b": "abort",
-        "c": "length",
-    }
+    assert seen == {"c"}  # nothing more of the aborted ones
+    assert {rid: o.outputs[0].finish_reason for rid, o in ends.items()} == {"c": "length"}
     assert sorted(sink.reasons) == ["abort", "abort", "length"]  # the stat logger saw them
     eng.remove_logger(sink)
     assert eng.get_num_unfinished_requests() == 0

@@ -13,10 +13,9 @@ import trio
 import trio.testing
 
 from legato import RequestOutput, SamplingParams
-from legato.config import EngineConfig
 from legato.engine import AsyncEngine, open_engine
 from legato.metrics.logger_base import StatLoggerBase
-from legato.metrics.records import StepStats
+from legato.vllm_config import VllmConfig
 
 
 def greedy(n: int) -> SamplingParams:
@@ -109,16 +108,28 @@ async def test_metrics_and_log_line(engine: AsyncEngine, caplog: Any) -> None:
 
 
 class TokenSink(StatLoggerBase):
-    """A custom stat logger that counts generated tokens (or raises, when ``fail``)."""
+    """A custom stat logger as written for vLLM (its constructor and ``record``): counts
+    generated tokens and the most requests it saw running (or raises, when ``fail``)."""
 
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.generated = self.logs = self.initialized = 0
+    def __init__(
+        self, vllm_config: VllmConfig | None = None, engine_index: int = 0, fail: bool = False
+    ) -> None:
+        self.vllm_config, self.engine_index, self.fail = vllm_config, engine_index, fail
+        self.generated = self.logs = self.initialized = self.most_running = 0
 
-    def record(self, step: StepStats) -> None:
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
         if self.fail:
             raise RuntimeError("metrics sink unreachable")
-        self.generated += step.num_generation_tokens
+        if scheduler_stats is not None:
+            self.most_running = max(self.most_running, scheduler_stats.num_running_reqs)
+        if iteration_stats is not None:
+            self.generated += iteration_stats.num_generation_tokens
 
     def log(self) -> None:
         self.logs += 1
@@ -132,20 +143,21 @@ async def test_custom_stat_loggers_and_one_that_raises(
 ) -> None:
     """``stat_loggers=`` takes vLLM-style factories; ``add_logger`` / ``remove_logger`` at run
     time; a logger that raises is logged and removed, and the engine keeps serving."""
-    made: list[tuple[EngineConfig, int, TokenSink]] = []
+    made: list[TokenSink] = []
 
-    def factory(config: EngineConfig, engine_index: int) -> TokenSink:
-        made.append((config, engine_index, TokenSink()))
-        return made[-1][2]
+    def factory(vllm_config: VllmConfig, engine_index: int) -> TokenSink:
+        made.append(TokenSink(vllm_config, engine_index))
+        return made[-1]
 
     async with open_engine(
         str(toy_model_dir), executor="inproc", max_model_len=256, num_kv_blocks=64,
         stat_loggers=[factory],
     ) as engine:  # fmt: skip
-        ((config, index, sink),) = made
-        assert (config.max_model_len, index, sink.initialized) == (256, 0, 1)
+        (sink,) = made
+        assert sink.vllm_config is not None and sink.vllm_config.model_config.max_model_len == 256
+        assert (sink.engine_index, sink.initialized) == (0, 1)
         await final(engine, "count me", greedy(5), "a")
-        assert sink.generated == 5
+        assert sink.generated == 5 and sink.most_running == 1
         await engine.do_log_stats()
         assert sink.logs == 1
         faulty = TokenSink(fail=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,3 +141,86 @@ async def test_collective_rpc_raises_vllms_error_types(engine: AsyncEngine) -> N
     with pytest.raises(TimeoutError, match="held_requests"):
         await engine.collective_rpc("held_requests", timeout=0)
     await engine.check_health()  # neither failure hurts the engine
+
+
+async def test_calls_after_shutdown_raise_vllms_client_closed_error(toy_model_dir: Any) -> None:
+    """vLLM's multiprocess client raises MQClientClosedError once closed; here it is an
+    EngineDeadError too, so either ``except`` holds. ``abort`` stays silent."""
+    from legato.protocol.errors import MQClientClosedError
+
+    async with open_engine(str(toy_model_dir), executor="inproc", **ENGINE_ARGS) as engine:
+        engine.shutdown()
+        with pytest.raises(MQClientClosedError) as info:
+            async with engine.generate("hi", SamplingParams(max_tokens=1), "late") as stream:
+                await stream.__anext__()
+        assert isinstance(info.value, EngineDeadError)
+        with pytest.raises(MQClientClosedError):
+            await engine.check_health()
+        await engine.abort("late")
+
+
+async def test_input_processor_add_request_and_vllms_other_members(engine: AsyncEngine) -> None:
+    """``input_processor`` (and the older ``get_input_preprocessor``) builds an
+    EngineCoreRequest that ``generate`` runs with its own params and id, as vLLM's;
+    ``add_request`` submits at once; ``stat_loggers`` by name; ``is_unsupported_config``."""
+    from legato.vllm_config import ParallelConfig
+
+    assert await engine.get_input_preprocessor() is engine.input_processor
+    assert engine.input_preprocessor is engine.input_processor
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    request = engine.input_processor.process_inputs("from-core", "hello there", params)
+    engine.input_processor.assign_request_id(request)
+    async with engine.generate(request, SamplingParams(max_tokens=9), "ignored") as stream:
+        outs = [out async for out in stream]
+    assert outs[-1].request_id == "from-core"  # the request's own id...
+    assert len(outs[-1].outputs[0].token_ids) == 3  # ...and its own sampling params
+    assert outs[-1].prompt_token_ids == request.prompt_token_ids
+    # vLLM's AsyncLLM.add_request: positional, submitted before the first read.
+    stream = await engine.add_request("added", "hi", params, None, None, None, None, 0)
+    assert "added" in engine.frontend.core.live
+    assert [out async for out in stream][-1].finished
+    with pytest.raises(TypeError, match="request_id"):
+        await engine.add_request(3, "hi", params)  # type: ignore[arg-type]
+    loggers = engine.stat_loggers
+    assert loggers["prometheus"] is engine.stats.prometheus and "logging" not in loggers
+    vllm_config = engine.vllm_config
+    assert not AsyncEngine.is_unsupported_config(vllm_config)
+    pp2 = dataclasses.replace(
+        vllm_config,
+        parallel_config=ParallelConfig(1, 1, 0, "127.0.0.1", 0, pipeline_parallel_size=2),
+    )
+    assert AsyncEngine.is_unsupported_config(pp2)
+
+
+async def test_a_shutdown_timeout_past_the_default_grace_is_honoured() -> None:
+    """``shutdown(timeout)`` gives the worker that long to exit by itself, also past the
+    executor's default 5 s: a process that exits on its own after 5.5 s is reaped with
+    its own exit status, not killed (it was killed at 5 s before)."""
+    from legato.actors.process_executor import DEFAULT_GRACE, reap_process
+
+    code = "import time; time.sleep(5.5)"
+    process = await trio.lowlevel.open_process([sys.executable, "-c", code], start_new_session=True)
+    await reap_process(process, graceful=True, grace=DEFAULT_GRACE + 3)
+    assert process.returncode == 0
+
+
+async def test_vllms_remaining_names_on_the_async_engine(engine: AsyncEngine) -> None:
+    """The early AsyncLLM's ``processor``; the multiprocess client's ``setup`` / ``close``;
+    the ``AsyncLLMEngine`` / ``AsyncLLM`` names; ``encode`` refusing a pooling task the
+    engine does not list in ``get_supported_tasks``, with a ValueError, as vLLM's."""
+    import legato
+    from legato import PoolingParams
+
+    assert engine.processor is engine.input_processor
+    assert legato.AsyncLLMEngine is legato.AsyncLLM is AsyncEngine
+    await engine.setup()  # started already: returns
+    tasks = await engine.get_supported_tasks()
+    assert "classify" not in tasks and "embed" in tasks
+    with pytest.raises(ValueError) as info:
+        async for _ in engine.encode("hi", PoolingParams(task="classify"), "c"):
+            pass
+    assert isinstance(info.value, ValidationError) and info.value.field == "task"
+    engine.close()  # vLLM's name for shutdown()
+    assert engine.is_stopped
+    with pytest.raises(EngineDeadError):
+        await engine.setup()

@@ -73,6 +73,13 @@ def outcome(out: RequestOutput) -> Outcome:
     ]
 
 
+def folded(latest: dict[int, Any], out: RequestOutput) -> RequestOutput:
+    """``out`` with every completion seen so far (CUMULATIVE n>1 streams, as vLLM's, only
+    the completions that advanced; a consumer keeps the latest of each index)."""
+    latest.update((c.index, c) for c in out.outputs)
+    return RequestOutput(out.request_id, None, None, None, list(latest.values()), out.finished)
+
+
 def with_llm_engine(
     model: Path, requests: dict[str, Any]
 ) -> tuple[dict[str, Outcome], list[float]]:
@@ -82,12 +89,15 @@ def with_llm_engine(
     engine.add_request("embed", {"prompt_token_ids": PROMPTS[2]}, PoolingParams(task="embed"))
     finals: dict[str, Outcome] = {}
     vector: list[float] = []
+    latest: dict[str, dict[int, Any]] = {name: {} for name in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if isinstance(out, PoolingRequestOutput):
                 vector = out.outputs.data
-            elif out.finished:
-                finals[out.request_id] = outcome(out)
+            else:
+                whole = folded(latest[out.request_id], out)
+                if out.finished:
+                    finals[out.request_id] = outcome(whole)
     return finals, vector
 
 
@@ -105,9 +115,11 @@ def with_async_engine(
                 async with engine.generate(
                     {"prompt_token_ids": prompt}, params, name, lora_request=lora
                 ) as stream:
+                    latest: dict[int, Any] = {}
                     async for out in stream:
+                        whole = folded(latest, out)
                         if out.finished:
-                            finals[name] = outcome(out)
+                            finals[name] = outcome(whole)
 
             async def embed() -> None:
                 nonlocal vector
@@ -221,3 +233,76 @@ def test_an_llm_dropped_without_shutdown_releases_its_worker(toy_model_dir: Path
     gc.collect()
     gone, alive = psutil.wait_procs(workers, timeout=60)
     assert not alive, f"worker processes still alive: {alive}"
+
+
+def test_llm_engine_takes_vllms_calls_unchanged(toy_model_dir: Path) -> None:
+    """vLLM's positional ``add_request``, an EngineCoreRequest from ``input_processor``,
+    n>1 as one output per child, ``get_metrics`` as ``list[Metric]``, ``collective_rpc``
+    with a callable, ``apply_model``, the DP members at one engine, the constructor."""
+    from legato.metrics.reader import Counter, Gauge, Metric
+    from legato.protocol.outputs import RequestOutput as Out
+    from legato.vllm_config import VllmConfig
+
+    config = EngineConfig(model=str(toy_model_dir), max_model_len=128, num_kv_blocks=64)
+    engine = LLMEngine(VllmConfig.of(config), None, False)  # vllm_config, executor_class, log_stats
+    assert engine.log_stats is False and engine.dp_group is None
+    assert engine.has_unfinished_requests_dp(True) and not engine.should_execute_dummy_batch
+    with pytest.raises(ValueError, match="executor_class"):
+        LLMEngine(config, object())
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # (request_id, prompt, params, arrival_time, lora_request, tokenization_kwargs,
+    #  trace_headers, priority), by position.
+    engine.add_request("pos", "hello", params, None, None, {"add_special_tokens": False}, {}, 0)
+    with pytest.raises(TypeError, match="request_id"):
+        engine.add_request(7, "hello", params)  # type: ignore[arg-type]
+    request = engine.input_processor.process_inputs("core", "hello there", params)
+    engine.input_processor.assign_request_id(request)
+    assert engine.add_request("ignored", request) == "core"  # the request's own id
+    n2 = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, n=2, seed=1)
+    engine.add_request("pair", [5, 6, 7], n2)
+    outs: list[Out] = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if isinstance(o, Out)]
+    pair = [o for o in outs if o.request_id == "pair"]
+    assert pair and all(len(o.outputs) == 1 for o in pair)  # one per child, as vLLM's
+    assert {o.outputs[0].index for o in pair} == {0, 1}
+    assert [o.finished for o in pair].count(True) == 1 and pair[-1].finished
+    finals = {o.request_id: o for o in outs if o.finished}
+    assert len(finals["pos"].outputs[0].token_ids) == 4 and "core" in finals
+    metrics = engine.get_metrics()
+    assert all(isinstance(one, Metric) for one in metrics)
+    by_name = {one.name: one for one in metrics}
+    assert isinstance(by_name["legato:num_requests_running"], Gauge)
+    generated = by_name["legato:generation_tokens"]
+    assert isinstance(generated, Counter) and generated.value == 4 + 4 + 3 * 2
+    (size,) = engine.collective_rpc(lambda worker, k: k * worker.model_runner.vocab_size, args=(2,))
+    assert size == 2 * engine.renderer.vocab_size
+    (params_count,) = engine.apply_model(lambda model: sum(p.numel() for p in model.parameters()))
+    assert isinstance(params_count, int) and params_count > 0
+    assert isinstance(engine.apply_model(lambda model: model)[0], torch.nn.Module)
+
+
+def test_llm_engine_logger_manager_takes_vllms_record(toy_model_dir: Path) -> None:
+    """``logger_manager.record(scheduler_stats, iteration_stats, mm_cache_stats,
+    engine_idx)`` reaches every logger, as vLLM's StatLoggerManager."""
+    from legato.metrics.logger_base import StatLoggerBase
+    from legato.metrics.records import StepStats
+    from legato.protocol.messages import SchedulerStats
+
+    seen: list[tuple[int, int]] = []
+
+    class Sink(StatLoggerBase):
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm: Any = None,
+                   engine_idx: int = 0) -> None:  # fmt: skip
+            seen.append((scheduler_stats.num_running_reqs, iteration_stats.num_generation_tokens))
+
+    engine = LLMEngine.from_engine_args(
+        str(toy_model_dir), max_model_len=128, num_kv_blocks=64, stat_loggers=[Sink()]
+    )
+    manager = engine.logger_manager
+    manager.record(SchedulerStats(num_running=2), StepStats(0.0, num_generation_tokens=5), None, 0)
+    manager.record(SchedulerStats(num_running=1), None)
+    assert seen == [(2, 5), (1, 0)]
+    assert any(isinstance(one, Sink) for one in manager.stat_loggers)
+    manager.log_engine_initialized()
+    manager.log()

@@ -23,11 +23,12 @@ from legato.config import EngineConfig
 from legato.metrics import prometheus as stats
 from legato.metrics.collector import StatsCollector, make_stat_logger
 from legato.metrics.log_line import LoggingStatLogger
-from legato.metrics.logger_base import StatLoggerBase
+from legato.metrics.logger_base import StatLoggerBase, StepStatLogger
 from legato.metrics.prometheus import BatchHistogram, PrometheusStatLogger
 from legato.metrics.records import FinishedRequest, StepStats
 from legato.protocol.messages import SchedulerStats
 from legato.testing.per_sample_histogram import PerSampleHistogram
+from legato.vllm_config import VllmConfig
 
 
 def step(t: float = 1.0, reason: str | None = "length") -> StepStats:
@@ -84,8 +85,8 @@ def test_prometheus_logger_publishes_vllm_names_only_when_asked() -> None:
     plain = PrometheusStatLogger("m")
     both = PrometheusStatLogger("m", vllm_names=True)
     for logger_ in (plain, both):
-        logger_.record(step(1.0))
-        logger_.record(step(2.0, reason="stop"))
+        logger_.record_step(step(1.0))
+        logger_.record_step(step(2.0, reason="stop"))
     got = samples(both.exposition())
     expected = {
         "num_requests_running": 3,
@@ -121,7 +122,7 @@ def test_per_step_updates_do_not_look_up_labels(monkeypatch: pytest.MonkeyPatch)
     """The labelled children are cached: ``labels()`` runs once per series (and finish
     reason), not once per series per step."""
     logger_ = PrometheusStatLogger("m", vllm_names=True)
-    logger_.record(step(0.0))  # the first "length" finish makes its child
+    logger_.record_step(step(0.0))  # the first "length" finish makes its child
     calls = []
     original = MetricWrapperBase.labels
 
@@ -131,16 +132,16 @@ def test_per_step_updates_do_not_look_up_labels(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(MetricWrapperBase, "labels", counting)
     for i in range(50):
-        logger_.record(step(float(i)))
+        logger_.record_step(step(float(i)))
     assert calls == []
-    logger_.record(step(51.0, reason="abort"))  # a new reason: one child per prefix
+    logger_.record_step(step(51.0, reason="abort"))  # a new reason: one child per prefix
     assert len(calls) == 2
 
 
 def test_log_line_is_vllms_over_the_last_interval() -> None:
     line_logger = LoggingStatLogger(interval=10.0)
-    line_logger.record(step(1.0))
-    line_logger.record(step(5.0))
+    line_logger.record_step(step(1.0))
+    line_logger.record_step(step(5.0))
     assert line_logger.line(now=6.0) == (
         "Avg prompt throughput: 1.4 tokens/s, Avg generation throughput: 1.0 tokens/s, "
         "Running: 3 reqs, Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 40.0%"
@@ -158,25 +159,25 @@ def test_log_line_drops_to_debug_while_idle(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level(logging.DEBUG, logger="legato.stats"):
         line_logger.log()  # nothing has happened yet
         now = time.monotonic()
-        line_logger.record(step(now))  # tokens computed, 3 running, 2 waiting
+        line_logger.record_step(step(now))  # tokens computed, 3 running, 2 waiting
         line_logger.log()
         drained = StepStats(timestamp=now + 1, scheduler=SchedulerStats())
-        line_logger.record(drained)  # queues empty, but tokens within the interval
+        line_logger.record_step(drained)  # queues empty, but tokens within the interval
         line_logger.log()
-        line_logger.record(StepStats(timestamp=now + 20, scheduler=SchedulerStats()))
+        line_logger.record_step(StepStats(timestamp=now + 20, scheduler=SchedulerStats()))
         assert line_logger.idle(now + 20)
         levels = [r.levelno for r in caplog.records]
     assert levels == [logging.DEBUG, logging.INFO, logging.INFO]
 
 
-class Recorder(StatLoggerBase):
+class Recorder(StepStatLogger):
     def __init__(self, fail_in: str | None = None) -> None:
         self.steps: list[StepStats] = []
         self.logs = 0
         self.initialized = 0
         self.fail_in = fail_in
 
-    def record(self, step: StepStats) -> None:
+    def record_step(self, step: StepStats) -> None:
         if self.fail_in == "record":
             raise RuntimeError("sink down")
         self.steps.append(step)
@@ -235,14 +236,16 @@ def test_log_is_silent_when_stats_logging_is_disabled(caplog: pytest.LogCaptureF
 
 def test_stat_loggers_take_vllm_style_factories() -> None:
     config = EngineConfig(model="m")
-    seen: list[tuple[EngineConfig, int]] = []
+    seen: list[tuple[VllmConfig, int]] = []
 
-    def factory(cfg: EngineConfig, index: int) -> StatLoggerBase:
+    def factory(cfg: VllmConfig, index: int) -> StatLoggerBase:
         seen.append((cfg, index))
         return Recorder()
 
     made = make_stat_logger(factory, config)
-    assert isinstance(made, Recorder) and seen == [(config, 0)]
+    ((vllm_config, index),) = seen
+    assert isinstance(made, Recorder) and index == 0
+    assert vllm_config.engine_config is config and vllm_config.model_config.model == "m"
     instance = Recorder()
     assert make_stat_logger(instance, config) is instance
     with pytest.raises(TypeError, match="stat_loggers"):
@@ -337,11 +340,11 @@ def test_exposition_is_prometheus_clients_for_every_histogram(
     rng = random.Random(13)
     for i in range(60):
         one = random_step(rng, float(i))
-        ours.record(one)
-        reference.record(one)
+        ours.record_step(one)
+        reference.record_step(one)
     one_bucket = StepStats(timestamp=61.0, inter_token_latency=[0.007] * 300 + [0.01, 0.005])
     for logger_ in (ours, reference):
-        logger_.record(one_bucket)
+        logger_.record_step(one_bucket)
     text = ours.exposition()
     assert_same_exposition(text, reference.exposition())
     assert (b"inter_token_latency_seconds_created" in text) == created
@@ -468,3 +471,75 @@ def test_vllm_cache_config_and_lora_requests_info() -> None:
     assert not any(name == "vllm:lora_requests_info" for name, _ in samples(plain.exposition()))
     legato_only = StatsCollector.for_config(EngineConfig(model="m"), "m")
     assert not any("_info" in name for name, _ in samples(legato_only.exposition()))
+
+
+class VllmShapedLogger(StatLoggerBase):
+    """A stat logger as written for vLLM: its constructor, its ``record``, vLLM's names."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.engine_index = engine_index
+        self.seen: list[tuple[Any, ...]] = []
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        prefix = scheduler_stats.prefix_cache_stats
+        self.seen.append((
+            scheduler_stats.num_running_reqs,
+            scheduler_stats.num_waiting_reqs,
+            scheduler_stats.kv_cache_usage,
+            (prefix.queries, prefix.hits),
+            iteration_stats.num_prompt_tokens,
+            iteration_stats.num_generation_tokens,
+            iteration_stats.num_preempted_reqs,
+            iteration_stats.time_to_first_tokens_iter,
+            iteration_stats.inter_token_latencies_iter,
+            [(f.finish_reason, f.num_generation_tokens) for f in iteration_stats.finished_requests],
+            mm_cache_stats,
+            engine_idx,
+        ))  # fmt: skip
+
+
+def test_a_logger_written_for_vllm_is_built_and_fed_in_vllms_shape() -> None:
+    """vLLM's factory ``(vllm_config, engine_index)`` (the class itself is one) and
+    ``record(scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)``."""
+    collector = StatsCollector.for_config(
+        EngineConfig(model="m", max_model_len=300, disable_log_stats=True), "m", [VllmShapedLogger]
+    )
+    made = collector.loggers[-1]
+    assert isinstance(made, VllmShapedLogger) and (made.max_model_len, made.engine_index) == (
+        300,
+        0,
+    )
+    collector.record(step(1.0))
+    assert made.seen == [
+        (3, 2, 0.25, (10, 4), 7, 5, 1, [0.01], [0.002, 0.003], [("length", 5)], None, 0)
+    ]
+
+
+def test_metrics_snapshot_reads_the_registry_as_vllms_reader() -> None:
+    """vLLM's ``list[Metric]``: a Gauge / Counter per labelled sample, a Histogram with
+    ``le`` buckets, count and sum; ``vllm:`` names with ``vllm_names``."""
+    from legato.metrics.reader import Counter, Gauge, Histogram, get_metrics_snapshot
+
+    logger_ = PrometheusStatLogger("m", vllm_names=True)
+    logger_.record_step(step(1.0))
+    logger_.record_step(step(2.0, reason="stop"))
+    got = {
+        (m.name, tuple(sorted(m.labels.items()))): m for m in get_metrics_snapshot(logger_.registry)
+    }
+    running = got[("vllm:num_requests_running", (("model_name", "m"),))]
+    assert isinstance(running, Gauge) and running.value == 3
+    tokens = got[("vllm:generation_tokens", (("model_name", "m"),))]
+    assert isinstance(tokens, Counter) and tokens.value == 10
+    stops = got[("vllm:request_success", (("finished_reason", "stop"), ("model_name", "m")))]
+    assert isinstance(stops, Counter) and stops.value == 1
+    ttft = got[("vllm:time_to_first_token_seconds", (("model_name", "m"),))]
+    assert isinstance(ttft, Histogram) and (ttft.count, ttft.sum) == (2, pytest.approx(0.02))
+    assert ttft.buckets["+Inf"] == 2 and min(ttft.buckets.values()) <= 2
+    assert ("legato:num_requests_running", (("model_name", "m"),)) in got

@@ -400,9 +400,12 @@ def test_n3_delta_merges_children_under_the_parent_id(tok: PreTrainedTokenizerBa
 
 
 @pytest.mark.parametrize("kind", [CUMULATIVE, FINAL_ONLY])
-def test_n3_cumulative_and_final_only_carry_all_completions(
+def test_n3_cumulative_streams_what_advanced_and_final_only_carries_all(
     tok: PreTrainedTokenizerBase, kind: RequestOutputKind
 ) -> None:
+    """CUMULATIVE n>1 as vLLM streams it: each output carries the completions that
+    advanced, each whole so far; the slot folds untaken outputs by index (vLLM's
+    ``add(aggregate=False)``: replaced in place, a new index appended)."""
     engine = Engine(tok)
     engine.add("r", SamplingParams(n=3, output_kind=kind))
     the, cat, sat = encode(tok, "The cat sat")
@@ -410,20 +413,35 @@ def test_n3_cumulative_and_final_only_carry_all_completions(
     first = engine.take("r")
     if kind == CUMULATIVE:
         assert first is not None
-        assert [(c.index, c.text) for c in first.outputs] == [(0, ""), (1, "The"), (2, "")]
+        assert [(c.index, c.text) for c in first.outputs] == [(1, "The")]
     else:
         assert first is None
     engine.step(core("0_r", [cat], finish=FinishReason.LENGTH), core("2_r", [sat]))
     engine.step(core("1_r", [cat], finish=FinishReason.LENGTH))
-    assert engine.take("r") is None or kind == CUMULATIVE
+    middle = engine.take("r")
+    if kind == CUMULATIVE:  # two outputs folded, in the order the indices came
+        assert middle is not None and not middle.finished
+        assert [(c.index, c.text, c.finish_reason) for c in middle.outputs] == [
+            (0, " cat", "length"), (2, " sat", None), (1, "The cat", "length")
+        ]  # fmt: skip
+    else:
+        assert middle is None
     engine.step(core("2_r", [EOS], finish=FinishReason.STOP))
     final = engine.take("r")
     assert final is not None and final.finished
-    assert [(c.index, c.text, c.finish_reason) for c in final.outputs] == [
-        (0, " cat", "length"),
-        (1, "The cat", "length"),
-        (2, " sat", "stop"),
-    ]
+    assert [(c.index, c.text, c.finish_reason) for c in final.outputs] == (
+        [(2, " sat", "stop")]  # only the completion that advanced
+        if kind == CUMULATIVE
+        else [(0, " cat", "length"), (1, "The cat", "length"), (2, " sat", "stop")]
+    )
+    if kind == CUMULATIVE:  # taken at once, the last step carries only what advanced
+        engine.add("s", SamplingParams(n=2, output_kind=kind))
+        engine.step(core("0_s", [the]), core("1_s", [cat]))
+        taken = engine.take("s")
+        assert taken is not None and len(taken.outputs) == 2 and not taken.finished
+        engine.step(core("1_s", [EOS], finish=FinishReason.STOP))
+        only = engine.take("s")
+        assert only is not None and [c.index for c in only.outputs] == [1]
 
 
 # ------------------------------------------------------------------- logprobs
@@ -530,9 +548,35 @@ def test_abort_ends_the_stream_with_reason_abort(
     texts_by_index = {c.index: (c.text, c.finish_reason) for c in final.outputs}
     if kind == DELTA:
         assert texts_by_index == {0: ("cat", "abort")}  # the held-back text, released
+    elif kind == CUMULATIVE:  # the completion that advanced (ended), whole
+        assert texts_by_index == {0: ("The cat", "abort")}
     else:
         assert texts_by_index == {0: ("The cat", "abort"), 1: ("The", "length")}
     assert not engine.proc.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL_ONLY])
+def test_outputs_name_the_adapter_the_request_ran_through(
+    tok: PreTrainedTokenizerBase, kind: RequestOutputKind
+) -> None:
+    """vLLM's ``RequestOutput.lora_request`` and ``CompletionOutput.lora_request``
+    (DELTA n=1 takes the plain completions' shortcut, the others the general path)."""
+    engine = Engine(tok)
+    adapter = LoRARequest("sql", 1, "/adapters/sql")
+    slot = engine.slots["r"] = OutputSlot(kind)
+    params = SamplingParams(output_kind=kind)
+    engine.proc.add_request("r", "Hi", [0, 5], params, ARRIVAL, slot=slot, lora_request=adapter)
+    the, cat = encode(tok, "The cat")
+    engine.step(core("r", [the]))
+    engine.step(core("r", [cat]))  # a plain step, after the first
+    engine.step(core("r", [EOS], finish=FinishReason.STOP))
+    final = engine.take("r")
+    assert final is not None and final.finished
+    assert final.lora_request is adapter and final.outputs[0].lora_request is adapter
+    engine.add("base", SamplingParams(output_kind=kind))
+    engine.step(core("base", [EOS], finish=FinishReason.STOP))
+    plain = engine.take("base")
+    assert plain is not None and plain.lora_request is None
 
 
 def test_metrics_and_stats(tok: PreTrainedTokenizerBase) -> None:

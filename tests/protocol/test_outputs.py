@@ -7,6 +7,7 @@ from legato.protocol.outputs import (
     Logprob,
     PoolingOutput,
     PoolingRequestOutput,
+    RequestMetrics,
     RequestOutput,
 )
 from legato.protocol.params import LoRARequest
@@ -30,6 +31,15 @@ def test_vllms_fields_with_their_defaults() -> None:
     )  # fmt: skip
     assert full.lora_request is lora and full.kv_transfer_params == {"k": 1}
     assert decode(encode(full)) == full  # the new fields cross the wire
+
+
+def test_request_output_takes_vllms_positional_order() -> None:
+    """vLLM builds it positionally: ``..., finished, metrics, lora_request,
+    encoder_prompt, encoder_prompt_token_ids, num_cached_tokens``."""
+    lora = LoRARequest("a", 1, "/adapters/a")
+    metrics = RequestMetrics(arrival_time=1.0)
+    out = RequestOutput("r", "p", [1], None, [], True, metrics, lora, None, None, 4)
+    assert out.metrics is metrics and out.lora_request is lora and out.num_cached_tokens == 4
 
 
 def test_add_aggregates_deltas_by_index() -> None:
