@@ -52,6 +52,8 @@ from .asgi import (
 )
 from .cors import is_preflight
 from .embedding_handler import create_embeddings
+from .serving_chat import create_chat_completion
+from .serving_completion import create_completion
 from .serving_messages import count_tokens, create_message
 from .serving_responses import create_response
 from .state import Handler, ServingState, Unavailable
@@ -62,8 +64,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("legato.server")
 
 ROUTES: dict[str, dict[str, Handler]] = {
-    "/v1/completions": {"POST": handlers.create_completion},
-    "/v1/chat/completions": {"POST": handlers.create_chat_completion},
+    "/v1/completions": {"POST": create_completion},
+    "/v1/chat/completions": {"POST": create_chat_completion},
     "/v1/responses": {"POST": create_response},
     "/v1/messages": {"POST": create_message},
     "/v1/messages/count_tokens": {"POST": count_tokens},
