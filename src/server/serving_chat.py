@@ -34,7 +34,7 @@ class ChatServing(StreamingGeneration):
         self,
         state: ServingState,
         request: Request,
-        parsed: schemas.ChatRequest,
+        parsed: protocol.ChatCompletionRequest,
         tools: ToolPlan,
         **kwargs: Any,
     ) -> None:
@@ -56,7 +56,7 @@ class ChatServing(StreamingGeneration):
         if not self.parsed.logprobs:
             return None
         return schemas.chat_logprobs(
-            token_ids, list(entries or ()), self.decode, self.parsed.top_logprobs
+            token_ids, list(entries or ()), self.decode, self.parsed.top_logprobs or 0
         )
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> SSEEvent:
@@ -132,10 +132,10 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
     """``POST /v1/chat/completions``."""
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
-    typed = parse_request(protocol.ChatCompletionRequest, body)
-    parsed = schemas.parse_chat_request(body, max_n=state.settings.max_n)
-    lora = select_model(state, parsed.model)
+    typed: protocol.ChatCompletionRequest = parse_request(protocol.ChatCompletionRequest, body)
     settings = state.settings
+    params = typed.to_sampling_params(max_n=settings.max_n)  # the constraint comes below
+    lora = select_model(state, typed.model)
     tools = plan_tools(
         typed.tools,
         typed.tool_choice,
@@ -148,16 +148,17 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
             raise ValidationError("tool_choice", f"cannot be combined with {constraint.field}")
         constraint = tools.constraint
     if constraint is not None:
-        parsed.params = parsed.params.clone(structured_outputs=constraint)
+        params = params.clone(structured_outputs=constraint)
+    add_generation_prompt = typed.add_generation_prompt is not False
     messages = [message.for_template() for message in typed.messages]
     if typed.chat_template is not None:  # a caller's template is code: never on the loop
         rendered = await render_with_request_template(
-            state, typed, messages, tools.template_tools, parsed.add_generation_prompt
+            state, typed, messages, tools.template_tools, add_generation_prompt
         )
     else:
         rendered = await state.engine.render_chat_prompt(
             messages,
-            add_generation_prompt=parsed.add_generation_prompt,
+            add_generation_prompt=add_generation_prompt,
             chat_template=settings.chat_template,
             tools=tools.template_tools,
             template_kwargs=typed.chat_template_kwargs,
@@ -165,15 +166,15 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
     serving = ChatServing(
         state,
         request,
-        parsed,
+        typed,
         tools,
         request_id=new_id("chatcmpl"),
         model=lora.lora_name if lora is not None else state.model_name,
-        prompts=[schemas.with_cache_salt(rendered, parsed.cache_salt)],
-        params=parsed.params,
-        priority=parsed.priority,
-        stream=parsed.stream,
-        renames=schemas.request_fields("chat", body),
+        prompts=[typed.with_cache_salt(rendered)],
+        params=params,
+        priority=typed.priority or 0,
+        stream=bool(typed.stream),
+        renames=typed.renames(),
         lora_request=lora,
     )
     await serving.run()

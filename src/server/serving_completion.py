@@ -30,7 +30,7 @@ class CompletionServing(StreamingGeneration):
         self,
         state: ServingState,
         request: Request,
-        parsed: schemas.CompletionRequest,
+        parsed: protocol.CompletionRequest,
         **kwargs: Any,
     ) -> None:
         super().__init__(state, request, **kwargs)
@@ -125,23 +125,22 @@ async def create_completion(request: Request, state: ServingState) -> None:
     """``POST /v1/completions``."""
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
-    typed = parse_request(protocol.CompletionRequest, body)
-    parsed = schemas.parse_completion_request(body, max_n=state.settings.max_n)
-    lora = select_model(state, parsed.model)
-    constraint = output_constraint(typed)
-    if constraint is not None:
-        parsed.params = parsed.params.clone(structured_outputs=constraint)
+    typed: protocol.CompletionRequest = parse_request(protocol.CompletionRequest, body)
+    params = typed.to_sampling_params(
+        max_n=state.settings.max_n, structured_outputs=output_constraint(typed)
+    )
+    lora = select_model(state, typed.model)
     serving = CompletionServing(
         state,
         request,
-        parsed,
+        typed,
         request_id=new_id("cmpl"),
         model=lora.lora_name if lora is not None else state.model_name,
-        prompts=[schemas.with_cache_salt(p, parsed.cache_salt) for p in parsed.prompts],
-        params=parsed.params,
-        priority=parsed.priority,
-        stream=parsed.stream,
-        renames=schemas.request_fields("completions", body),
+        prompts=typed.prompts(),
+        params=params,
+        priority=typed.priority or 0,
+        stream=bool(typed.stream),
+        renames=typed.renames(),
         lora_request=lora,
     )
     await serving.run()

@@ -238,6 +238,8 @@ async def _prepare(
         raise ValidationError("max_tokens", "is required")
     lora = select_model(state, typed.model)
     tools_in, choice, parallel = typed.chat_tools()
+    if count_only:  # the tools reach the template; no output is read
+        choice = "none"
     try:
         tools = plan_tools(
             tools_in, choice, parallel_tool_calls=parallel, auto_parser=settings.auto_tool_parser

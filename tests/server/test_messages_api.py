@@ -113,6 +113,8 @@ async def test_tool_use_round_trip(claude: anthropic.AsyncAnthropic) -> None:
         model=MODEL, messages=follow, tools=[WEATHER], tool_choice={"type": "none"}, max_tokens=4
     )
     assert [block.type for block in second.content] == ["text"]
+    asked = await claude.messages.count_tokens(model=MODEL, messages=follow[:2], tools=[WEATHER])
+    assert second.usage.input_tokens > asked.input_tokens  # the call and its result are in
     # Streamed ("any": at least one call): the input arrives as JSON deltas.
     async with claude.messages.stream(
         model=MODEL,

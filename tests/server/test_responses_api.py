@@ -133,6 +133,11 @@ async def test_function_call_round_trip(oai: openai.AsyncOpenAI) -> None:
         model=MODEL, input=follow, tools=[WEATHER], tool_choice="none", max_output_tokens=4
     )
     assert [item.type for item in second.output] == ["message"]
+    without_output = await oai.responses.create(
+        model=MODEL, input=follow[:-1], tools=[WEATHER], tool_choice="none", max_output_tokens=1
+    )
+    assert second.usage is not None and without_output.usage is not None
+    assert second.usage.input_tokens > without_output.usage.input_tokens  # the output is in
     # Streamed: the call's arguments arrive as deltas that add up to the whole.
     async with oai.responses.stream(
         model=MODEL,
