@@ -15,7 +15,9 @@ from typing import Any
 from .. import __version__
 from . import openai_protocol as protocol
 from .asgi import HTTPError, Request, send_body, send_json
+from .messages_protocol import MessagesRequest
 from .openapi import DOCS_ASSETS, Operation, docs_asset, docs_html, openapi_document
+from .responses_protocol import ResponsesRequest
 from .state import ServingState
 
 OPERATIONS = (
@@ -33,6 +35,24 @@ OPERATIONS = (
         "Text completion (structured outputs; stream with SSE)",
         protocol.CompletionRequest,
         protocol.CompletionResponse,
+    ),
+    Operation(
+        "/v1/responses",
+        "post",
+        "OpenAI's Responses API (tools, text.format; stream with named SSE events)",
+        ResponsesRequest,
+    ),
+    Operation(
+        "/v1/messages",
+        "post",
+        "Anthropic's Messages API (tools, output_config; stream with named SSE events)",
+        MessagesRequest,
+    ),
+    Operation(
+        "/v1/messages/count_tokens",
+        "post",
+        "The prompt tokens of a Messages API request",
+        MessagesRequest,
     ),
     Operation("/v1/models", "get", "The served model", response=protocol.ModelList),
     Operation("/health", "get", "200 while serving", open=True),

@@ -74,6 +74,30 @@ class HTTPError(Exception):
             }
         }
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error body (``/v1/messages``): ``{"type": "error", "error": {"type",
+        "message"}}``; the field a 400 is about leads the message."""
+        message = self.message
+        if self.param is not None and not message.startswith(self.param):
+            message = f"{self.param}: {message}"
+        kind = _ANTHROPIC_ERROR_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
 
 class ClientDisconnected(Exception):
     """The client went away while the request body was being read."""
@@ -276,14 +300,15 @@ async def send_json(send: Send, status: int, value: Any) -> None:
     await send_body(send, status, dumps(value), "application/json")
 
 
-async def send_error(send: Send, error: HTTPError) -> None:
-    """OpenAI's error body with the error's status (401 adds ``WWW-Authenticate``, 503
-    ``Retry-After``)."""
+async def send_error(send: Send, error: HTTPError, *, anthropic: bool = False) -> None:
+    """OpenAI's error body (Anthropic's with ``anthropic``) with the error's status (401 adds
+    ``WWW-Authenticate``, 503 ``Retry-After``)."""
     extra = {
         401: [(b"www-authenticate", b"Bearer")],
         503: [(b"retry-after", b"1")],
     }.get(error.status)
-    await send_body(send, error.status, dumps(error.body()), "application/json", extra)
+    body = error.anthropic_body() if anthropic else error.body()
+    await send_body(send, error.status, dumps(body), "application/json", extra)
 
 
 def bearer_token_ok(authorization: str | None, api_key: str) -> bool:
@@ -296,12 +321,23 @@ def bearer_token_ok(authorization: str | None, api_key: str) -> bool:
     return hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
+def api_key_ok(authorization: str | None, x_api_key: str | None, api_key: str) -> bool:
+    """Whether a request carries the key: ``Authorization: Bearer KEY`` (OpenAI's clients)
+    or ``x-api-key: KEY`` (Anthropic's). Constant-time compares."""
+    if bearer_token_ok(authorization, api_key):
+        return True
+    if x_api_key is None:
+        return False
+    return hmac.compare_digest(x_api_key.strip().encode(), api_key.encode())
+
+
 class SSEResponse:
     """A ``text/event-stream`` response: ``data: <json>\\n\\n`` events, then ``data: [DONE]``.
 
-    ``start`` sends the headers; ``event`` one JSON event; ``done`` the
-    terminating ``[DONE]`` and the end of the body. Not safe for concurrent
-    senders: use one task per response.
+    ``start`` sends the headers; ``event`` one JSON event (named ``event: NAME`` when a
+    name is given, as the Responses and Messages APIs do); ``done`` the terminating
+    ``[DONE]`` and the end of the body, ``end`` the end of the body without it. Not safe
+    for concurrent senders: use one task per response.
     """
 
     def __init__(self, send: Send) -> None:
@@ -318,22 +354,24 @@ class SSEResponse:
         await self._send({"type": "http.response.start", "status": 200, "headers": headers})
         self.started = True
 
-    async def event(self, value: Any) -> None:
+    async def event(self, value: Any, name: str | None = None) -> None:
+        head = b"" if name is None else b"event: " + name.encode() + b"\n"
         await self._send(
             {
                 "type": "http.response.body",
-                "body": b"data: " + dumps(value) + b"\n\n",
+                "body": head + b"data: " + dumps(value) + b"\n\n",
                 "more_body": True,
             }
         )
 
     async def done(self) -> None:
+        await self.end(b"data: [DONE]\n\n")
+
+    async def end(self, last: bytes = b"") -> None:
         if self.closed:
             return
         self.closed = True
-        await self._send(
-            {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
-        )
+        await self._send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 async def watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

@@ -21,8 +21,9 @@ from ..protocol.params import LoRARequest, PoolingParams
 from .asgi import Request, send_json
 from .embeddings import embedding_response, parse_embedding_request
 from .lora_routes import select_model
-from .openai_handlers import until_disconnect
-from .openai_schemas import PromptInput, in_request_terms, request_fields
+from .openai_protocol import PromptInput
+from .openai_schemas import in_request_terms, request_fields
+from .serving_base import until_disconnect
 from .state import ServingState, Unavailable
 
 _RENAMES = request_fields("embeddings", {})

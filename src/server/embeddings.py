@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from ..protocol.errors import ValidationError
 from ..protocol.params import PoolingParams
-from .openai_schemas import MAX_PROMPTS, PromptInput, check_bool, check_int, check_str, show
+from .openai_protocol import MAX_PROMPTS, PromptInput
+from .openai_schemas import check_bool, check_int, check_str, show
 
 EncodingFormat = Literal["float", "base64"]
 

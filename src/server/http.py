@@ -14,6 +14,7 @@ unknown route / unknown model         404     ``not_found`` / ``model_not_found`
 wrong method                          405     ``method_not_allowed``
 body over ``max_body_bytes``          413     ``body_too_large``
 missing or wrong API key              401     ``invalid_api_key``
+  (``Authorization: Bearer KEY`` or Anthropic's ``x-api-key: KEY``)
 draining / engine dead                503     ``shutting_down`` / ``engine_dead``
 anything else                         500     ``internal_error``
 ====================================  ======  ===========================
@@ -45,12 +46,16 @@ from .asgi import (
     Request,
     Scope,
     Send,
-    bearer_token_ok,
+    api_key_ok,
     send_body,
     send_error,
 )
 from .cors import is_preflight
 from .embedding_handler import create_embeddings
+from .serving_chat import create_chat_completion
+from .serving_completion import create_completion
+from .serving_messages import count_tokens, create_message
+from .serving_responses import create_response
 from .state import Handler, ServingState, Unavailable
 
 if TYPE_CHECKING:
@@ -59,8 +64,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("legato.server")
 
 ROUTES: dict[str, dict[str, Handler]] = {
-    "/v1/completions": {"POST": handlers.create_completion},
-    "/v1/chat/completions": {"POST": handlers.create_chat_completion},
+    "/v1/completions": {"POST": create_completion},
+    "/v1/chat/completions": {"POST": create_chat_completion},
+    "/v1/responses": {"POST": create_response},
+    "/v1/messages": {"POST": create_message},
+    "/v1/messages/count_tokens": {"POST": count_tokens},
     "/v1/models": {"GET": handlers.list_models},
     "/v1/embeddings": {"POST": create_embeddings},
     "/v1/load_lora_adapter": {"POST": lora_routes.load_lora_adapter},
@@ -72,6 +80,9 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/detokenize": {"POST": handlers.detokenize},
     **{path: {"GET": handler} for path, handler in DOCS_ROUTES.items()},
 }
+
+ANTHROPIC_PREFIX = "/v1/messages"
+"""Paths under it answer errors in Anthropic's shape (``{"type": "error", "error": ...}``)."""
 
 OPEN_PATHS = frozenset({"/health"})
 """Paths served without the API key (the API description needs it too, as documented)."""
@@ -193,7 +204,7 @@ class OpenAIApp:
                 "%s %s failed after its response started: %s", request.method, request.path, error
             )
             return
-        await send_error(request.send, error)
+        await send_error(request.send, error, anthropic=request.path.startswith(ANTHROPIC_PREFIX))
 
     def _route(self, request: Request) -> Handler:
         settings = self.state.settings
@@ -203,7 +214,8 @@ class OpenAIApp:
             methods = self.web_ui.routes.get(request.path)
             public = methods is not None  # the page asks for the key itself
         if settings.api_key is not None and not public:
-            if not bearer_token_ok(request.header("authorization"), settings.api_key):
+            key = settings.api_key
+            if not api_key_ok(request.header("authorization"), request.header("x-api-key"), key):
                 raise HTTPError(401, "invalid or missing API key", code="invalid_api_key")
         if methods is None:
             raise HTTPError(404, f"no route for {request.path}", code="not_found")

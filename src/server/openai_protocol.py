@@ -9,8 +9,12 @@ that a JSON value's type decides (a string or a list of parts ...) are
 tagged by that type, so an error points into the member that applies
 instead of listing every member.
 
-The models validate shapes and types; value ranges (temperature, top_p ...)
-are ``SamplingParams``' to check, so that rule lives in one place. Response
+The models validate shapes and types, and are the only parser of a body: a
+generation request builds its engine parameters itself
+(``to_sampling_params()``), and value ranges (temperature, top_p ...) are
+``SamplingParams``' to check, so that rule lives in one place. Known OpenAI
+features the engine lacks (``suffix``, ``functions``, chat's ``best_of``) are
+refused rather than silently ignored; ``null`` means "not given". Response
 models describe exactly what the handlers send, for the OpenAPI document
 and for tests that check the handlers' output against them.
 
@@ -19,14 +23,18 @@ Pure code: never imports trio or torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from ..protocol.errors import ValidationError
+from ..protocol.params import RequestOutputKind, SamplingParams
+from ..protocol.structured import StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -43,6 +51,11 @@ _JSON_TYPES: tuple[tuple[type, str], ...] = (
     (list, "array"),
     (dict, "object"),
 )
+
+MAX_PROMPTS = 256
+"""At most this many prompts in one ``/v1/completions`` request."""
+
+PromptInput = str | dict[str, Any]
 
 MAX_TOOLS = 128
 """The most tools a request may declare (their checks and the template grow with it)."""
@@ -282,6 +295,63 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    cache_salt: str | None = None
+    functions: Any = None  # deprecated by OpenAI: refused
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
+
+    def renames(self) -> dict[str, str]:
+        """Engine field -> this request's name for it, where they differ."""
+        return {}
+
+    def with_cache_salt(self, prompt: PromptInput) -> PromptInput:
+        """``prompt`` as a dict prompt carrying ``cache_salt`` (unchanged without one): prompts
+        with different salts never share prefix-cache blocks."""
+        if self.cache_salt is None:
+            return prompt
+        if isinstance(prompt, str):
+            return {"prompt": prompt, "cache_salt": self.cache_salt}
+        return {**prompt, "cache_salt": self.cache_salt}
+
+    def engine_params(
+        self,
+        extra: Mapping[str, Any],
+        *,
+        max_n: int,
+        structured_outputs: StructuredOutputsParams | None,
+    ) -> SamplingParams:
+        """SamplingParams from the fields it shares with this model, plus ``extra``; a
+        ValidationError names the request's field (see :meth:`renames`)."""
+        if self.stream_options is not None and not self.stream:
+            raise ValidationError("stream_options", "is only allowed with stream=true")
+        if self.functions:
+            raise ValidationError(
+                "functions", "is deprecated by OpenAI and not supported; use tools"
+            )
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValidationError("cache_salt", "must be a non-empty string")
+        kwargs: dict[str, Any] = {
+            name: value
+            for name in _SHARED_WITH_SAMPLING_PARAMS
+            if (value := getattr(self, name)) is not None
+        }
+        if self.logit_bias is not None:
+            kwargs["logit_bias"] = _token_bias(self.logit_bias)
+        kwargs.update(extra)
+        n = kwargs.get("n", 1)
+        if n > max_n:
+            raise ValidationError("n", f"must be <= {max_n}, got {n}")
+        try:
+            return SamplingParams(
+                **kwargs,
+                structured_outputs=structured_outputs,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except ValidationError as exc:
+            raise exc.renamed(self.renames().get(exc.field, exc.field)) from None
 
     @field_validator("logit_bias")
     @classmethod
@@ -290,6 +360,27 @@ class SamplingFields(OpenAIModel):
             if not re.fullmatch(r"[0-9]{1,19}", key):
                 raise ValueError(f"keys must be token ids, got {key[:40]!r}")
         return value
+
+
+_SHARED_WITH_SAMPLING_PARAMS = tuple(
+    sorted(
+        {f.name for f in dataclasses.fields(SamplingParams)}.intersection(
+            SamplingFields.model_fields
+        )
+        - {"logit_bias", "structured_outputs"}  # converted, or read by ``chat_outputs``
+    )
+)
+"""The request fields that are SamplingParams fields by the same name (temperature, n ...)."""
+
+
+def _token_bias(bias: dict[str, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = int(key)  # digits only: see SamplingFields._logit_bias_keys
+        if token_id > INT64_MAX:
+            raise ValidationError("logit_bias", f"keys must be token ids, got {key!r}")
+        out[token_id] = value
+    return out
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -309,6 +400,40 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool | None = None
+    best_of: Any = None  # a completions parameter: refused
+
+    def renames(self) -> dict[str, str]:
+        """Engine field -> this request's name for it (the first of two names given wins)."""
+        return {
+            "max_tokens": "max_completion_tokens"
+            if self.max_completion_tokens is not None
+            else "max_tokens",
+            "logprobs": "top_logprobs" if self.top_logprobs is not None else "logprobs",
+            "prompt": "messages",
+            "prompt_token_ids": "messages",
+        }
+
+    def to_sampling_params(
+        self, *, max_n: int, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
+        """The engine's parameters; a ValidationError names the request's field.
+        ``max_tokens`` defaults to the context limit, as OpenAI and vLLM do for chat."""
+        if self.best_of is not None:
+            raise ValidationError("best_of", "is not a chat completions parameter")
+        extra: dict[str, Any] = {}
+        extra["max_tokens"] = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValidationError("top_logprobs", "needs logprobs=true")
+            if self.top_logprobs < 0:
+                raise ValidationError("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
+        if self.logprobs:
+            extra["logprobs"] = self.top_logprobs or 0
+        return self.engine_params(extra, max_n=max_n, structured_outputs=structured_outputs)
 
 
 if TYPE_CHECKING:
@@ -351,7 +476,44 @@ class CompletionRequest(SamplingFields):
             raise ValueError("must be strings, token ids or token id lists, not a mix")
         if isinstance(value[0], list) and any(not v for v in value):
             raise ValueError("token id lists must not be empty")
+        count = len(value) if not isinstance(value[0], int) else 1
+        if count > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {count}")
         return value
+
+    def renames(self) -> dict[str, str]:
+        """Engine field -> this request's name for it."""
+        return {"prompt": "prompt", "prompt_token_ids": "prompt"}
+
+    def prompts(self) -> list[PromptInput]:
+        """One engine prompt per prompt given (token ids as ``{"prompt_token_ids"}``), each
+        with the request's ``cache_salt``."""
+        value = self.prompt
+        prompts: list[PromptInput]
+        if isinstance(value, str):
+            prompts = [value]
+        elif isinstance(value[0], int):
+            prompts = [{"prompt_token_ids": list(value)}]
+        else:
+            prompts = [v if isinstance(v, str) else {"prompt_token_ids": v} for v in value]
+        return [self.with_cache_salt(prompt) for prompt in prompts]
+
+    def to_sampling_params(
+        self, *, max_n: int, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
+        """The engine's parameters; a ValidationError names the request's field."""
+        if self.suffix:
+            raise ValidationError("suffix", "is not supported by this server")
+        extra: dict[str, Any] = {}
+        if self.max_tokens is not None:
+            extra["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            if self.logprobs < 0:
+                raise ValidationError("logprobs", f"must be >= 0, got {self.logprobs}")
+            extra["logprobs"] = self.logprobs
+        if self.best_of is not None:
+            extra["best_of"] = self.best_of
+        return self.engine_params(extra, max_n=max_n, structured_outputs=structured_outputs)
 
 
 # ------------------------------------------------------------------ responses

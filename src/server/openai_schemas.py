@@ -1,18 +1,12 @@
-"""OpenAI request bodies -> prompts and ``SamplingParams``; engine outputs -> OpenAI response objects.
+"""Small field checks for the bodies without a model of their own (``/tokenize``,
+``/detokenize``, LoRA routes, embeddings, the WebSocket ``params``), the engine-field
+renames of an error, and engine outputs -> OpenAI response objects.
 
-Parsing is strict about types and lenient about names: a known field of the
-wrong type is a ``ValidationError`` naming that field (the handlers answer
-400 with ``param`` set to it), while fields this server does not know are
-ignored, as OpenAI and vLLM do, for forward compatibility. Known OpenAI
-features the engine lacks (``suffix``, ``functions``) are refused rather than
-silently ignored. ``null`` means "not given". The request's types are checked
-first by the pydantic models (``openai_protocol``); ``tools``,
-``response_format`` and the structured-output fields are read by
-``chat_outputs`` and ``tool_choice``.
-
-The response builders produce exactly OpenAI's shapes (``id``, ``object``,
-``created``, ``model``, ``choices``, ``usage``), plus vLLM's ``stop_reason``
-per choice.
+The generation bodies are parsed by their pydantic models alone
+(``openai_protocol``, ``responses_protocol``, ``messages_protocol``), which build their
+``SamplingParams`` themselves. The response builders produce exactly OpenAI's shapes
+(``id``, ``object``, ``created``, ``model``, ``choices``, ``usage``), plus vLLM's
+``stop_reason`` per choice.
 
 Pure code: never imports trio or torch.
 """
@@ -26,21 +20,14 @@ from typing import Any
 
 from ..protocol.errors import ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob
-from ..protocol.params import RequestOutputKind, SamplingParams
 from ..protocol.structured import StructuredOutputsParams
+from .openai_protocol import INT64_MAX, INT64_MIN
 
-MAX_PROMPTS = 256
-"""At most this many prompts in one ``/v1/completions`` request."""
-
-PromptInput = str | dict[str, Any]
 DecodeToken = Callable[[int, Logprob | None], str]
 
 
 # ------------------------------------------------------------------ field checks
 
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""Integers a client gives must fit in 64 bits: the engine stores them in int64 arrays."""
 
 _REPR = reprlib.Repr()  # (keyword arguments need Python 3.12)
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
@@ -133,33 +120,27 @@ def check_structured_outputs(name: str, value: object) -> StructuredOutputsParam
 
 Checker = Callable[[str, object], Any]
 
-# request field -> (SamplingParams field, type check); shared by both endpoints.
-_SAMPLING_FIELDS: dict[str, tuple[str, Checker]] = {
-    "temperature": ("temperature", check_number),
-    "top_p": ("top_p", check_number),
-    "n": ("n", check_int),
-    "stop": ("stop", check_str_or_strs),
-    "seed": ("seed", check_int),
-    "presence_penalty": ("presence_penalty", check_number),
-    "frequency_penalty": ("frequency_penalty", check_number),
-    "logit_bias": ("logit_bias", check_logit_bias),
-    # vLLM's extras
-    "top_k": ("top_k", check_int),
-    "min_p": ("min_p", check_number),
-    "repetition_penalty": ("repetition_penalty", check_number),
-    "ignore_eos": ("ignore_eos", check_bool),
-    "min_tokens": ("min_tokens", check_int),
-    "stop_token_ids": ("stop_token_ids", check_ints),
-    "skip_special_tokens": ("skip_special_tokens", check_bool),
-    "spaces_between_special_tokens": ("spaces_between_special_tokens", check_bool),
-    "include_stop_str_in_output": ("include_stop_str_in_output", check_bool),
-    "truncate_prompt_tokens": ("truncate_prompt_tokens", check_int),
-    "allowed_token_ids": ("allowed_token_ids", check_ints),
-    "bad_words": ("bad_words", check_strs),
-}
-
 PARAM_CHECKS: dict[str, Checker] = {
-    **dict(_SAMPLING_FIELDS.values()),
+    "temperature": check_number,
+    "top_p": check_number,
+    "n": check_int,
+    "stop": check_str_or_strs,
+    "seed": check_int,
+    "presence_penalty": check_number,
+    "frequency_penalty": check_number,
+    "logit_bias": check_logit_bias,
+    "top_k": check_int,
+    "min_p": check_number,
+    "repetition_penalty": check_number,
+    "ignore_eos": check_bool,
+    "min_tokens": check_int,
+    "stop_token_ids": check_ints,
+    "skip_special_tokens": check_bool,
+    "spaces_between_special_tokens": check_bool,
+    "include_stop_str_in_output": check_bool,
+    "truncate_prompt_tokens": check_int,
+    "allowed_token_ids": check_ints,
+    "bad_words": check_strs,
     "best_of": check_int,
     "max_tokens": check_int,
     "logprobs": check_int,
@@ -177,20 +158,13 @@ def _given(body: Mapping[str, Any], name: str) -> bool:
 
 
 REQUEST_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
-    "completions": {"prompt_token_ids": ("prompt",), "prompt": ("prompt",)},
-    "chat": {
-        "max_tokens": ("max_completion_tokens", "max_tokens"),
-        "logprobs": ("top_logprobs", "logprobs"),
-        "prompt_token_ids": ("messages",),
-        "prompt": ("messages",),
-    },
     "embeddings": {"prompt_token_ids": ("input",), "prompt": ("input",)},
     "detokenize": {"prompt_token_ids": ("tokens",), "prompt": ("tokens",)},
 }
-"""Endpoint -> engine field (SamplingParams', the renderer's) -> the request fields that
-set it, the first one the body gives winning (chat's ``max_completion_tokens`` before
-``max_tokens``). The one place where an engine ``ValidationError`` gets the name the
-client used; a field not listed keeps its name (``temperature`` is ``temperature``)."""
+"""Endpoint -> engine field (the renderer's) -> the request fields that set it, the first
+one the body gives winning. Where an engine ``ValidationError`` gets the name the client
+used; a field not listed keeps its name. (The generation models say it themselves:
+``renames()``.)"""
 
 
 def request_fields(endpoint: str, body: Mapping[str, Any]) -> dict[str, str]:
@@ -204,157 +178,6 @@ def request_fields(endpoint: str, body: Mapping[str, Any]) -> dict[str, str]:
 def in_request_terms(exc: ValidationError, renames: Mapping[str, str]) -> ValidationError:
     """``exc`` naming the request's field (``renames`` from :func:`request_fields`)."""
     return exc.renamed(renames.get(exc.field, exc.field))
-
-
-def _sampling_params(
-    body: Mapping[str, Any], extra: dict[str, Any], renames: Mapping[str, str], *, max_n: int
-) -> SamplingParams:
-    """SamplingParams from the shared fields plus ``extra``; errors name the request's field."""
-    kwargs: dict[str, Any] = {}
-    for name, (target, check) in _SAMPLING_FIELDS.items():
-        if _given(body, name):
-            kwargs[target] = check(name, body[name])
-    kwargs.update(extra)
-    n = kwargs.get("n", 1)
-    if n > max_n:
-        raise ValidationError("n", f"must be <= {max_n}, got {n}")
-    try:
-        return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
-    except ValidationError as exc:
-        raise in_request_terms(exc, renames) from None
-
-
-def _common(body: Mapping[str, Any]) -> tuple[str | None, bool, bool, int]:
-    """model, stream, include_usage, priority."""
-    model = check_str("model", body["model"]) if _given(body, "model") else None
-    stream = check_bool("stream", body["stream"]) if _given(body, "stream") else False
-    include_usage = False
-    if _given(body, "stream_options"):
-        options = body["stream_options"]
-        if not isinstance(options, dict):
-            raise ValidationError("stream_options", f"must be an object, got {show(options)}")
-        if not stream:
-            raise ValidationError("stream_options", "is only allowed with stream=true")
-        if options.get("include_usage") is not None:
-            include_usage = check_bool("stream_options.include_usage", options["include_usage"])
-    priority = check_int("priority", body["priority"]) if _given(body, "priority") else 0
-    if _given(body, "user"):
-        check_str("user", body["user"])
-    return model, stream, include_usage, priority
-
-
-def _cache_salt(body: Mapping[str, Any]) -> str | None:
-    """vLLM's ``cache_salt``: prompts with different salts never share prefix-cache blocks."""
-    if not _given(body, "cache_salt"):
-        return None
-    salt = check_str("cache_salt", body["cache_salt"])
-    if not salt:
-        raise ValidationError("cache_salt", "must be a non-empty string")
-    return salt
-
-
-def with_cache_salt(prompt: PromptInput, salt: str | None) -> PromptInput:
-    """``prompt`` as a dict prompt carrying ``salt`` (unchanged when there is none)."""
-    if salt is None:
-        return prompt
-    if isinstance(prompt, str):
-        return {"prompt": prompt, "cache_salt": salt}
-    return {**prompt, "cache_salt": salt}
-
-
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    # tools, tool_choice, response_format and structured outputs: see server.chat_outputs.
-    if body.get("functions"):
-        raise ValidationError("functions", "is deprecated by OpenAI and not supported; use tools")
-
-
-# ------------------------------------------------------------------ requests
-
-
-@dataclass
-class CompletionRequest:
-    """A parsed ``POST /v1/completions`` body."""
-
-    model: str | None
-    prompts: list[PromptInput]
-    params: SamplingParams
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    logprobs: int | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-
-
-@dataclass
-class ChatRequest:
-    """A parsed ``POST /v1/chat/completions`` body."""
-
-    model: str | None
-    messages: list[dict[str, Any]]
-    params: SamplingParams
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
-    add_generation_prompt: bool = True
-    priority: int = 0
-    cache_salt: str | None = None
-
-
-def parse_prompts(value: object) -> list[PromptInput]:
-    """OpenAI's ``prompt``: a string, strings, token ids, or lists of token ids."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value):
-            prompts: list[PromptInput] = list(value)
-        elif all(_is_int(v) for v in value):
-            prompts = [{"prompt_token_ids": list(value)}]
-        elif all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
-            prompts = [{"prompt_token_ids": list(v)} for v in value]
-        else:
-            raise ValidationError(
-                "prompt",
-                "must be a string, a list of strings, a list of token ids or a list of token id lists",
-            )
-        if len(prompts) > MAX_PROMPTS:
-            raise ValidationError(
-                "prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}"
-            )
-        return prompts
-    if isinstance(value, list):
-        raise ValidationError("prompt", "must not be empty")
-    raise ValidationError(
-        "prompt", f"must be a string, a list of strings or token ids, got {type(value).__name__}"
-    )
-
-
-def parse_completion_request(body: Mapping[str, Any], *, max_n: int) -> CompletionRequest:
-    """Validate a completions body. Raises ValidationError naming the field."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise ValidationError("prompt", "is required")
-    prompts = parse_prompts(body["prompt"])
-    model, stream, include_usage, priority = _common(body)
-    _refuse_unsupported(body)
-    if body.get("suffix"):
-        raise ValidationError("suffix", "is not supported by this server")
-    extra: dict[str, Any] = {}
-    if _given(body, "max_tokens"):
-        extra["max_tokens"] = check_int("max_tokens", body["max_tokens"])
-    logprobs = None
-    if _given(body, "logprobs"):
-        logprobs = check_int("logprobs", body["logprobs"])
-        if logprobs < 0:
-            raise ValidationError("logprobs", f"must be >= 0, got {logprobs}")
-        extra["logprobs"] = logprobs
-    if _given(body, "best_of"):
-        extra["best_of"] = check_int("best_of", body["best_of"])
-    echo = check_bool("echo", body["echo"]) if _given(body, "echo") else False
-    params = _sampling_params(body, extra, request_fields("completions", body), max_n=max_n)
-    return CompletionRequest(
-        model, prompts, params, stream, include_usage, echo, logprobs, priority, _cache_salt(body)
-    )
 
 
 def parse_messages(value: object) -> list[dict[str, Any]]:
@@ -390,51 +213,6 @@ def parse_messages(value: object) -> list[dict[str, Any]]:
         out.update(role=role, content=text)
         messages.append(out)
     return messages
-
-
-def parse_chat_request(body: Mapping[str, Any], *, max_n: int) -> ChatRequest:
-    """Validate a chat completions body. Raises ValidationError naming the field."""
-    if "messages" not in body or body["messages"] is None:
-        raise ValidationError("messages", "is required")
-    messages = parse_messages(body["messages"])
-    model, stream, include_usage, priority = _common(body)
-    _refuse_unsupported(body)
-    extra: dict[str, Any] = {}
-    renames = request_fields("chat", body)
-    for name in REQUEST_FIELDS["chat"]["max_tokens"]:  # the first given wins
-        if _given(body, name):
-            extra["max_tokens"] = check_int(name, body[name])
-            break
-    else:
-        extra["max_tokens"] = None  # up to the context limit, as OpenAI and vLLM do for chat
-    logprobs = check_bool("logprobs", body["logprobs"]) if _given(body, "logprobs") else False
-    top_logprobs = 0
-    if _given(body, "top_logprobs"):
-        top_logprobs = check_int("top_logprobs", body["top_logprobs"])
-        if not logprobs:
-            raise ValidationError("top_logprobs", "needs logprobs=true")
-        if top_logprobs < 0:
-            raise ValidationError("top_logprobs", f"must be >= 0, got {top_logprobs}")
-    if logprobs:
-        extra["logprobs"] = top_logprobs
-    add_generation_prompt = True
-    if _given(body, "add_generation_prompt"):
-        add_generation_prompt = check_bool("add_generation_prompt", body["add_generation_prompt"])
-    if _given(body, "best_of"):
-        raise ValidationError("best_of", "is not a chat completions parameter")
-    params = _sampling_params(body, extra, renames, max_n=max_n)
-    return ChatRequest(
-        model,
-        messages,
-        params,
-        stream,
-        include_usage,
-        logprobs,
-        top_logprobs,
-        add_generation_prompt,
-        priority,
-        _cache_salt(body),
-    )
 
 
 # ------------------------------------------------------------------ responses

@@ -276,9 +276,7 @@ class ServingState:
             raise Unavailable("engine_dead", f"the engine is dead: {why}")
 
     @contextmanager
-    def track(
-        self, request_id: str, engine_ids: list[str], *, n: int = 1
-    ) -> Iterator[LiveRequest]:
+    def track(self, request_id: str, engine_ids: list[str], *, n: int = 1) -> Iterator[LiveRequest]:
         """Admit one request for the ``with`` body, inside a cancel scope the drain may cancel.
 
         It counts ``len(engine_ids) * n`` engine sequences against

@@ -590,3 +590,102 @@ def test_memory_and_in_flight_state_stay_bounded(
     assert grown < 64 * 1024 * 1024, f"RSS grew by {grown / 2**20:.1f} MiB over 3 rounds"
     assert fuzz_server.num_live() == 0
     assert_still_serving(http)
+
+
+# ------------------------------------------------------------------ the agent APIs
+
+AGENT_ENDPOINTS: dict[str, tuple[dict[str, Any], list[str]]] = {
+    # path: (a valid body, the fields it knows)
+    "/v1/responses": (
+        {"input": "Hi", "max_output_tokens": 2},
+        [
+            "model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
+            "tools", "tool_choice", "parallel_tool_calls", "text", "reasoning", "stream",
+            "store", "background", "previous_response_id", "metadata", "user", "top_k",
+            "seed", "priority",
+        ],
+    ),
+    "/v1/messages": (
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        [
+            "model", "messages", "max_tokens", "system", "stop_sequences", "temperature",
+            "top_p", "top_k", "stream", "tools", "tool_choice", "metadata", "output_config",
+        ],
+    ),
+    "/v1/messages/count_tokens": (
+        {"messages": [{"role": "user", "content": "hi"}]},
+        ["model", "messages", "system", "tools", "tool_choice"],
+    ),
+}  # fmt: skip
+AGENT_VALUES = (
+    PLAUSIBLE
+    | st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function_call", "function_call_output", "tool_use",
+                                      "tool_result", "text", "message", "image"]),
+             "call_id": JSON_VALUES, "output": JSON_VALUES, "text": JSON_VALUES,
+             "id": JSON_VALUES, "name": JSON_VALUES, "input": JSON_VALUES}
+        ),
+        max_size=3,
+    )
+    | st.fixed_dictionaries({"format": st.fixed_dictionaries({"type": JSON_VALUES, "schema": JSON_VALUES})})
+)  # fmt: skip
+
+
+def check_agent_answer(path: str, response: httpx.Response) -> None:
+    """A documented status; errors in the API's own shape; streams end as the API says."""
+    status = response.status_code
+    assert status in POST_ALLOWED, (status, response.text[:500])
+    anthropic = path.startswith("/v1/messages")
+    if status != 200:
+        body = response.json()
+        if anthropic:
+            assert set(body) == {"type", "error"} and body["type"] == "error", body
+            assert set(body["error"]) == {"type", "message"}, body
+            assert body["error"]["message"], body
+        else:
+            assert set(body) == {"error"} and body["error"]["code"] in DOCUMENTED[status], body
+        return
+    if response.headers["content-type"].startswith("text/event-stream"):
+        names = [line[7:] for line in response.text.split("\n") if line.startswith("event: ")]
+        assert "error" not in names, response.text[-500:]  # an error event is for engine death
+        assert names[-1] == ("message_stop" if anthropic else "response.completed"), names[-3:]
+    else:
+        response.json()
+
+
+@st.composite
+def agent_bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """An agent endpoint and its valid body with 1-3 known fields set to hostile values."""
+    path = draw(st.sampled_from(sorted(AGENT_ENDPOINTS)))
+    base, fields = AGENT_ENDPOINTS[path]
+    body = dict(base)
+    for field in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
+        body[field] = draw(AGENT_VALUES)
+    return path, body
+
+
+@FUZZ
+@given(case=agent_bodies())
+def test_agent_api_fields_with_hostile_values(
+    fuzz_server: ServerThread, http: httpx.Client, case: tuple[str, dict[str, Any]]
+) -> None:
+    path, body = case
+    check_agent_answer(path, post_json(http, path, body))
+    fuzz_server.assert_engine_alive()
+
+
+def test_every_agent_api_field_with_every_wrong_type(
+    fuzz_server: ServerThread, http: httpx.Client
+) -> None:
+    wrong: list[Any] = [
+        None, True, -1, 0, 2**64, 1.5, math.nan, math.inf, "", "s", "\ud800",
+        [], [1], ["a"], [{}], {}, {"a": 1}, {"type": "tool"}, [None], "x" * 3000,
+    ]  # fmt: skip
+    for path, (base, fields) in AGENT_ENDPOINTS.items():
+        for field in fields:
+            for value in wrong:
+                check_agent_answer(path, post_json(http, path, {**base, field: value}))
+                fuzz_server.assert_engine_alive()
+    assert_still_serving(http)
+    fuzz_server.wait_idle()

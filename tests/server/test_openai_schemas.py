@@ -1,4 +1,5 @@
-"""OpenAI bodies -> prompts and SamplingParams, and the response builders (pure, no server)."""
+"""OpenAI bodies -> prompts and SamplingParams through the pydantic models alone, and the
+response builders (pure, no server)."""
 
 from __future__ import annotations
 
@@ -8,31 +9,51 @@ import pytest
 
 from legato.protocol.errors import ValidationError
 from legato.protocol.outputs import Logprob
-from legato.protocol.params import RequestOutputKind
+from legato.protocol.params import RequestOutputKind, SamplingParams
 from legato.server import openai_schemas as schemas
 from legato.server.asgi import dumps
+from legato.server.openai_protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+
+
+def parse(body: dict[str, Any], chat: bool = False, max_n: int = 4) -> tuple[Any, SamplingParams]:
+    """The body's model and its SamplingParams, as the handlers build them."""
+    typed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+    return typed, typed.to_sampling_params(max_n=max_n)
 
 
 def field_of(body: dict[str, Any], chat: bool = False) -> str:
-    parse = schemas.parse_chat_request if chat else schemas.parse_completion_request
     with pytest.raises(ValidationError) as info:
-        parse(body, max_n=4)
+        parse(body, chat)
     return info.value.field
 
 
+def prompts_of(prompt: Any) -> list[Any]:
+    typed: CompletionRequest = parse_request(CompletionRequest, {"prompt": prompt})
+    return typed.prompts()
+
+
 def test_prompt_forms() -> None:
-    assert schemas.parse_prompts("a") == ["a"]
-    assert schemas.parse_prompts(["a", "b"]) == ["a", "b"]
-    assert schemas.parse_prompts([1, 2]) == [{"prompt_token_ids": [1, 2]}]
-    assert schemas.parse_prompts([[1], [2, 3]]) == [
+    assert prompts_of("a") == ["a"]
+    assert prompts_of(["a", "b"]) == ["a", "b"]
+    assert prompts_of([1, 2]) == [{"prompt_token_ids": [1, 2]}]
+    assert prompts_of([[1], [2, 3]]) == [
         {"prompt_token_ids": [1]},
         {"prompt_token_ids": [2, 3]},
     ]
     for bad in ([], [1, "a"], [[1], []], [True], 3, {"a": 1}, [[1.5]]):
-        with pytest.raises(ValidationError):
-            schemas.parse_prompts(bad)
-    with pytest.raises(ValidationError):
-        schemas.parse_prompts(["x"] * (schemas.MAX_PROMPTS + 1))
+        with pytest.raises(ValidationError) as info:
+            prompts_of(bad)
+        assert info.value.field.startswith("prompt")
+    with pytest.raises(ValidationError) as info:
+        prompts_of(["x"] * (MAX_PROMPTS + 1))
+    assert info.value.field == "prompt" and "at most 256" in info.value.reason
+    salted = parse_request(CompletionRequest, {"prompt": [[1]], "cache_salt": "s"}).prompts()
+    assert salted == [{"prompt_token_ids": [1], "cache_salt": "s"}]
 
 
 def test_completion_fields_map_to_sampling_params() -> None:
@@ -44,8 +65,7 @@ def test_completion_fields_map_to_sampling_params() -> None:
         "include_stop_str_in_output": True, "logit_bias": {"5": -1}, "stream": True,
         "stream_options": {"include_usage": True}, "unknown": object(),
     }  # fmt: skip
-    request = schemas.parse_completion_request(body, max_n=4)
-    p = request.params
+    request, p = parse(body)
     assert (p.max_tokens, p.temperature, p.top_p, p.n, p.stop, p.seed, p.logprobs) == (
         7,
         0.5,
@@ -74,7 +94,7 @@ def test_completion_fields_map_to_sampling_params() -> None:
         True,
         "m",
     )
-    defaults = schemas.parse_completion_request({"prompt": "p", "max_tokens": None}, max_n=1).params
+    defaults = parse({"prompt": "p", "max_tokens": None}, max_n=1)[1]
     assert defaults.max_tokens == 16 and defaults.n == 1  # OpenAI's and vLLM's completions default
 
 
@@ -93,7 +113,7 @@ def test_errors_name_the_request_field() -> None:
     assert field_of({**chat, "functions": [{"name": "f"}]}, chat=True) == "functions"
     assert field_of(
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True
-    ) == ("messages[0].content[0]")
+    ) == "messages[0].content[0].type"
 
 
 def test_chat_messages_and_defaults() -> None:
@@ -105,13 +125,13 @@ def test_chat_messages_and_defaults() -> None:
         "logprobs": True,
         "top_logprobs": 3,
     }  # fmt: skip
-    request = schemas.parse_chat_request(body, max_n=1)
-    assert request.messages == [
+    request, params = parse(body, chat=True, max_n=1)
+    assert [message.for_template() for message in request.messages] == [
         {"role": "system", "content": ""},
         {"role": "user", "content": "a\nb", "name": "n"},
     ]
-    assert request.params.max_tokens is None  # up to the context limit
-    assert request.params.logprobs == 3 and request.top_logprobs == 3
+    assert params.max_tokens is None  # up to the context limit
+    assert params.logprobs == 3 and request.top_logprobs == 3
 
 
 def test_logprob_objects() -> None:

@@ -90,3 +90,21 @@ def test_docs_are_served_from_the_package() -> None:
         script is not None and script[1].startswith("text/javascript") and len(script[0]) > 100_000
     )
     assert docs_asset("../../../etc/passwd") is None and docs_asset("index.j2") is None
+
+
+def test_the_served_document_describes_the_agent_apis() -> None:
+    """The bodies of /v1/responses and /v1/messages are documented by the models that parse
+    them: a body the model accepts validates against the document's schema, one it refuses
+    does not."""
+    from legato.server.api_docs import OPERATIONS
+
+    served = openapi_document(OPERATIONS, title="legato", version="0.1.0")
+    for path, good, bad in (
+        ("/v1/responses", {"input": [{"role": "user", "content": "hi"}]}, {"input": 3}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+         {"messages": [{"role": "system", "content": "hi"}]}),
+    ):  # fmt: skip
+        schema = served["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        validator = _validator(served, schema["schema"])
+        assert validator.is_valid(good)
+        assert not validator.is_valid(bad)
