@@ -9,7 +9,9 @@ calls) of:
 - ``int4pack fp32`` / ``int4pack bf16``: torch's own ``_weight_int4pack_mm_for_cpu`` (group 32,
   scale + zero: Q4_0 / Q4_1 / Q4_K map onto it exactly) with fp32 or bf16 activations;
 - ``legato Q4_1`` / ``legato Q8_0`` / ``legato Q6_K``: :mod:`legato.models.quantized`'s native
-  kernel (fp32 activations, fp32 sums).
+  kernel with fp32 activations (the fidelity path), and ``i8 Q4_1`` / ``i8 Q8_0`` / ``i8 Q6_K``
+  with int8 activations (the default path; ``--isa`` pins its AVX-512 VNNI / AVX2 / portable
+  loop, default the best this CPU runs).
 
     flock -x /tmp/legato-cpu.lock python benchmarks/quantized_matmul.py --batches 1 16
 """
@@ -62,7 +64,8 @@ def candidates(
         "int4pack bf16": lambda: aten._weight_int4pack_mm_for_cpu(xb, int4, 32, szb),
     }
     for kind, layer in layers.items():
-        row[f"legato {kind}"] = lambda layer=layer: layer(x)  # type: ignore[misc]
+        name = kind if kind.startswith("i8") else f"legato {kind}"
+        row[name] = lambda layer=layer: layer(x)  # type: ignore[misc]
     return row
 
 
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--isa", default=None, help="avx512_vnni, avx2 or portable")
     args = parser.parse_args()
 
     import sys
@@ -79,21 +83,28 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
     from test_quantized import random_blocks  # the tests' random GGUF blocks
 
+    from legato.models import cpu_kernels
     from legato.models.quantized import QuantizedLinear, from_gguf
 
-    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+    isa = cpu_kernels.quantized_isa(args.isa)
+    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads;"
+          f" int8 path: {isa}")  # fmt: skip
     cols = ["fp32 oneDNN", "bf16 oneDNN", "int4pack fp32", "int4pack bf16"]
-    cols += ["legato Q4_1", "legato Q8_0", "legato Q6_K"]
+    cols += ["legato Q4_1", "legato Q8_0", "legato Q6_K", "i8 Q4_1", "i8 Q8_0", "i8 Q6_K"]
     print(f"{'shape':>8} {'batch':>5} " + " ".join(f"{c:>13}" for c in cols) + "   (us per call)")
     for batch in args.batches:
         for name, n, k in SHAPES:
             x = torch.randn(batch, k)
-            layers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-                t: QuantizedLinear([from_gguf(random_blocks(t, n, k), t, n, k)])
+            weights = {
+                t: [from_gguf(random_blocks(t, n, k), t, n, k)]
                 for t in ("Q4_1", "Q8_0", "Q6_K")
                 if k % (256 if t == "Q6_K" else 32) == 0  # K-quants need rows of 256
             }
-            w = layers["Q4_1"].parts[0].dequantize()
+            layers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+            for t, parts in weights.items():
+                layers[t] = QuantizedLinear(parts, int8_max_rows=0)
+                layers[f"i8 {t}"] = QuantizedLinear(parts, int8_max_rows=batch)
+            w = weights["Q4_1"][0].dequantize()
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
             codes = torch.randint(0, 16, (n, k), dtype=torch.int32)

@@ -47,6 +47,11 @@ class EngineConfig:
     # A GGUF file's quantized weights stay quantized on the CPU (legato.models.quantized);
     # True dequantizes them to fp32 at load (the reference path, 4-7x the memory).
     gguf_dequantize: bool = False
+    # Kept-quantized GGUF matmuls: "int8" holds a one-row input (a decode step of one
+    # stream) as int8 digits per block of 32 and sums integer products (llama.cpp's scheme,
+    # the fast path); "fp32" keeps fp32 throughout (the fidelity path: the dequantized
+    # model's greedy tokens).
+    gguf_activations: Literal["int8", "fp32"] = "int8"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 60.0  # a long CPU prefill step must not count as a hang
@@ -96,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"runner: unknown runner {self.runner!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend: unknown backend {self.attention_backend!r}")
+        if self.gguf_activations not in ("int8", "fp32"):
+            raise ValueError(f"gguf_activations: {self.gguf_activations!r} is not int8 or fp32")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("nnodes", self.nnodes)
         if self.tensor_parallel_size % self.nnodes:

@@ -18,8 +18,11 @@ Kernels (fp32 and bf16, each checked against its plain-torch twin in the tests):
 - :func:`rms_norm` (optionally fused with the residual add), :func:`silu_and_mul`,
   :func:`rotary_neox` (in place): the elementwise ops of a layer, one pass each;
 - :func:`argmax`: greedy sampling over fp32 logits;
-- :func:`quantized_matmul`: fp32 activations times a weight held as integer codes
-  with per-group scales (:mod:`legato.models.quantized`, GGUF types kept quantized).
+- :func:`quantized_matmul`: activations times a weight held as integer codes with
+  per-group scales (:mod:`legato.models.quantized`, GGUF types kept quantized): fp32
+  activations (the fidelity path), or activations quantized to int8 per block of 32
+  (llama.cpp's scheme, the fast path) with an AVX-512 VNNI, an AVX2 or a portable loop
+  chosen at run time (:func:`quantized_isa`).
 
 Never imports trio. Blocks while compiling (first call only).
 """
@@ -64,6 +67,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_write_kv": [_P, _L, _P, _L, _P, _P, _P, _L, _L, _L, _I],
     "legato_argmax_f32": [_P, _L, _L, _L, _P, _I],
     "legato_quantized_matmul_f32": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
+    "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
+    "legato_quantized_isa": [_I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 DTYPES = tuple(_SUFFIX)  # what the typed kernels take
@@ -412,6 +417,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+QUANTIZED_ISAS = ("portable", "avx2", "avx512_vnni")
+"""The int8-activation kernel's paths, by the number the library uses."""
+
+
+def quantized_isa(request: str | None = None) -> str:
+    """The path the int8-activation kernel runs (one of :data:`QUANTIZED_ISAS`): the best
+    this CPU supports, or with ``request`` the lower of it and that best (tests and
+    benchmarks pin a path so). Process-wide. Raises
+    ``RuntimeError`` when the library is unavailable, ``ValueError`` for an unknown name."""
+    if request is not None and request not in QUANTIZED_ISAS:
+        raise ValueError(f"quantized_isa: {request!r} is not one of {QUANTIZED_ISAS}")
+    code = -1 if request is None else QUANTIZED_ISAS.index(request)
+    return QUANTIZED_ISAS[int(_library().legato_quantized_isa(code))]
+
+
 def quantized_matmul(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -420,11 +440,15 @@ def quantized_matmul(
     bits: int,
     group: int,
     out: torch.Tensor,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``out = x @ W^T`` with ``W = codes * scales (+ offsets)`` per group of ``group``
     codes (layout: :mod:`legato.models.quantized`). ``x`` fp32 ``[M, K]`` and ``out`` fp32
-    ``[M, N]``, both with unit column stride; ``K`` a multiple of 32. Returns ``out``.
-    Raises ``ValueError`` for a layout or size it does not take (checked first)."""
+    ``[M, N]``, both with unit column stride; ``K`` a multiple of 32. With
+    ``int8_activations`` each row of ``x`` is first rounded to int8 per block of 32 (scale
+    max|x| / 127) and the group sums are integer dot products; otherwise the arithmetic is
+    fp32 throughout. Returns ``out``. Raises ``ValueError`` for a layout or size it does
+    not take (checked first)."""
     name = "quantized_matmul"
     rows, width = x.shape
     n = codes.shape[0]
@@ -457,7 +481,7 @@ def quantized_matmul(
     )
     if rows and n:
         _run(
-            "legato_quantized_matmul_f32",
+            "legato_quantized_matmul_int8" if int8_activations else "legato_quantized_matmul_f32",
             x.data_ptr(),
             x.stride(0),
             rows,
@@ -475,8 +499,11 @@ def quantized_matmul(
     return out
 
 
-def quantized_matmul_kernel() -> Any:
+def quantized_matmul_kernel(int8_activations: bool = False) -> Any:
     """The raw ctypes entry point of :func:`quantized_matmul`, for a caller that checked its
     weight once (:class:`legato.models.quantized.QuantizedLinear`) and passes pointers itself.
     Raises ``RuntimeError`` when the library is unavailable."""
-    return _library().legato_quantized_matmul_f32
+    library = _library()
+    if int8_activations:
+        return library.legato_quantized_matmul_int8
+    return library.legato_quantized_matmul_f32

@@ -287,6 +287,13 @@ class LlamaForCausalLM(nn.Module):
                 held.update((id(part), part.nbytes) for part in m.quantized.parts)
         return sum(held.values())
 
+    def set_int8_max_rows(self, rows: int) -> None:
+        """Inputs of up to ``rows`` rows take the integer kernel in every quantized matmul
+        (:class:`.QuantizedLinear`; 0: none, the fp32 fidelity path)."""
+        for m in self.modules():
+            if isinstance(m, Linear) and m.quantized is not None:
+                m.quantized.int8_max_rows = rows
+
     def drop_quantized(self) -> None:
         """Forget every quantized weight (they must be loaded again before the next forward)."""
         for module in self.modules():

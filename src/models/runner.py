@@ -196,7 +196,12 @@ class ModelRunner:
             )
             quantized = self.model.quantized_bytes()
             if quantized:
-                logger.info("GGUF weights kept quantized: %.0f MB", quantized / 2**20)
+                self.model.set_int8_max_rows(1 if config.gguf_activations == "int8" else 0)
+                logger.info(
+                    "GGUF weights kept quantized: %.0f MB, %s activations",
+                    quantized / 2**20,
+                    config.gguf_activations,
+                )
         else:
             self.model = parallel.load_model(
                 self.model_dir,
@@ -685,6 +690,7 @@ class ModelRunner:
                 )
             if self.parallel is None:
                 fill_weights(self.model, self.model_dir, keep_quantized=self._keep_quantized)
+                self.model.set_int8_max_rows(1 if self.config.gguf_activations == "int8" else 0)
             else:
                 self.parallel.fill_weights(self.model, self.model_dir, self._checkpoint_config)
             self._packed_bytes = pack_linears(self.model)

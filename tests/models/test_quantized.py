@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,12 +81,92 @@ def test_dequantized_values_are_gguf_values(kind: str) -> None:
 def test_matmul_matches_dequantize_then_linear(
     native: bool, kind: str, rows: int, out_features: int, in_features: int
 ) -> None:
-    """Odd row counts (tails of the kernel's 4-row and 2x6 tiles), 1 to 17 input rows."""
+    """The fp32 kernel (the fidelity path): odd row counts (tails of the kernel's 4-row and
+    2x6 tiles), 1 to 17 input rows."""
     raw = random_blocks(kind, out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     expected = F.linear(x, reference_weight(raw, kind))
-    got = QuantizedLinear([from_gguf(raw, kind, out_features, in_features)])(x)
+    weight = from_gguf(raw, kind, out_features, in_features)
+    got = QuantizedLinear([weight], int8_max_rows=0)(x)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the int8-activation kernel sees it: per block of 32, ``y = x * 127 / max|x|``
+    as two int8 digits (``q = round(y)``, ``r = round(256 (y - q))``, halves to even), times
+    ``d = max|x| / 127 / 256`` again (in fp32)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    y = blocks * inv
+    high = torch.round(y)
+    low = torch.round((y - high) * 256.0).clamp(-127, 127)
+    return ((256.0 * high + low) * (amax / 127.0 / 256.0)).reshape(x.shape)
+
+
+@pytest.fixture(params=cpu_kernels.QUANTIZED_ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each path of the int8-activation kernel this CPU runs, pinned for the test."""
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels did not build here")
+    best = cpu_kernels.quantized_isa()
+    if cpu_kernels.QUANTIZED_ISAS.index(request.param) > cpu_kernels.QUANTIZED_ISAS.index(best):
+        pytest.skip(f"this CPU does not run {request.param}")
+    assert cpu_kernels.quantized_isa(request.param) == request.param
+    yield str(request.param)
+    cpu_kernels.quantized_isa("avx512_vnni")  # back to the best this CPU runs
+
+
+@pytest.mark.parametrize("kind", KEPT_TYPES)
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"), [(1, 13, 256), (5, 37, 768), (17, 6, 512)]
+)
+def test_int8_activation_matmul_matches_dequantize_then_linear(
+    isa: str, kind: str, rows: int, out_features: int, in_features: int
+) -> None:
+    """The int8-activation kernel, on every path, equals "dequantize, then F.linear" on the
+    int8-rounded input (the offset term uses the exact input, as the kernel does) to fp32
+    rounding; and the exact input's product within the activation rounding (2e-4 of the
+    largest output: two int8 digits hold about 16 bits)."""
+    raw = random_blocks(kind, out_features, in_features, seed=rows)
+    weight = from_gguf(raw, kind, out_features, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    out = torch.empty(rows, out_features)
+    codes, scales, offsets = weight.codes, weight.scales, weight.offsets
+    cpu_kernels.quantized_matmul(
+        x, codes, scales, offsets, weight.bits, weight.group, out, int8_activations=True
+    )
+    rounded = int8_rounded(x)
+    expected = F.linear(rounded, reference_weight(raw, kind))
+    if offsets is not None:  # the kernel's offset term sums the exact input
+        group_sum = (x - rounded).view(rows, -1, weight.group).sum(-1)
+        expected += F.linear(group_sum, offsets)
+    # the offset term is summed apart from the codes' term: fp32 cancellation between the two
+    scale = max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(out, expected, atol=2e-4 * scale, rtol=1e-4)
+    exact = F.linear(x, reference_weight(raw, kind))
+    assert (out - exact).abs().max() <= 5e-4 * scale
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0"])
+def test_int8_activation_odd_widths(isa: str, kind: str) -> None:
+    """Widths of 32 * odd (a half step at the end of the 64-code VNNI loop) and one row."""
+    for rows, out_features, in_features in [(1, 5, 32), (3, 11, 96), (2, 7, 608)]:
+        raw = random_blocks(kind, out_features, in_features, seed=in_features)
+        weight = from_gguf(raw, kind, out_features, in_features)
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        out = torch.empty(rows, out_features)
+        cpu_kernels.quantized_matmul(
+            x, weight.codes, weight.scales, weight.offsets, weight.bits, weight.group, out,
+            int8_activations=True,
+        )  # fmt: skip
+        rounded = int8_rounded(x)
+        expected = F.linear(rounded, reference_weight(raw, kind))
+        if weight.offsets is not None:
+            group_sum = (x - rounded).view(rows, -1, weight.group).sum(-1)
+            expected += F.linear(group_sum, weight.offsets)
+        scale = max(1.0, float(expected.abs().max()))
+        torch.testing.assert_close(out, expected, atol=2e-4 * scale, rtol=1e-4)
 
 
 def test_mixed_layouts_fill_their_own_columns(native: bool) -> None:
@@ -152,7 +233,72 @@ def test_greedy_tokens_equal_the_dequantized_fp32_path(smollm2_gguf: Path) -> No
     tokens = {}
     for widened in (False, True):
         with LLM(
-            str(smollm2_gguf), executor="inproc", gguf_dequantize=widened, max_num_seqs=4
-        ) as llm:
+            str(smollm2_gguf), executor="inproc", gguf_dequantize=widened, max_num_seqs=4,
+            gguf_activations="fp32",
+        ) as llm:  # fmt: skip
             tokens[widened] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     assert tokens[False] == tokens[True]
+
+
+_REAL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "Photosynthesis is the process by which plants",
+    "The three laws of motion are",
+    "To make a cup of tea, first",
+]
+
+
+def _requantized_q8_0(model: torch.nn.Module) -> None:
+    """Every quantized matrix of ``model`` re-quantized to Q8_0 by gguf's own quantizer."""
+    from gguf.quants import quantize
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            dense = torch.cat([part.dequantize() for part in module.quantized.parts]).numpy()
+            raw = quantize(dense, GGMLQuantizationType.Q8_0)
+            module.quantized = QuantizedLinear([from_gguf(raw, "Q8_0", *dense.shape)])
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_int8_activations_teacher_forced_agreement(
+    smollm2_gguf: Path, mini_scheduler: Any, kind: str
+) -> None:
+    """The default model (its Q4_1 file, and the same re-quantized to Q8_0) on real prompts:
+    greedy continuations from the fp32-activation path, then the int8-activation path fed
+    prompt + continuation; its argmax equals the continuation's token at >= 97% (Q4_1) /
+    99% (Q8_0) of the positions (ranks from prompt logprobs)."""
+    from legato.config import EngineConfig
+    from legato.models.runner import ModelRunner
+    from legato.tokenizer_loading import load_gguf_tokenizer
+
+    n = 32
+    tokenizer = load_gguf_tokenizer(smollm2_gguf)
+    prompts = [tokenizer.encode(text) for text in _REAL_PROMPTS]
+    config = EngineConfig(
+        model=str(smollm2_gguf), device="cpu", num_kv_blocks=64, max_num_seqs=8,
+        gguf_activations="fp32",
+    )  # fmt: skip
+    runner = ModelRunner(config)
+    if kind == "Q8_0":
+        _requantized_q8_0(runner.model)
+    runner.model.set_int8_max_rows(0)
+    sched = mini_scheduler(runner)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, SamplingParams(temperature=0.0), max_tokens=n)
+    continuations = sched.run()
+    runner.model.set_int8_max_rows(1 << 20)  # the teacher-forced prefill too
+    sched = mini_scheduler(runner)
+    params = SamplingParams(temperature=0.0, prompt_logprobs=1)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt + continuations[f"r{i}"], params, max_tokens=1)
+    sched.run()
+    ranks = []
+    for i, prompt in enumerate(prompts):
+        entries = sched.done[f"r{i}"].prompt_logprobs
+        ranks += [entry.ranks[0] for entry in entries[len(prompt) :]]
+    assert len(ranks) == n * len(prompts)
+    rate = sum(r == 1 for r in ranks) / len(ranks)
+    print(f"{kind} int8 activations: teacher-forced top-1 agreement with fp32 {rate:.1%}")
+    assert rate >= (0.99 if kind == "Q8_0" else 0.97)
