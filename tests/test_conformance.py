@@ -138,8 +138,8 @@ ROWS: list[Row] = [
     r("001", 7, "errored", "ENG.errored", "prop", None, SAME),
     r("001", 8, "dead_error", "ENG.dead_error", "prop", None, SAME),
     r("001", 9, "generate", "eng.generate",
-      "agen", GENERATE_V1[:-1] + ", reasoning_parser_kwargs=None)", DIFFER,
-      "StreamingInput, EngineCoreRequest and embeds prompts are refused (ValidationError)"),
+      "agen", GENERATE_V1[:-1] + ", reasoning_parser_kwargs=None)", SAME,
+      "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which legato lacks"),
     r("001", 10, "encode", "eng.encode", "agen", ENCODE_V1, SAME,
       "serves 'embed'; a task not in get_supported_tasks is a ValueError, as vLLM's"),
     r("001", 11, "abort", "eng.abort", "async", "(request_id)", SAME),
@@ -173,7 +173,7 @@ ROWS: list[Row] = [
     r("001", 34, "update_weights", "eng.update_weights", "async", "(request)", NIE),
     r("001", 35, "finish_weight_update", "eng.finish_weight_update", "async", "()", NIE),
     r("001", 36, "StreamingInput", "mod:legato.protocol.client:StreamingInput", "type", None,
-      MISSING, "async-generator prompts are not accepted"),
+      SAME),
     # ---- 002 vLLM LLMEngine (v1) -> legato LLMEngine
     r("002", 1, "__init__", "LLM.__init__", "method", "(vllm_config, executor_class, log_stats)",
       SAME),
@@ -352,8 +352,9 @@ ROWS: list[Row] = [
     r("X", 5, "n>1 parents",
       "test:tests/outputs/test_output_processor.py::test_n3_cumulative_streams_what_advanced_"
       "and_final_only_carries_all", "behaviour", None, SAME),
-    r("X", 6, "prompt forms", None, "behaviour", None, DIFFER,
-      "no embeds, encoder/decoder, EngineCoreRequest or StreamingInput prompts"),
+    r("X", 6, "prompt forms",
+      "test:tests/engine/test_vllm_compat.py::test_a_streaming_input_session_as_vllms",
+      "behaviour", None, SAME, "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which legato lacks; encoder/decoder prompts refused (decoder-only models)"),
     r("X", 7, "stat-logger API",
       "test:tests/metrics/test_stats.py::test_a_logger_written_for_vllm_is_built_and_fed_in_"
       "vllms_shape", "behaviour", None, SAME),
