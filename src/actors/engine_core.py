@@ -117,6 +117,7 @@ class EngineCore:
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
     # What WAIT-mode pauses and sleeps do once nothing is in flight.
     _waiters: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    _resume_on_wake: bool = False  # a sleep(mode="keep") paused; wake_up resumes
 
     def __post_init__(self) -> None:
         self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
@@ -346,7 +347,9 @@ class EngineCore:
         await trio.lowlevel.checkpoint()
 
     async def _sleep(self, level: int, mode: PauseMode, reply: Reply[None]) -> None:
-        if mode == PauseMode.WAIT:
+        if mode == PauseMode.KEEP:
+            await self._sleep_keeping(level, reply)
+        elif mode == PauseMode.WAIT:
             resume = not self.scheduler.is_paused
             if self.scheduler.pause_mode in (None, PauseMode.KEEP):
                 self.scheduler.pause(PauseMode.WAIT)  # a frozen request could never drain
@@ -373,6 +376,24 @@ class EngineCore:
             return
         reply(None)
 
+    async def _sleep_keeping(self, level: int, reply: Reply[None]) -> None:
+        """vLLM's ``sleep(mode="keep")``: freeze every request (a KEEP pause), let the
+        steps in flight land, then free the KV cache: running requests are preempted,
+        to be recomputed from their tokens so far once ``wake_up`` brings the cache
+        back (and ends the pause, unless one was set before)."""
+        resume = not self.scheduler.is_paused
+        self._emit(self.scheduler.pause(PauseMode.KEEP))
+        await self._drain_sent()
+        self.scheduler.reset_prefix_cache(True)
+        self._resume_on_wake = self._resume_on_wake or resume
+        self.sleeping = True
+        try:
+            await self.executor.call("sleep", level)
+        except WorkerCallError as exc:
+            reply(exc)
+            return
+        reply(None)
+
     async def _wake_up(self, tags: list[str] | None, reply: Reply[None]) -> None:
         try:
             await self.executor.call("wake_up", tags)
@@ -381,6 +402,9 @@ class EngineCore:
             return
         if tags is None or "kv_cache" in tags:
             self.sleeping = False
+            if self._resume_on_wake:  # a sleep(mode="keep") froze the requests
+                self._resume_on_wake = False
+                self.scheduler.resume()
         reply(None)
 
     async def _answer_waiters(self) -> None:

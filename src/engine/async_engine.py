@@ -21,7 +21,7 @@ import math
 import sys
 import types
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -43,8 +43,8 @@ from ..frontend.renderer import PromptType
 from ..metrics.collector import StatLoggerArg, StatsCollector
 from ..metrics.logger_base import StatLoggerBase
 from ..protocol import messages as m
-from ..protocol.client import EngineClient, SupportedTask
-from ..protocol.errors import EngineDeadError
+from ..protocol.client import EngineClient, StreamingInput, SupportedTask
+from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.inputs import EngineCoreRequest
 from ..protocol.outputs import PoolingOutput, PoolingRequestOutput
 from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams, check_lora_request
@@ -216,7 +216,7 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
 
     def generate(
         self,
-        prompt: PromptType | EngineCoreRequest,
+        prompt: PromptType | EngineCoreRequest | AsyncIterable[StreamingInput],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: Any = None,
@@ -252,11 +252,27 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
         ``mm_processor_kwargs``) is refused, legato serving text-only models. An
         ``EngineCoreRequest`` (from ``input_processor.process_inputs``) runs with its
         own sampling parameters, id, adapter and priority; its tokens are checked again.
+        An async generator of ``StreamingInput`` chunks runs a streaming-input session
+        (``legato.engine.streaming_input``), fed chunk by chunk as they arrive.
         ``reasoning_ended`` and ``reasoning_parser_kwargs`` are accepted and
         checked: the engine has no reasoning parser (``legato serve
         --reasoning-parser`` splits reasoning in the server), so a structured
         output constrains from the first token, as vLLM's does without one.
         """
+        if isinstance(prompt, AsyncIterable):  # vLLM's streaming-input session
+            from .streaming_input import StreamingSession
+
+            session_params = sampling_params if sampling_params is not None else SamplingParams()
+            if not isinstance(session_params, SamplingParams):
+                raise ValidationError("sampling_params", "must be SamplingParams")
+            options = dict(
+                lora_request=lora_request,
+                priority=priority,
+                tokenization_kwargs=tokenization_kwargs,
+                data_parallel_rank=data_parallel_rank,
+            )
+            rid = uuid.uuid4().hex if request_id is None else str(request_id)
+            return StreamingSession(self, prompt, session_params, rid, options)
         if isinstance(prompt, EngineCoreRequest):  # vLLM's: the request's own settings
             sampling_params = prompt.sampling_params or sampling_params
             request_id = prompt.external_req_id or prompt.request_id

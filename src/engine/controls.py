@@ -83,15 +83,15 @@ class EngineControls(EngineLifecycle):
     async def sleep(self, level: int = 1, mode: PauseModeName = "abort") -> None:
         """Free the KV cache (level 2: also the weights); new requests are held until ``wake_up``.
 
-        In-flight requests are aborted ("abort") or first allowed to finish
-        ("wait"); "keep" is refused, since a frozen request needs its KV cache.
-        A caller cancelled while waiting stops waiting; the engine still goes
-        to sleep.
+        In-flight requests are aborted ("abort"), first allowed to finish ("wait"),
+        or frozen ("keep", as vLLM's): they continue after ``wake_up``, recomputing
+        the KV cache sleep freed from their tokens so far. A caller cancelled while
+        waiting stops waiting; the engine still goes to sleep.
         """
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
-        if mode not in ("abort", "wait"):
-            raise ValueError(f"mode: sleep supports 'abort' and 'wait', got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         self._check_alive()
         await self._control(self.core.sleep(level, PAUSE_MODES[mode]))
 

@@ -38,6 +38,7 @@ from ..protocol.params import (
     check_lora_request,
 )
 from ..scheduling.core_steps import AddRequests, CoreSteps, FinishRequests, FrontendMessage
+from ..scheduling.pause_gate import PauseMode
 from ..serving_gc import tune_gc_for_serving
 from ..tokenizer_loading import load_tokenizer
 from ..vllm_config import EngineArgs, ModelConfig, VllmConfig
@@ -415,15 +416,20 @@ class LLMEngine:
         return outputs
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Abort every live request (their last outputs come from the next ``step()``)
-        and free the KV cache (level 2: also the weights) until ``wake_up``. ``mode``:
-        vLLM's; only "abort" (a frozen request needs the KV cache sleep frees)."""
+        """Free the KV cache (level 2: also the weights) until ``wake_up``; ``step()``
+        runs nothing meanwhile. ``mode`` (vLLM's): "abort" forgets every live request
+        (no output follows, as ``abort_request``); "keep" freezes them: they continue
+        after ``wake_up``, recomputing their KV cache from their tokens so far. "wait"
+        (finish them first) is for the async engine: here, step until
+        ``has_unfinished_requests()`` is False, then sleep."""
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
-        if mode != "abort":
-            raise ValidationError("mode", f"only 'abort' is supported, got {mode!r}")
-        self.abort_request(list(self.frontend.live))
-        self.scheduler.reset_prefix_cache(True)
+        if mode not in ("abort", "keep"):
+            raise ValidationError("mode", f"must be 'abort' or 'keep', got {mode!r}")
+        if mode == "abort":
+            self.abort_request(list(self.frontend.live))
+        self.scheduler.pause(PauseMode.KEEP)  # nothing is scheduled while asleep
+        self.scheduler.reset_prefix_cache(True)  # running requests: recomputed after waking
         self._call("sleep", level)
         self._sleeping = True
 
@@ -431,6 +437,7 @@ class LLMEngine:
         self._call("wake_up", tags)
         if tags is None or "kv_cache" in tags:
             self._sleeping = False
+            self.scheduler.resume()
 
     def is_sleeping(self) -> bool:
         return self._sleeping

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
 from .errors import EngineDeadError
@@ -53,6 +54,18 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | TextPrompt | TokensPrompt
+
+
+@dataclass
+class StreamingInput:
+    """One chunk of a streaming-input session (vLLM's): ``generate`` takes an async
+    generator of these in place of a prompt. Each chunk runs as a request whose prompt is
+    every chunk so far plus the tokens generated for the earlier ones (each request's
+    last sampled token left out); every generated token reaches the session's stream.
+    ``sampling_params``: this chunk's, else the ones ``generate`` was given."""
+
+    prompt: PromptType
+    sampling_params: SamplingParams | None = None
 PauseModeName = Literal["abort", "wait", "keep"]
 SupportedTask = Literal["generate", "embed", "classify", "score", "encode", "render"]
 

@@ -61,6 +61,41 @@ async def test_sleep_and_wake_up_keep_outputs_identical(engine: AsyncEngine) -> 
         assert done.is_set() and not await engine.is_sleeping()
 
 
+async def test_sleep_keep_freezes_requests_and_they_finish_after_waking(
+    engine: AsyncEngine,
+) -> None:
+    """vLLM's ``sleep(mode="keep")``: an in-flight request is frozen, not aborted, while the
+    KV cache is freed, and after ``wake_up`` finishes with the tokens it would have had."""
+    from legato import RequestOutputKind
+
+    reference = await final(engine, "a frozen request", greedy(24), "ref")
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    tokens: list[int] = []
+    finish: list[str | None] = []
+    started = trio.Event()
+
+    async def long() -> None:
+        async with engine.generate("a frozen request", params, "kept") as stream:
+            async for out in stream:
+                tokens.extend(out.outputs[0].token_ids)
+                finish.append(out.outputs[0].finish_reason)
+                started.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(long)
+        await started.wait()
+        await engine.sleep(1, mode="keep")
+        assert await engine.is_sleeping()
+        frozen = len(tokens)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(tokens) == frozen and finish[-1] is None  # not aborted, not advancing
+        await engine.wake_up()
+    assert tokens == reference.outputs[0].token_ids and finish[-1] == "length"
+    assert not await engine.is_paused()
+
+
 async def test_reset_prefix_cache(engine: AsyncEngine) -> None:
     await final(engine, "shared prefix " * 4, greedy(4), "p1")
     assert await engine.reset_prefix_cache() is True

@@ -224,3 +224,46 @@ async def test_vllms_remaining_names_on_the_async_engine(engine: AsyncEngine) ->
     assert engine.is_stopped
     with pytest.raises(EngineDeadError):
         await engine.setup()
+
+
+async def test_a_streaming_input_session_as_vllms(engine: AsyncEngine) -> None:
+    """``generate`` takes an async generator of StreamingInput chunks (vLLM's sessions):
+    each chunk runs as a request whose prompt is the session so far (chunks and the
+    tokens generated for them, each request's last sampled token left out), every
+    generated token reaches the one stream, and it finishes when the input ends."""
+    from legato import RequestOutputKind
+    from legato.protocol.client import StreamingInput
+
+    tokenizer = engine.tokenizer
+    first = tokenizer.encode("The cat")
+    second = tokenizer.encode(" and the dog", add_special_tokens=False)
+    params = SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    arrived = trio.Event()
+
+    async def chunks() -> Any:
+        yield StreamingInput({"prompt_token_ids": first})
+        await arrived.wait()  # the second chunk comes once the first has answered
+        yield StreamingInput(" and the dog", SamplingParams(max_tokens=2, temperature=0.0,
+                                                            ignore_eos=True))  # fmt: skip
+
+    async def plain(ids: list[int], n: int) -> list[int]:
+        greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        async with engine.generate({"prompt_token_ids": ids}, greedy, f"ref{n}") as stream:
+            return list([out async for out in stream][-1].outputs[0].token_ids)
+
+    got: list[int] = []
+    finished: list[bool] = []
+    async with engine.generate(chunks(), params, "session") as session:
+        async for out in session:
+            got += out.outputs[0].token_ids
+            finished.append(out.finished)
+            if len(got) == 3:
+                arrived.set()
+    one = await plain(first, 3)
+    two = await plain(first + one[:-1] + second, 2)
+    assert got == one + two
+    assert finished[-1] and not any(finished[:-1])
+    with pytest.raises(ValidationError, match="n"):
+        engine.generate(chunks(), SamplingParams(n=2), "pair")

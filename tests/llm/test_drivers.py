@@ -306,3 +306,31 @@ def test_llm_engine_logger_manager_takes_vllms_record(toy_model_dir: Path) -> No
     assert any(isinstance(one, Sink) for one in manager.stat_loggers)
     manager.log_engine_initialized()
     manager.log()
+
+
+def test_llm_engine_sleep_keep_continues_requests_after_waking(toy_model_dir: Path) -> None:
+    """``sleep(mode="keep")`` freezes the live requests (step() runs nothing) and after
+    ``wake_up`` they finish with the tokens they would have had; "abort" forgets them."""
+    engine = LLMEngine.from_engine_args(
+        str(toy_model_dir), max_model_len=128, num_kv_blocks=64, disable_log_stats=True
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(rid: str, sleep_mode: str | None) -> list[int]:
+        engine.add_request(rid, PROMPTS[0], params)
+        engine.step()
+        if sleep_mode is not None:
+            engine.sleep(1, mode=sleep_mode)
+            assert engine.step() == [] and engine.is_sleeping()
+            engine.wake_up()
+        last: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert isinstance(out, RequestOutput)
+                last = list(out.outputs[0].token_ids)
+        return last
+
+    reference = run("plain", None)
+    assert len(reference) == 12
+    assert run("kept", "keep") == reference
+    assert run("aborted", "abort") == []  # forgotten: no output after the abort
