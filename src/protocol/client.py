@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
 from .errors import EngineDeadError
@@ -55,6 +56,15 @@ class TokensPrompt(TypedDict):
 PromptType = str | TextPrompt | TokensPrompt
 PauseModeName = Literal["abort", "wait", "keep"]
 SupportedTask = Literal["generate", "embed", "classify", "score", "encode", "render"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a server says about the model an engine serves."""
+
+    name: str  # the served name (``--served-model-name``, else the model as given)
+    max_model_len: int | None  # prompt + output tokens, at most (None: not known yet)
+    special_tokens: Mapping[str, str]  # the tokenizer's named special tokens (bos_token ...)
 
 
 class EngineClient(abc.ABC):
@@ -312,6 +322,14 @@ class EngineClient(abc.ABC):
         """
 
     # ------------------------------------------------------------- optional
+
+    def model_info(self) -> ModelInfo:
+        """The served model's name, context limit and special tokens."""
+        raise _unsupported(self, "model_info", "this client serves no model")
+
+    def metrics_text(self) -> bytes:
+        """The engine's metrics in Prometheus' text format."""
+        raise _unsupported(self, "metrics_text", "this client keeps no metrics")
 
     async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
         """The tokenizer requests are rendered with (a transformers tokenizer); for

@@ -93,7 +93,7 @@ def adapter_cards(state: ServingState) -> list[dict[str, Any]]:
             "owned_by": "legato",
             "root": lora.lora_name,  # never a path of the host's file system
             "parent": lora.base_model_name or state.model_name,
-            "max_model_len": state.engine.config.max_model_len,
+            "max_model_len": state.engine.model_info().max_model_len,
         }
         for lora in state.engine.adapters.loaded()
     ]
