@@ -111,9 +111,10 @@ def test_errors_name_the_request_field() -> None:
     assert field_of({**chat, "logprobs": True, "top_logprobs": -1}, chat=True) == "top_logprobs"
     # tools, tool_choice and response_format are read by chat_outputs / tool_choice (tested there).
     assert field_of({**chat, "functions": [{"name": "f"}]}, chat=True) == "functions"
-    assert field_of(
-        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True
-    ) == "messages[0].content[0].type"
+    assert (
+        field_of({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True)
+        == "messages[0].content[0].type"
+    )
 
 
 def test_chat_messages_and_defaults() -> None:
