@@ -305,6 +305,33 @@ class Frontend:
         await trio.lowlevel.cancel_shielded_checkpoint()
         return prompt
 
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text``, in the caller's task. A checkpoint; a text over
+        ``INLINE_MAX_PROMPT_CHARS`` is tokenized in the offload thread (as a large prompt
+        is), so it never holds the event loop."""
+        if len(text) > INLINE_MAX_PROMPT_CHARS:
+            return await self._offload(
+                lambda r: r.encode(text, add_special_tokens=add_special_tokens)
+            )
+        await trio.lowlevel.checkpoint()
+        return self.renderer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids`` (ValidationError for ids outside the vocabulary). A
+        checkpoint; more than a quarter of ``INLINE_MAX_PROMPT_TOKENS`` ids decode in the
+        offload thread."""
+        if len(token_ids) > INLINE_MAX_PROMPT_TOKENS // 4:
+            return await self._offload(
+                lambda r: r.decode(token_ids, skip_special_tokens=skip_special_tokens)
+            )
+        await trio.lowlevel.checkpoint()
+        return self.renderer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    async def _offload(self, work: Callable[[Renderer], _T]) -> _T:
+        return await trio.to_thread.run_sync(
+            self._render_offloaded, work, abandon_on_cancel=True, limiter=self._offload_limiter
+        )
+
     def _render_offloaded(self, render: Callable[[Renderer], _T]) -> _T:
         """``render`` with the thread's own renderer. Runs in a worker thread, one at a time."""
         if self.offload_renderer is None:

@@ -43,7 +43,7 @@ from ..frontend.renderer import PromptType
 from ..metrics.collector import StatLoggerArg, StatsCollector
 from ..metrics.logger_base import StatLoggerBase
 from ..protocol import messages as m
-from ..protocol.client import EngineClient, StreamingInput, SupportedTask
+from ..protocol.client import EngineClient, ModelInfo, StreamingInput, SupportedTask
 from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.inputs import EngineCoreRequest
 from ..protocol.outputs import PoolingOutput, PoolingRequestOutput
@@ -159,6 +159,29 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
     @property
     def model_name(self) -> str:
         return self.config.served_model_name or self.config.model or ""
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text`` (the base model's tokenizer). A checkpoint; a large
+        text is tokenized in the front end's offload thread. Works on a dead engine too."""
+        return await self.frontend.encode(text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``; ValidationError (field ``prompt_token_ids``) for ids
+        outside the vocabulary. A checkpoint; many ids decode in the offload thread."""
+        return await self.frontend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included. Synchronous and cheap (one
+        token): for building logprob entries."""
+        return self.renderer.decode([token_id], skip_special_tokens=False)
+
+    def model_info(self) -> ModelInfo:
+        tokens = self.renderer.tokenizer.special_tokens_map.items()
+        special = {name: value for name, value in tokens if isinstance(value, str)}
+        return ModelInfo(self.model_name, self.config.max_model_len, special)
+
+    def metrics_text(self) -> bytes:
+        return self.stats.exposition()
 
     async def _start(self) -> None:
         config = self.config

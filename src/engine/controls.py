@@ -29,6 +29,7 @@ from ..actors.executor import WorkerCallError, WorkerDiedError
 from ..config import EngineConfig
 from ..engine_adapters import EngineAdapters
 from ..protocol.client import PauseModeName
+from ..protocol.params import LoRARequest
 from ..scheduling.pause_gate import PauseMode
 from ..scheduling.scheduler import Scheduler
 from .lifecycle import EngineLifecycle
@@ -183,6 +184,10 @@ class EngineControls(EngineLifecycle):
         """The int ids of the loaded adapters. A checkpoint."""
         await trio.lowlevel.checkpoint()
         return self.adapters.ids()
+
+    def loaded_loras(self) -> list[LoRARequest]:
+        """The loaded adapters, by int id (see ``EngineClient.loaded_loras``)."""
+        return self.adapters.loaded()
 
     async def pin_lora(self, lora_id: int) -> bool:
         """Exempt a loaded adapter from LRU eviction; False if it is not loaded."""

@@ -29,7 +29,7 @@ Never imports trio or torch.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -68,6 +68,15 @@ class StreamingInput:
     sampling_params: SamplingParams | None = None
 PauseModeName = Literal["abort", "wait", "keep"]
 SupportedTask = Literal["generate", "embed", "classify", "score", "encode", "render"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a server says about the model an engine serves."""
+
+    name: str  # the served name (``--served-model-name``, else the model as given)
+    max_model_len: int | None  # prompt + output tokens, at most (None: not known yet)
+    special_tokens: Mapping[str, str]  # the tokenizer's named special tokens (bos_token ...)
 
 
 class EngineClient(abc.ABC):
@@ -281,6 +290,20 @@ class EngineClient(abc.ABC):
         loaded); an adapter that cannot be loaded raises ValidationError.
         """
 
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; False if it was not loaded. Requests already running
+        through it finish through it."""
+        raise _unsupported(self, "remove_lora", "this client loads no adapters")
+
+    async def list_loras(self) -> set[int]:
+        """The int ids of the loaded adapters (vLLM's method). A checkpoint."""
+        raise _unsupported(self, "list_loras", "this client loads no adapters")
+
+    def loaded_loras(self) -> list[LoRARequest]:
+        """The loaded adapters, by int id: what a server serves as model names (a request
+        names one by its ``lora_name``). Not a checkpoint; never blocks. The default: none."""
+        return []
+
     # ------------------------------------------------------------- pause and resume
 
     @abc.abstractmethod
@@ -325,6 +348,29 @@ class EngineClient(abc.ABC):
         """
 
     # ------------------------------------------------------------- optional
+
+    def model_info(self) -> ModelInfo:
+        """The served model's name, context limit and special tokens."""
+        raise _unsupported(self, "model_info", "this client serves no model")
+
+    def metrics_text(self) -> bytes:
+        """The engine's metrics in Prometheus' text format."""
+        raise _unsupported(self, "metrics_text", "this client keeps no metrics")
+
+    async def render_chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Chat messages as a ready prompt ``{"prompt", "prompt_token_ids"}`` for
+        :meth:`generate`, rendered with the chat template (``chat_template``, else the
+        tokenizer's); ``tools`` and ``template_kwargs`` reach the template. A checkpoint;
+        bad messages or a failing template raise ValidationError naming the field."""
+        raise _unsupported(self, "render_chat_prompt", "this client has no chat template")
 
     async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
         """The tokenizer requests are rendered with (a transformers tokenizer); for

@@ -67,6 +67,11 @@ async def load_lora_modules(state: ServingState) -> None:
         await state.engine.add_lora(module)
 
 
+def _by_name(state: ServingState, name: str) -> LoRARequest | None:
+    """The loaded adapter called ``name``, if any (through ``EngineClient.loaded_loras``)."""
+    return next((lora for lora in state.engine.loaded_loras() if lora.lora_name == name), None)
+
+
 def select_model(state: ServingState, model: str | None) -> LoRARequest | None:
     """The adapter a request's ``model`` names (None: the base model).
 
@@ -75,7 +80,7 @@ def select_model(state: ServingState, model: str | None) -> LoRARequest | None:
     """
     if model is None or model in state.aliases:
         return None
-    adapter = state.engine.adapters.by_name(model)
+    adapter = _by_name(state, model)
     if adapter is None:
         raise HTTPError(
             404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
@@ -93,9 +98,9 @@ def adapter_cards(state: ServingState) -> list[dict[str, Any]]:
             "owned_by": "legato",
             "root": lora.lora_name,  # never a path of the host's file system
             "parent": lora.base_model_name or state.model_name,
-            "max_model_len": state.engine.config.max_model_len,
+            "max_model_len": state.engine.model_info().max_model_len,
         }
-        for lora in state.engine.adapters.loaded()
+        for lora in state.engine.loaded_loras()
     ]
 
 
@@ -123,10 +128,9 @@ async def load_lora_adapter(request: Request, state: ServingState) -> None:
     body = await request.json(state.settings.max_body_bytes)
     name = check_str("lora_name", body.get("lora_name"))
     path = check_str("lora_path", body.get("lora_path"))
-    adapters = state.engine.adapters
-    if not name or name in state.aliases or adapters.by_name(name) is not None:
+    if not name or name in state.aliases or _by_name(state, name) is not None:
         raise ValidationError("lora_name", f"{name!r} is already a served model name")
-    int_id = max(adapters.ids(), default=0) + 1
+    int_id = max((lora.lora_int_id for lora in state.engine.loaded_loras()), default=0) + 1
     root = state.settings.lora_root
     assert root is not None  # ServerSettings requires it with allow_runtime_lora_updating
     resolved = await trio.to_thread.run_sync(confined_path, root, path)
@@ -149,7 +153,7 @@ async def unload_lora_adapter(request: Request, state: ServingState) -> None:
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
     name = check_str("lora_name", body.get("lora_name"))
-    adapter = state.engine.adapters.by_name(name)
+    adapter = _by_name(state, name)
     if adapter is None:
         raise HTTPError(404, f"no LoRA adapter named {name!r}", param="lora_name", code="not_found")
     await state.engine.remove_lora(adapter.lora_int_id)

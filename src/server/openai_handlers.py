@@ -35,9 +35,9 @@ async def list_models(request: Request, state: ServingState) -> None:
         "object": "model",
         "created": state.created,
         "owned_by": "legato",
-        "root": state.engine.model_name,
+        "root": state.engine.model_info().name,
         "parent": None,
-        "max_model_len": state.engine.config.max_model_len,
+        "max_model_len": state.engine.model_info().max_model_len,
     }
     await send_json(request.send, 200, {"object": "list", "data": [card, *adapter_cards(state)]})
 
@@ -56,7 +56,7 @@ async def health(request: Request, state: ServingState) -> None:
 
 async def metrics(request: Request, state: ServingState) -> None:
     """``GET /metrics``: the engine's Prometheus metrics."""
-    await send_body(request.send, 200, state.engine.stats.exposition(), CONTENT_TYPE_LATEST)
+    await send_body(request.send, 200, state.engine.metrics_text(), CONTENT_TYPE_LATEST)
 
 
 async def version(request: Request, state: ServingState) -> None:
@@ -80,15 +80,13 @@ async def tokenize(request: Request, state: ServingState) -> None:
         text = schemas.check_str("prompt", body["prompt"])
         add_special_tokens = body.get("add_special_tokens", True)
         schemas.check_bool("add_special_tokens", add_special_tokens)
-        tokens = await state.tokenizing.encode(
-            state.engine.renderer, text, add_special_tokens=add_special_tokens
-        )
+        tokens = await state.engine.tokenize(text, add_special_tokens=add_special_tokens)
     else:
         raise ValidationError("prompt", "give 'prompt' or 'messages'")
     result = {
         "tokens": tokens,
         "count": len(tokens),
-        "max_model_len": state.engine.config.max_model_len,
+        "max_model_len": state.engine.model_info().max_model_len,
     }
     await send_json(request.send, 200, result)
 
@@ -99,7 +97,7 @@ async def detokenize(request: Request, state: ServingState) -> None:
     check_model(state, schemas.check_str("model", body["model"]) if body.get("model") else None)
     tokens = schemas.check_ints("tokens", body.get("tokens"))
     try:
-        text = await state.tokenizing.decode(state.engine.renderer, tokens)
+        text = await state.engine.detokenize(tokens)
     except ValidationError as exc:
         raise schemas.in_request_terms(exc, schemas.request_fields("detokenize", body)) from None
     await send_json(request.send, 200, {"prompt": text})

@@ -258,22 +258,18 @@ else:
     Stop = by_json_type("must be a string or a list of strings", string=str, array=list[str])
 
 
-class SamplingFields(OpenAIModel):
-    """The sampling fields both endpoints share, OpenAI's and vLLM's extras."""
+class EngineSamplingFields(OpenAIModel):
+    """The SamplingParams fields that HTTP bodies and the WebSocket ``params`` both carry,
+    under SamplingParams' own names and with one type each: the shared part of every
+    generation request's schema. ``null`` means "not given"."""
 
-    model: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     n: Int64 | None = None
     seed: Int64 | None = None
     stop: Stop | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    user: str | None = None
-    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: Int64 | None = None
     min_p: float | None = None
@@ -287,6 +283,73 @@ class SamplingFields(OpenAIModel):
     truncate_prompt_tokens: Int64 | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] | None = None
+
+
+class GenerateParams(EngineSamplingFields):
+    """The WebSocket ``generate`` frame's ``params``: every SamplingParams field a client may
+    set, by its own name (see ``docs/websocket.md``). Unknown fields are refused, not
+    ignored: the frame names engine fields, so a typo is an error. Types are checked here;
+    ranges are SamplingParams' (:meth:`to_sampling_params`).
+
+    A ``null`` means "not given", except where SamplingParams' default is not ``None``
+    and ``None`` is a value of the field: ``max_tokens`` (default 16; ``null``: no limit).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: Int64 | None = 16
+    best_of: Int64 | None = None
+    logprobs: Int64 | None = None
+    prompt_logprobs: Int64 | None = None
+    detokenize: bool | None = None
+    logit_bias: dict[Int64, float] | None = None
+    extra_args: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams parses it
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: object) -> object:
+        """Keys are token ids: integers (msgpack) or their decimal strings (JSON)."""
+        if not isinstance(value, dict):
+            return value
+        out: dict[object, object] = {}
+        for key, bias in value.items():
+            if isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,20}", key):
+                out[int(key)] = bias
+            elif isinstance(key, int) and not isinstance(key, bool):
+                out[key] = bias
+            else:
+                raise ValueError(f"keys must be token ids, got {str(key)[:40]!r}")
+        return out
+
+    def to_sampling_params(self, *, max_n: int) -> SamplingParams:
+        """The engine's parameters (DELTA outputs); a ValidationError names the field as
+        SamplingParams does (``temperature``, ``structured_outputs.json``)."""
+        fields = type(self).model_fields
+        kwargs: dict[str, Any] = {
+            name: value
+            for name, info in fields.items()
+            if (value := getattr(self, name)) is not None or info.default is not None
+        }
+        if "structured_outputs" in kwargs:
+            kwargs["structured_outputs"] = StructuredOutputsParams.from_dict(
+                kwargs["structured_outputs"]
+            )
+        params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+        if params.n > max_n:
+            raise ValidationError("n", f"must be <= {max_n}, got {params.n}")
+        return params
+
+
+class SamplingFields(EngineSamplingFields):
+    """The sampling fields both HTTP endpoints share, OpenAI's and vLLM's extras."""
+
+    model: str | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
     priority: Int64 | None = None
     structured_outputs: StructuredOutputsOptions | None = None
     guided_json: JsonSchemaValue | None = None

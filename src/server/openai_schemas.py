@@ -1,5 +1,6 @@
 """Small field checks for the bodies without a model of their own (``/tokenize``,
-``/detokenize``, LoRA routes, embeddings, the WebSocket ``params``), the engine-field
+``/detokenize``, LoRA routes, embeddings; the WebSocket ``params`` have their model,
+``openai_protocol.GenerateParams``), the engine-field
 renames of an error, and engine outputs -> OpenAI response objects.
 
 The generation bodies are parsed by their pydantic models alone
@@ -20,7 +21,6 @@ from typing import Any
 
 from ..protocol.errors import ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob
-from ..protocol.structured import StructuredOutputsParams
 from .openai_protocol import INT64_MAX, INT64_MIN
 
 DecodeToken = Callable[[int, Logprob | None], str]
@@ -55,15 +55,6 @@ def check_int(name: str, value: object) -> int:
     return _check_range(name, value)
 
 
-def check_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValidationError(name, f"must be a number, got {show(value)}")
-    try:
-        return float(value)
-    except OverflowError:  # an integer past the float range
-        raise ValidationError(name, f"is out of range, got {show(value)}") from None
-
-
 def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValidationError(name, f"must be a boolean, got {show(value)}")
@@ -76,81 +67,10 @@ def check_str(name: str, value: object) -> str:
     return value
 
 
-def check_strs(name: str, value: object) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValidationError(name, f"must be a list of strings, got {show(value)}")
-    return list(value)
-
-
-def check_str_or_strs(name: str, value: object) -> str | list[str]:
-    if isinstance(value, str):
-        return value
-    return check_strs(name, value)
-
-
-def check_object(name: str, value: object) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValidationError(name, f"must be an object, got {show(value)}")
-    return value
-
-
 def check_ints(name: str, value: object) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(v) for v in value):
         raise ValidationError(name, f"must be a list of integers, got {show(value)}")
     return [_check_range(name, v) for v in value]
-
-
-def check_logit_bias(name: str, value: object) -> dict[int, float]:
-    if not isinstance(value, dict):
-        raise ValidationError(name, f"must be an object of token id -> bias, got {show(value)}")
-    out: dict[int, float] = {}
-    for key, bias in value.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise ValidationError(name, f"keys must be token ids, got {show(key)}") from None
-        out[_check_range(name, token_id)] = check_number(name, bias)
-    return out
-
-
-def check_structured_outputs(name: str, value: object) -> StructuredOutputsParams:
-    """vLLM's ``structured_outputs`` object (``{"json": {...}}``, ``{"regex": "..."}`` ...)."""
-    return StructuredOutputsParams.from_dict(value, field=name)
-
-
-Checker = Callable[[str, object], Any]
-
-PARAM_CHECKS: dict[str, Checker] = {
-    "temperature": check_number,
-    "top_p": check_number,
-    "n": check_int,
-    "stop": check_str_or_strs,
-    "seed": check_int,
-    "presence_penalty": check_number,
-    "frequency_penalty": check_number,
-    "logit_bias": check_logit_bias,
-    "top_k": check_int,
-    "min_p": check_number,
-    "repetition_penalty": check_number,
-    "ignore_eos": check_bool,
-    "min_tokens": check_int,
-    "stop_token_ids": check_ints,
-    "skip_special_tokens": check_bool,
-    "spaces_between_special_tokens": check_bool,
-    "include_stop_str_in_output": check_bool,
-    "truncate_prompt_tokens": check_int,
-    "allowed_token_ids": check_ints,
-    "bad_words": check_strs,
-    "best_of": check_int,
-    "max_tokens": check_int,
-    "logprobs": check_int,
-    "prompt_logprobs": check_int,
-    "detokenize": check_bool,
-    "extra_args": check_object,
-    "structured_outputs": check_structured_outputs,
-}
-"""SamplingParams field -> its type check, for every field a client may set by name
-(the WebSocket protocol's ``params``). SamplingParams itself checks ranges, not every type."""
 
 
 def _given(body: Mapping[str, Any], name: str) -> bool:

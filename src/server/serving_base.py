@@ -141,12 +141,12 @@ async def open_jobs(
 
 def decoder(state: ServingState) -> schemas.DecodeToken:
     """Token id (+ its Logprob) -> text, preferring the engine's decoded token."""
-    renderer = state.engine.renderer
+    token_text = state.engine.token_text
 
     def decode(token_id: int, logprob: Logprob | None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        return renderer.decode([token_id], skip_special_tokens=False)
+        return token_text(token_id)
 
     return decode
 
@@ -214,6 +214,10 @@ class StreamingGeneration(ABC):
 
     # ------------------------------------------------------------ what subclasses say
 
+    async def prepare(self, jobs: list[Job]) -> None:  # noqa: B027 - most need nothing
+        """Work before the answer starts, once the engine accepted every prompt (a
+        checkpoint where it awaits: the hooks after it are synchronous)."""
+
     def start_events(self, jobs: list[Job]) -> list[SSEEvent]:
         """The events a stream starts with (after the engine accepted every prompt)."""
         return []
@@ -264,6 +268,7 @@ class StreamingGeneration(ABC):
                         )
 
                     jobs = await until_disconnect(self.request.receive, start)
+                    await until_disconnect(self.request.receive, lambda: self.prepare(jobs))
                     respond = self._stream if self.stream else self._collect
                     await until_disconnect(self.request.receive, lambda: respond(jobs))
             if live.scope.cancelled_caught:

@@ -196,12 +196,7 @@ async def render_with_request_template(
             "a per-request chat template is not accepted by this server "
             "(the operator may allow it with --trust-request-chat-template)",
         )
-    renderer = state.engine.renderer
-    special = {
-        name: value
-        for name, value in renderer.tokenizer.special_tokens_map.items()
-        if isinstance(value, str)
-    }
+    special = dict(state.engine.model_info().special_tokens)
     assert typed.chat_template is not None
     text = await render_request_template(
         typed.chat_template,
@@ -212,5 +207,5 @@ async def render_with_request_template(
         template_kwargs=template_kwargs_of(typed.chat_template_kwargs),
     )
     # The template writes its own special tokens (BOS included): add none.
-    ids = await state.tokenizing.encode(renderer, text, add_special_tokens=False)
+    ids = await state.engine.tokenize(text, add_special_tokens=False)
     return {"prompt": text, "prompt_token_ids": ids}

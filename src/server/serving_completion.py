@@ -37,12 +37,6 @@ class CompletionServing(StreamingGeneration):
         self.parsed = parsed
         self.decode = decoder(state)
 
-    def _prompt_text(self, job: Job) -> str:
-        if job.first.prompt is not None:
-            return job.first.prompt
-        renderer = self.state.engine.renderer
-        return renderer.decode(job.first.prompt_token_ids or [], skip_special_tokens=False)
-
     def _logprobs(self, token_ids: list[int], entries: Any, offset: int) -> dict[str, Any] | None:
         if self.parsed.logprobs is None:
             return None
@@ -65,11 +59,17 @@ class CompletionServing(StreamingGeneration):
     def _usage(self, jobs: list[Job]) -> dict[str, int]:
         return schemas.usage(*self.token_counts(jobs))
 
-    def start_events(self, jobs: list[Job]) -> list[SSEEvent]:
-        if self.parsed.echo:
-            for job in jobs:
-                job.prompt_text = self._prompt_text(job)
-        return []
+    async def prepare(self, jobs: list[Job]) -> None:
+        """The prompts' texts, for ``echo`` (token-id prompts decoded off the loop if long)."""
+        if not self.parsed.echo:
+            return
+        for job in jobs:
+            if job.first.prompt is not None:
+                job.prompt_text = job.first.prompt
+            else:
+                job.prompt_text = await self.state.engine.detokenize(
+                    list(job.first.prompt_token_ids or ()), skip_special_tokens=False
+                )
 
     def delta_events(self, job: Job, delta: CompletionOutput) -> list[SSEEvent]:
         parsed = self.parsed
@@ -105,7 +105,7 @@ class CompletionServing(StreamingGeneration):
     def response(self, jobs: list[Job]) -> dict[str, Any]:
         choices = []
         for job in jobs:
-            echo = self._prompt_text(job) if self.parsed.echo else ""
+            echo = job.prompt_text if self.parsed.echo else ""
             for index in sorted(job.choices):
                 choice = job.choices[index]
                 logprobs = self._logprobs(choice.token_ids, choice.logprobs, len(echo))

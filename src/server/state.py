@@ -33,7 +33,6 @@ from .asgi import Request
 from .cors import CORSPolicy
 from .reasoning import ReasoningParser, reasoning_parser
 from .site_guard import LOOPBACK_NAMES, SiteGuard
-from .tokenizing import TokenizerOffload
 from .tool_parsers import ToolParser, tool_parser
 
 logger = logging.getLogger("legato.server")
@@ -222,7 +221,6 @@ class ServingState:
         self._emptied.set()
         # Host / WebSocket Origin allowlists; the app sets the HTTP port once it is bound.
         self.site_guard: SiteGuard = settings.site_guard
-        self.tokenizing = TokenizerOffload()  # /tokenize, /detokenize: large ones in a thread
 
     @property
     def engine(self) -> AsyncEngine:

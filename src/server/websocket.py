@@ -32,17 +32,19 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import msgpack
+import pydantic
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from ..protocol.outputs import CompletionOutput, RequestOutput
-from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams
+from ..protocol.params import LoRARequest, SamplingParams
 from .asgi import LONE_SURROGATE, HTTPError, bearer_token_ok, dumps, has_lone_surrogate
 from .embedding_handler import embed_inputs
 from .embeddings import encode_vector, parse_embedding_request
 from .lora_routes import select_model
-from .openai_schemas import PARAM_CHECKS, check_int, parse_messages, show
+from .openai_protocol import GenerateParams, validation_error
+from .openai_schemas import check_int, parse_messages, show
 from .state import ServingState, Unavailable
 
 logger = logging.getLogger("legato.server")
@@ -56,9 +58,6 @@ MAX_REQUEST_ID_LEN = 256
 
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _FIXED_PARAMS = frozenset({"output_kind", "logits_processors"})
-_NULLABLE_PARAMS = frozenset(  # fields typed "X | None": null is a value of theirs
-    f.name for f in dataclasses.fields(SamplingParams) if "None" in str(f.type)
-)
 
 
 class FrameError(Exception):
@@ -190,29 +189,20 @@ def parse_generate(
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise invalid("params", "must be an object of SamplingParams fields")
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in _PARAM_FIELDS:
-            name = key if isinstance(key, str) else show(key)  # msgpack keys may be anything
-            raise invalid(f"params.{name}", "is not a SamplingParams field")
+    for key in raw:  # the field set first: these two errors say more than "extra field"
         if key in _FIXED_PARAMS:
             raise invalid(f"params.{key}", "cannot be set over the WebSocket protocol")
-        if value is None:  # null: "not given", or the field's own None (max_tokens: no limit)
-            if key in _NULLABLE_PARAMS:
-                kwargs[key] = None
-            continue
-        try:  # the types first: SamplingParams checks ranges, and not every type
-            kwargs[key] = PARAM_CHECKS[key](key, value)
-        except ValidationError as exc:
-            raise FrameError.invalid(exc.under("params"), request_id) from None
+        if key not in GenerateParams.model_fields:
+            name = key if isinstance(key, str) else show(key)  # msgpack keys may be anything
+            raise invalid(f"params.{name}", "is not a SamplingParams field")
     try:
-        params = SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+        params = GenerateParams.model_validate(raw).to_sampling_params(max_n=state.settings.max_n)
+    except pydantic.ValidationError as exc:
+        raise FrameError.invalid(validation_error(exc).under("params"), request_id) from None
     except ValidationError as exc:
         raise FrameError.invalid(exc.under("params"), request_id) from None
     except (ValueError, TypeError) as exc:  # a rule that forgot to name its field: a bug
         raise invalid("params", f"{type(exc).__name__}: {exc}") from None
-    if params.n > state.settings.max_n:
-        raise invalid("params.n", f"must be <= {state.settings.max_n}, got {params.n}")
     try:
         priority = check_int("priority", frame.get("priority", 0))
     except ValidationError as exc:

@@ -623,3 +623,27 @@ def test_llm_engine_has_vllms_signatures_and_aborts_finish_as_abort(
         outs += eng.step()
     assert len(outs[-1].outputs[0].token_ids) == 3
     assert late.reasons == ["length"] and sink.reasons == ["abort", "abort", "length"]
+
+
+async def test_tokenize_detokenize_model_info_and_metrics_are_public(
+    engine: AsyncEngine, toy_tokenizer: Any
+) -> None:
+    """What a server needs beyond generate: through the engine's own methods, not its parts."""
+    text = "héllo wörld " * 4
+    ids = await engine.tokenize(text)
+    assert ids == toy_tokenizer.encode(text)
+    assert await engine.tokenize(text, add_special_tokens=False) == toy_tokenizer.encode(
+        text, add_special_tokens=False
+    )
+    assert await engine.detokenize(ids, skip_special_tokens=True) == toy_tokenizer.decode(
+        ids, skip_special_tokens=True
+    )
+    big = "the " * (INLINE_MAX_PROMPT_CHARS // 2)  # past the inline limit: the offload thread
+    assert await engine.tokenize(big) == toy_tokenizer.encode(big)
+    with pytest.raises(ValidationError):
+        await engine.detokenize([10**9])
+    assert engine.token_text(ids[-1]) == toy_tokenizer.decode([ids[-1]])
+    info = engine.model_info()
+    assert info.name == engine.model_name and info.max_model_len == engine.config.max_model_len
+    assert info.special_tokens.get("eos_token") == toy_tokenizer.eos_token
+    assert b"legato:" in engine.metrics_text()

@@ -167,6 +167,9 @@ async def test_minimal_subclass_streams() -> None:
         ("finish_weight_update", ("v2",)),
         ("update_weight_version", ("v2",)),
         ("get_weight_version", ()),
+        ("remove_lora", (1,)),
+        ("list_loras", ()),
+        ("render_chat_prompt", ([{"role": "user", "content": "hi"}],)),
     ],
 )
 async def test_optional_methods_refuse_clearly(method: str, args: tuple[Any, ...]) -> None:
@@ -178,6 +181,7 @@ async def test_defaults_that_succeed() -> None:
     engine = MinimalClient()
     engine.check_admission(n=4, request_id="r")
     await engine.notify_kv_transfer_request_rejected("r", {}, data_parallel_rank=None)
+    assert engine.loaded_loras() == []  # a client without adapters serves none
 
 
 def test_every_method_says_its_contract() -> None:

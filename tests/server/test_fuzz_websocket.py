@@ -475,8 +475,8 @@ def test_nan_and_infinite_numbers_in_params(fuzz_server: ServerThread) -> None:
 
 def test_every_settable_param_has_a_type_check() -> None:
     """SamplingParams checks ranges but not every type (a dict for a bool once reached the
-    detokenizer and killed the engine): the server checks the type of every field first."""
-    from legato.server.openai_schemas import PARAM_CHECKS
+    detokenizer and killed the engine): the params model types every settable field."""
+    from legato.server.openai_protocol import GenerateParams
     from legato.server.websocket import _FIXED_PARAMS, _PARAM_FIELDS
 
-    assert set(PARAM_CHECKS) == _PARAM_FIELDS - _FIXED_PARAMS
+    assert set(GenerateParams.model_fields) == _PARAM_FIELDS - _FIXED_PARAMS

@@ -153,6 +153,7 @@ async def test_adapters_as_model_names(
             assert (await client.post(unload, json={"lora_name": "b"})).status_code == 404
             assert (await complete(client, "b")).status_code == 404
             assert await engine.list_loras() == {1}
+            assert [lora.lora_name for lora in engine.loaded_loras()] == ["a"]
 
 
 async def test_runtime_loading_is_off_by_default(

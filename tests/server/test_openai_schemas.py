@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pydantic
 import pytest
 
 from legato.protocol.errors import ValidationError
@@ -16,7 +17,9 @@ from legato.server.openai_protocol import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerateParams,
     parse_request,
+    validation_error,
 )
 
 
@@ -111,9 +114,10 @@ def test_errors_name_the_request_field() -> None:
     assert field_of({**chat, "logprobs": True, "top_logprobs": -1}, chat=True) == "top_logprobs"
     # tools, tool_choice and response_format are read by chat_outputs / tool_choice (tested there).
     assert field_of({**chat, "functions": [{"name": "f"}]}, chat=True) == "functions"
-    assert field_of(
-        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True
-    ) == "messages[0].content[0].type"
+    assert (
+        field_of({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True)
+        == "messages[0].content[0].type"
+    )
 
 
 def test_chat_messages_and_defaults() -> None:
@@ -162,3 +166,41 @@ def test_json_never_carries_non_finite_numbers() -> None:
         dumps({"a": [float("-inf"), float("inf"), float("nan"), 1.5]})
         == b'{"a":[-9999.0,9999.0,null,1.5]}'
     )
+
+
+def test_websocket_params_model_builds_sampling_params() -> None:
+    """The WebSocket ``params`` model: null is "not given" except where it is a value of the
+    field (``max_tokens``: no limit), token-id keys come as ints (msgpack) or digit strings
+    (JSON), unknown fields and wrong types are refused naming the field, and SamplingParams
+    checks the ranges."""
+    params = GenerateParams.model_validate({}).to_sampling_params(max_n=4)
+    assert (params.max_tokens, params.temperature) == (16, 1.0)
+    assert params.output_kind == RequestOutputKind.DELTA
+    params = GenerateParams.model_validate(
+        {"max_tokens": None, "temperature": None, "logit_bias": {5: 1.5, "7": -2}}
+    ).to_sampling_params(max_n=4)
+    assert (params.max_tokens, params.temperature) == (None, 1.0)
+    assert params.logit_bias == {5: 1.5, 7: -2.0}
+    params = GenerateParams.model_validate(
+        {"structured_outputs": {"regex": "a+"}, "stop": "x"}
+    ).to_sampling_params(max_n=4)
+    assert params.structured_outputs is not None and params.structured_outputs.regex == "a+"
+    assert params.stop == ["x"]
+
+    def param_of(raw: dict[str, Any]) -> str:
+        with pytest.raises((pydantic.ValidationError, ValidationError)) as info:
+            GenerateParams.model_validate(raw).to_sampling_params(max_n=4)
+        exc = info.value
+        return (
+            validation_error(exc).field if isinstance(exc, pydantic.ValidationError) else exc.field
+        )
+
+    assert param_of({"temperature": "hot"}) == "temperature"
+    assert param_of({"ignore_eos": {}}) == "ignore_eos"
+    assert param_of({"max_tokens": True}) == "max_tokens"
+    assert param_of({"seed": 2**64}) == "seed"
+    assert param_of({"logit_bias": {"x": 1}}) == "logit_bias"
+    assert param_of({"wibble": 1}) == "wibble"
+    assert param_of({"top_p": 1.5}) == "top_p"
+    assert param_of({"n": 5}) == "n"
+    assert param_of({"structured_outputs": {"wibble": 1}}) == "structured_outputs.wibble"

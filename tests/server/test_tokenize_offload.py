@@ -27,8 +27,7 @@ async def test_a_large_tokenize_runs_off_the_event_loop(
     ):
         twin = copy.copy(engine.renderer)
         twin.tokenizer = held_tokenizer
-        offload = server.state.tokenizing
-        offload._source, offload._twin = engine.renderer, twin
+        engine.frontend.offload_renderer = twin  # the engine's thread tokenizes large texts
         answers: list[httpx.Response] = []
 
         async def ask() -> None:
