@@ -109,7 +109,9 @@ class Scheduler:
     that preemption always lets the oldest request finish.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_sliding_window: int | None = None) -> None:
+        """``kv_sliding_window``: the window every layer of the model attends through,
+        when all share one; blocks out of it are then released (see ``kv_cache``)."""
         if config.max_model_len is None or config.num_kv_blocks is None:
             raise ValueError("config: max_model_len and num_kv_blocks must be resolved")
         usable_tokens = (config.num_kv_blocks - 1) * config.block_size
@@ -124,7 +126,10 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.kv = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            kv_sliding_window,
         )
         self.adapter_limit = AdapterLimit(config.max_loras if config.enable_lora else None)
         self.requests: dict[str, Request] = {}  # every unfinished request
