@@ -135,3 +135,15 @@ def test_reference_backend_matches_transformers(
     outputs = sched.run()
     for i, prompt in enumerate(prompts):
         assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"{kind} prompt {i}"
+
+
+def test_soft_capped_model_refused_on_triton(make_checkpoint: Callable[..., Any]) -> None:
+    """The Triton kernels have no soft cap: building Gemma 2 on them names the argument
+    (the backend is the reference kernels under the Triton backend's name)."""
+    from legato.kernels import reference
+    from legato.models.attention_backend import KernelBackend
+
+    _, cfg = resolve_architecture(load_model_config(_checkpoint(make_checkpoint, "gemma2").path))
+    backend = KernelBackend("triton", reference, hints=True)
+    with pytest.raises(ValueError, match="attention_backend: the Triton kernels take no"):
+        Gemma2ForCausalLM(cfg, backend, torch.float32, torch.device("cpu"), 64)
