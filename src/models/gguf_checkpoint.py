@@ -14,7 +14,11 @@ this module maps it onto what the rest of legato reads from a directory:
   file, are loaded by :func:`legato.tokenizer_loading.load_gguf_tokenizer`.
 
 Architectures (``general.architecture``): ``llama`` (llama.cpp writes Llama,
-Mistral and SmolLM2 under it), ``qwen2``, ``qwen3``. Tensor types: those in
+Mistral and SmolLM2 under it, and Mixtral with an ``expert_count``), ``qwen2``,
+``qwen3``, ``qwen2moe``, ``qwen3moe``. A mixture of experts stores each layer's
+experts as one 3-D tensor per projection (``ffn_gate_exps`` ``[E, I, H]``);
+they come out one expert at a time under the Hugging Face per-expert names,
+dequantized (only 2-D matrices stay quantized). Tensor types: those in
 :data:`SUPPORTED_TYPES`. Anything else, and any unreadable, truncated or corrupt
 file, is a :class:`~legato.protocol.errors.ModelLoadError` whose one-line
 message names the file (and the tensor, where one is at fault).
@@ -57,6 +61,8 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 """GGUF ``general.architecture`` -> the Hugging Face architecture legato serves it as."""
 
@@ -77,8 +83,17 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",  # one 3-D tensor: every expert's
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-"""GGUF's standard tensor names (ggml's docs/gguf.md) -> Hugging Face Llama names."""
+"""GGUF's standard tensor names (ggml's docs/gguf.md) -> Hugging Face Llama names
+(``{}``: the expert index, for the 3-D expert tensors)."""
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -186,7 +201,8 @@ def _check_contents(path: str, reader: Any) -> None:
 
 def hf_tensor_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None for a name we do not map."""
+    ``model.layers.3.self_attn.q_proj.weight``); None for a name we do not map. An
+    experts tensor's name keeps a ``{}`` for the expert index."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
@@ -296,6 +312,20 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    if (experts := meta("expert_count")) is not None:  # a mixture of experts
+        config.update(
+            num_experts=int(experts),
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(meta("expert_used_count")),
+            # llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE, not Qwen2-MoE
+            norm_topk_prob=arch != "qwen2moe",
+        )
+        if arch == "llama":
+            config["architectures"] = ["MixtralForCausalLM"]
+        else:
+            config["moe_intermediate_size"] = int(meta("expert_feed_forward_length"))
+        if (shared := meta("expert_shared_feed_forward_length")) is not None:
+            config["shared_expert_intermediate_size"] = int(shared)
     return config
 
 
@@ -337,6 +367,11 @@ def iter_gguf_quantized(
         if name is None:
             continue  # checked by open_gguf: only _IGNORED_TENSORS get here
         kind = tensor.tensor_type.name
+        if "{}" in name:  # every expert's projection in one [E, rows, cols] tensor
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            for expert in range(array.shape[0]):
+                yield name.format(expert), torch.from_numpy(np.array(array[expert], copy=True))
+            continue
         if keep_quantized and len(tensor.shape) == 2:
             if kind in KEPT_TYPES:
                 out_features, in_features = (int(d) for d in reversed(tensor.shape.tolist()))

@@ -17,6 +17,7 @@ Test support only: never imported by the engine.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,15 @@ _GGUF_ARCH = {
     "MistralForCausalLM": "llama",  # as llama.cpp writes Mistral
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",  # as llama.cpp writes Mixtral: llama with experts
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
+_EXPERT_RE = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
+_EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}  # fmt: skip
 
 _K_QUANT_SCALES: dict[str, tuple[int, int | None, float]] = {
     "Q2_K": (80, 82, 1.5),
@@ -56,6 +65,12 @@ _HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 
 
@@ -89,10 +104,7 @@ def write_gguf(
     kv_heads = config.get("num_key_value_heads") or heads
     if (rope_freqs := _llama3_rope_freqs(config)) is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
-    for hf_name, tensor in iter_weights(root):
-        assert isinstance(tensor, torch.Tensor)  # a directory holds no quantized weights
-        gguf_name = _gguf_name(hf_name)
-        array = tensor.float().numpy()
+    for gguf_name, array in _stack_experts(iter_weights(root)):
         if arch == "llama" and ".attn_q." in gguf_name:
             array = _permute_rows(array, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
@@ -110,6 +122,23 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(out)
+
+
+def _stack_experts(weights: Any) -> Any:
+    """``(GGUF name, fp32 array)``: per-expert tensors stacked into one ``[E, rows, cols]``
+    tensor per layer and projection (``blk.N.ffn_gate_exps``), as llama.cpp stores them."""
+    experts: dict[str, dict[int, Any]] = {}
+    for hf_name, tensor in weights:
+        assert isinstance(tensor, torch.Tensor)  # a directory holds no quantized weights
+        match = _EXPERT_RE.match(hf_name)
+        if match is None:
+            yield _gguf_name(hf_name), tensor.float().numpy()
+            continue
+        layer, expert, proj = match.groups()
+        key = f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight"
+        experts.setdefault(key, {})[int(expert)] = tensor.float().numpy()
+    for key, parts in experts.items():
+        yield key, np.stack([parts[e] for e in range(len(parts))])
 
 
 def _gguf_name(hf_name: str) -> str:
@@ -167,6 +196,14 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_vocab_size(config["vocab_size"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size") and arch != "llama":
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:
