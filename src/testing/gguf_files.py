@@ -34,6 +34,13 @@ _GGUF_ARCH = {
     "MixtralForCausalLM": "llama",  # as llama.cpp writes Mixtral: llama with experts
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+_GEMMA_NAMES = {  # Gemma's sandwich norms, as llama.cpp names them
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 _EXPERT_RE = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
@@ -104,7 +111,9 @@ def write_gguf(
     kv_heads = config.get("num_key_value_heads") or heads
     if (rope_freqs := _llama3_rope_freqs(config)) is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
-    for gguf_name, array in _stack_experts(iter_weights(root)):
+    for gguf_name, array in _stack_experts(iter_weights(root), arch):
+        if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and ".attn_q." in gguf_name:
             array = _permute_rows(array, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
@@ -124,7 +133,7 @@ def write_gguf(
     return Path(out)
 
 
-def _stack_experts(weights: Any) -> Any:
+def _stack_experts(weights: Any, arch: str) -> Any:
     """``(GGUF name, fp32 array)``: per-expert tensors stacked into one ``[E, rows, cols]``
     tensor per layer and projection (``blk.N.ffn_gate_exps``), as llama.cpp stores them."""
     experts: dict[str, dict[int, Any]] = {}
@@ -132,7 +141,7 @@ def _stack_experts(weights: Any) -> Any:
         assert isinstance(tensor, torch.Tensor)  # a directory holds no quantized weights
         match = _EXPERT_RE.match(hf_name)
         if match is None:
-            yield _gguf_name(hf_name), tensor.float().numpy()
+            yield _gguf_name(hf_name, arch), tensor.float().numpy()
             continue
         layer, expert, proj = match.groups()
         key = f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight"
@@ -141,7 +150,7 @@ def _stack_experts(weights: Any) -> Any:
         yield key, np.stack([parts[e] for e in range(len(parts))])
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     globals_ = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -151,7 +160,8 @@ def _gguf_name(hf_name: str) -> str:
         return globals_[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+    names = {**_HF_TO_GGUF, **_GEMMA_NAMES} if arch.startswith("gemma") else _HF_TO_GGUF
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def _permute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -181,6 +191,7 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
     writer.add_context_length(config.get("max_position_embeddings", 2048))
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -189,6 +200,11 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it
         import gguf
 
@@ -196,6 +212,16 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_vocab_size(config["vocab_size"])
+    if arch.startswith("gemma"):
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
+        if config.get("layer_types"):
+            writer.add_sliding_window_pattern(
+                [t == "sliding_attention" for t in config["layer_types"]]
+            )
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key) is not None:
+                getattr(writer, f"add_{key}")(config[key])
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)

@@ -147,3 +147,41 @@ def test_soft_capped_model_refused_on_triton(make_checkpoint: Callable[..., Any]
     backend = KernelBackend("triton", reference, hints=True)
     with pytest.raises(ValueError, match="attention_backend: the Triton kernels take no"):
         Gemma2ForCausalLM(cfg, backend, torch.float32, torch.device("cpu"), 64)
+
+
+@pytest.mark.parametrize("kind", list(GEMMA))
+def test_gguf_file_matches_transformers(
+    kind: str, make_checkpoint: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any,
+    tmp_path: Any,
+) -> None:  # fmt: skip
+    """The checkpoint written as llama.cpp would (norms stored as ``1 + w``, Gemma's norm
+    names, soft caps and window in the metadata): from an F32 file legato gives
+    transformers' tokens on the checkpoint; from a Q8_0 file the matrices stay quantized
+    and the tokens equal the dequantized path's. llama.cpp stores no
+    ``query_pre_attn_scalar`` (it takes ``head_dim`` below 27B): here it is ``head_dim``."""
+    from legato.config import EngineConfig
+    from legato.models.runner import ModelRunner
+    from legato.testing.gguf_files import write_gguf
+
+    ck = make_checkpoint(kind, **{**GEMMA[kind], "query_pre_attn_scalar": 16,
+                                  "intermediate_size": 128})  # fmt: skip
+    prompts = _prompts([6, 2 * WINDOW + 3], seed=54)
+
+    def generate(path: Any, **engine: Any) -> tuple[list[list[int]], ModelRunner]:
+        config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+                              **engine)  # fmt: skip
+        runner = ModelRunner(config)
+        sched = mini_scheduler(runner)
+        for i, prompt in enumerate(prompts):
+            sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+        out = sched.run()
+        return [out[f"r{i}"] for i in range(len(prompts))], runner
+
+    f32 = write_gguf(ck.path, tmp_path / f"{kind}-f32.gguf", tensor_type="F32")
+    assert load_model_config(f32).architecture == CLASSES[kind].__name__
+    tokens, _ = generate(f32)
+    assert tokens == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in prompts]
+    q8 = write_gguf(ck.path, tmp_path / f"{kind}-q8.gguf", tensor_type="Q8_0")
+    kept, runner = generate(q8)
+    assert runner.model.quantized_bytes() > 0
+    assert kept == generate(q8, gguf_dequantize=True)[0]
