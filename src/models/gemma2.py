@@ -15,10 +15,9 @@ What differs from :mod:`legato.models.llama`:
 - sliding-window layers interleaved with global ones (``layer_types``; older
   configs: every other layer, see :mod:`legato.models.config`).
 
-The attention soft cap is computed by the torch backend (scores whole, then
-capped: SDPA has no cap, and the native CPU decode kernel is bypassed for capped
-layers) and the reference kernels; the Triton kernels have none yet, so a
-soft-capped model on them is refused at build, naming ``attention_backend``.
+The attention soft cap goes through every backend: the Triton kernels cap the
+scores in their online softmax; the torch backend computes capped layers' scores
+whole (SDPA has no cap, and the native CPU decode kernel is bypassed for them).
 
 :class:`Gemma2ForCausalLM` is also the base of Gemma 3 (:mod:`legato.models.gemma3`),
 which adds q/k norms and a rotary of its own for the sliding layers
@@ -106,11 +105,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         device: torch.device,
         max_positions: int,
     ) -> None:
-        if cfg.attn_logit_softcapping is not None and backend.name == "triton":
-            raise ValueError(
-                "attention_backend: the Triton kernels take no attention soft cap "
-                f"({cfg.architecture} has attn_logit_softcapping); use attention_backend='torch'"
-            )
         super().__init__(cfg, backend, dtype, device, max_positions)
         # transformers rounds sqrt(hidden) to the model dtype before it multiplies
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype))

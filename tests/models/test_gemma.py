@@ -7,7 +7,7 @@ generations several times longer), and soft caps small enough to matter (Gemma 2
 cannot change a greedy token but changes the logprobs compared). Gemma 3 adds
 q/k norms and rotates its sliding layers with their own base (10 000) while the
 global ones use a linearly scaled 1 000 000. Whole prefill, chunked prefill, a
-start from a cached prefix, and the reference kernel backend; TP=2 is in
+start from a cached prefix, and the reference and Triton kernels; TP=2 is in
 ``test_tensor_parallel.py``.
 """
 
@@ -118,35 +118,33 @@ def test_prefix_cache_hit_matches_transformers(
     assert sched.run()["hit"] == hf_greedy(ck, prompt, NEW_TOKENS)[0]
 
 
-@pytest.mark.parametrize("kind", list(GEMMA))
-def test_reference_backend_matches_transformers(
+@pytest.mark.parametrize(  # the interpreted Triton kernels are slow: the soft cap's family only
+    ("kind", "backend"), [("gemma2", "reference"), ("gemma3", "reference"), ("gemma2", "triton")]
+)
+def test_kernel_backends_match_transformers(
     kind: str,
+    backend: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
     mini_scheduler: Any,
     hf_greedy: Any,
+    triton_device: str,
 ) -> None:
-    """The kernel contract (soft cap included) on the reference kernels."""
+    """The kernel contract (soft cap included) on the reference and Triton kernels."""
+    from legato.kernels import triton_available
+
+    if backend == "triton" and not triton_available():
+        pytest.skip("triton cannot run here (no CUDA device and no TRITON_INTERPRET)")
     ck = _checkpoint(make_checkpoint, kind)
     prompts = _prompts([2 * WINDOW + 5, 9], seed=53)
-    sched = mini_scheduler(make_runner(ck, attention_backend="reference"), chunk=16)
+    device = triton_device if backend == "triton" else "cpu"
+    runner = make_runner(ck, attention_backend=backend, device=device)
+    sched = mini_scheduler(runner, chunk=16)
     for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
     outputs = sched.run()
     for i, prompt in enumerate(prompts):
         assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"{kind} prompt {i}"
-
-
-def test_soft_capped_model_refused_on_triton(make_checkpoint: Callable[..., Any]) -> None:
-    """The Triton kernels have no soft cap: building Gemma 2 on them names the argument
-    (the backend is the reference kernels under the Triton backend's name)."""
-    from legato.kernels import reference
-    from legato.models.attention_backend import KernelBackend
-
-    _, cfg = resolve_architecture(load_model_config(_checkpoint(make_checkpoint, "gemma2").path))
-    backend = KernelBackend("triton", reference, hints=True)
-    with pytest.raises(ValueError, match="attention_backend: the Triton kernels take no"):
-        Gemma2ForCausalLM(cfg, backend, torch.float32, torch.device("cpu"), 64)
 
 
 @pytest.mark.parametrize("kind", list(GEMMA))
