@@ -254,6 +254,9 @@ class ModelRunner:
         self._graph_settings: tuple[CaptureMode, list[int]] | None = None
         if parallel is not None and self.device.type == "cuda" and not config.enforce_eager:
             logger.info("tensor parallel: decode runs eagerly (no CUDA graphs)")
+        elif not self.model.graph_capturable and self.device.type == "cuda":
+            logger.info("%s: decode runs eagerly (its forward syncs with the host)",
+                        mcfg.architecture)  # fmt: skip
         elif wants_decode_graphs(self.device, config.enforce_eager, self.backend):
             self.capture_decode_graphs()
         elif self.device.type == "cuda" and not config.enforce_eager:
