@@ -47,4 +47,5 @@ def build_engine_parts(config: EngineConfig, ready: m.WorkerReady, tokenizer: An
         max_logprobs=config.max_logprobs,
         grammars=grammars,
     )
-    return EngineParts(config, renderer, grammars, Scheduler(config), OutputProcessor(tokenizer))
+    scheduler = Scheduler(config, kv_sliding_window=ready.kv_sliding_window)
+    return EngineParts(config, renderer, grammars, scheduler, OutputProcessor(tokenizer))

@@ -28,6 +28,7 @@ class NullModelRunner:
         self.num_kv_blocks = config.num_kv_blocks or 65536
         self.max_model_len = config.max_model_len or 4096
         self.eos_token_ids: list[int] = []
+        self.kv_sliding_window: int | None = None
         self.dtype = "float32"
         self.device = "cpu"
         # Token id 300 is an ordinary byte-pair in the toy tokenizer; any id works.

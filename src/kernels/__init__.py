@@ -73,6 +73,7 @@ class PagedAttentionFn(Protocol):
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 

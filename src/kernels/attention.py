@@ -110,6 +110,16 @@ def _window_start(seq_len, window):
 
 
 @triton.jit
+def _scaled_scores(s, scale_log2, softcap_in, softcap_out, SOFTCAP: tl.constexpr):
+    """Raw ``q.k`` scores into the log2 domain: ``s * scale * log2(e)``, or with a soft cap
+    ``cap * tanh(s * scale / cap) * log2(e)`` (``softcap_in = scale / cap``,
+    ``softcap_out = cap * log2(e)``; tanh as ``2 * sigmoid(2t) - 1``)."""
+    if SOFTCAP:
+        return (2.0 * tl.sigmoid(2.0 * s * softcap_in) - 1.0) * softcap_out
+    return s * scale_log2
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -126,6 +136,8 @@ def _decode_split_kernel(
     num_splits,
     num_heads,
     window,
+    softcap_in,
+    softcap_out,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -144,6 +156,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
 ):
     """Decode, pass 1: one (sequence, kv head, context split) per program.
@@ -203,7 +216,11 @@ def _decode_split_kernel(
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+            s = tl.where(
+                n_mask[None, :],
+                _scaled_scores(s, scale_log2, softcap_in, softcap_out, SOFTCAP),
+                float("-inf"),
+            )
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -310,6 +327,7 @@ def paged_attention_decode(
     split_tokens: int | None = None,
     tiles: DecodeTiles | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention for a batch where every sequence has query length 1 (or 0).
 
@@ -364,6 +382,8 @@ def paged_attention_decode(
         num_splits,
         num_heads,
         window,
+        scale / softcap if softcap else 0.0,
+        (softcap or 0.0) * _LOG2E,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -382,6 +402,7 @@ def paged_attention_decode(
         BLOCK_N=tiles.block_n,
         PAGE=page,
         DOT_FP32=_dot_in_fp32(key_cache.dtype),
+        SOFTCAP=softcap is not None,
         SINGLE_SPLIT=single,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
@@ -438,6 +459,8 @@ def _prefill_kernel(
     scale_log2,
     num_seqs,
     window,
+    softcap_in,
+    softcap_out,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -457,6 +480,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Causal paged attention for one (query tile, kv head) per program.
 
@@ -523,7 +547,11 @@ def _prefill_kernel(
             visible = (keys[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if window > 0:
                 visible = visible & (keys[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s * scale_log2, float("-inf"))
+            s = tl.where(
+                visible,
+                _scaled_scores(s, scale_log2, softcap_in, softcap_out, SOFTCAP),
+                float("-inf"),
+            )
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # Without a window key 0 is visible to every row, so m_new is finite from the
             # first tile on; with one, a row may see nothing in a tile: keep it at zero.
@@ -557,6 +585,7 @@ def paged_attention_prefill(
     block_m: int | None = None,
     block_n: int | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention for any flat batch (prefill, chunked prefill, decode, mixed).
 
@@ -590,6 +619,8 @@ def paged_attention_prefill(
         scale * _LOG2E,
         num_seqs,
         sliding_window or 0,
+        scale / softcap if softcap else 0.0,
+        (softcap or 0.0) * _LOG2E,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -609,6 +640,7 @@ def paged_attention_prefill(
         BLOCK_N=block_n,
         PAGE=page,
         DOT_FP32=dot_fp32,
+        SOFTCAP=softcap is not None,
         num_warps=4 if head_dim <= 64 and not dot_fp32 else 8,
         num_stages=2,
     )
@@ -627,13 +659,15 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; the reference's contract, on the Triton kernels.
 
     ``max_query_len`` (host-side upper bound of the per-sequence query lengths)
     picks the kernel: 1 means decode. Without it the lengths are read back
     from the device (one sync) unless ``T`` exceeds ``num_seqs``, which proves
-    a prefill. ``max_seq_len`` is passed on to the decode planner.
+    a prefill. ``max_seq_len`` is passed on to the decode planner. ``softcap``: scores
+    become ``softcap * tanh(scores / softcap)`` (Gemma 2), as in the reference.
     """
     if max_query_len is not None:
         decode = max_query_len <= 1
@@ -652,6 +686,7 @@ def paged_attention(
             scale,
             max_seq_len=max_seq_len,
             sliding_window=sliding_window,
+            softcap=softcap,
         )
     return paged_attention_prefill(
         query,
@@ -662,4 +697,5 @@ def paged_attention(
         query_start_loc,
         scale,
         sliding_window=sliding_window,
+        softcap=softcap,
     )

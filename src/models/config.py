@@ -134,6 +134,13 @@ class ModelConfig:
             and (layer + 1) % self.decoder_sparse_step == 0
         )
 
+    @property
+    def uniform_window(self) -> int | None:
+        """The sliding window when every layer has it (then KV blocks that fall out of
+        it can be released), else None."""
+        windows = {self.window_of(i) for i in range(self.num_layers)}
+        return self.sliding_window if windows == {self.sliding_window} else None
+
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (it attends to its last that many positions,
         its own included), or None for full attention."""

@@ -15,6 +15,10 @@ What differs from :mod:`legato.models.llama`:
 - sliding-window layers interleaved with global ones (``layer_types``; older
   configs: every other layer, see :mod:`legato.models.config`).
 
+The attention soft cap goes through every backend: the Triton kernels cap the
+scores in their online softmax; the torch backend computes capped layers' scores
+whole (SDPA has no cap, and the native CPU decode kernel is bypassed for them).
+
 :class:`Gemma2ForCausalLM` is also the base of Gemma 3 (:mod:`legato.models.gemma3`),
 which adds q/k norms and a rotary of its own for the sliding layers
 (:meth:`Gemma2ForCausalLM.step_contexts`).

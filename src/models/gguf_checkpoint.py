@@ -14,7 +14,16 @@ this module maps it onto what the rest of legato reads from a directory:
   file, are loaded by :func:`legato.tokenizer_loading.load_gguf_tokenizer`.
 
 Architectures (``general.architecture``): ``llama`` (llama.cpp writes Llama,
-Mistral and SmolLM2 under it), ``qwen2``, ``qwen3``. Tensor types: those in
+Mistral and SmolLM2 under it, and Mixtral with an ``expert_count``), ``qwen2``,
+``qwen3``, ``qwen2moe``, ``qwen3moe``, ``gemma2``, ``gemma3`` (text). Gemma
+files hold every norm weight as llama.cpp's converter writes it, ``1 + w``; it is
+read back as ``w`` (as transformers does), which the Gemma model shifts again.
+llama.cpp stores no ``query_pre_attn_scalar``: like llama.cpp, the scale is
+``head_dim`` except for the 27B models (46 or 62 layers), where it is
+``hidden / heads``. A mixture of experts stores each layer's
+experts as one 3-D tensor per projection (``ffn_gate_exps`` ``[E, I, H]``);
+they come out one expert at a time under the Hugging Face per-expert names,
+dequantized (only 2-D matrices stay quantized). Tensor types: those in
 :data:`SUPPORTED_TYPES`. Anything else, and any unreadable, truncated or corrupt
 file, is a :class:`~legato.protocol.errors.ModelLoadError` whose one-line
 message names the file (and the tensor, where one is at fault).
@@ -57,7 +66,13 @@ ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_GEMMA = ("gemma2", "gemma3")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for the 27B scale
 """GGUF ``general.architecture`` -> the Hugging Face architecture legato serves it as."""
 
 _GLOBAL_NAMES = {
@@ -77,8 +92,24 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",  # one 3-D tensor: every expert's
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-"""GGUF's standard tensor names (ggml's docs/gguf.md) -> Hugging Face Llama names."""
+"""GGUF's standard tensor names (ggml's docs/gguf.md) -> Hugging Face Llama names
+(``{}``: the expert index, for the 3-D expert tensors)."""
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+"""Gemma's sandwich norms: ``ffn_norm`` is the MLP's input norm there."""
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -178,22 +209,24 @@ def _check_contents(path: str, reader: Any) -> None:
                 f"model: {path}: tensor {tensor.name!r} has type {kind}, which legato cannot"
                 f" dequantize (supported: {', '.join(SUPPORTED_TYPES)})"
             )
-        if tensor.name not in _IGNORED_TENSORS and hf_tensor_name(tensor.name) is None:
+        if tensor.name not in _IGNORED_TENSORS and hf_tensor_name(tensor.name, arch) is None:
             raise ModelLoadError(
                 f"model: {path}: tensor {tensor.name!r} has no place in a {arch} model"
             )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None for a name we do not map."""
+    ``model.layers.3.self_attn.q_proj.weight``); None for a name we do not map. An
+    experts tensor's name keeps a ``{}`` for the expert index."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
     match = _LAYER_RE.match(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -296,6 +329,39 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
+    if (experts := meta("expert_count")) is not None:  # a mixture of experts
+        config.update(
+            num_experts=int(experts),
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(meta("expert_used_count")),
+            # llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE, not Qwen2-MoE
+            norm_topk_prob=arch != "qwen2moe",
+        )
+        if arch == "llama":
+            config["architectures"] = ["MixtralForCausalLM"]
+        else:
+            config["moe_intermediate_size"] = int(meta("expert_feed_forward_length"))
+        if (shared := meta("expert_shared_feed_forward_length")) is not None:
+            config["shared_expert_intermediate_size"] = int(shared)
+    if arch in _GEMMA:
+        layers = config["num_hidden_layers"]
+        big = layers == _GEMMA_27B_LAYERS[arch]
+        config.update(
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=hidden // heads if big else head_dim,
+            sliding_window=meta("attention.sliding_window"),
+            attn_logit_softcapping=meta("attn_logit_softcapping"),
+            final_logit_softcapping=meta("final_logit_softcapping"),
+        )
+        if (pattern := meta("attention.sliding_window_pattern")) is not None:
+            if isinstance(pattern, list):  # per layer: True = sliding
+                config["layer_types"] = [
+                    "sliding_attention" if p else "full_attention" for p in pattern
+                ]
+            else:
+                config["sliding_window_pattern"] = int(pattern)
+        if arch == "gemma3":
+            config["rope_local_base_freq"] = 10_000.0  # llama.cpp's fixed local base
     return config
 
 
@@ -329,14 +395,25 @@ def iter_gguf_quantized(
     from gguf.quants import dequantize
 
     config = gguf_hf_config(reader)
+    arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    unpermute = config["model_type"] == "llama"
+    unpermute = arch == "llama"
+    gemma = arch in _GEMMA
     widened: dict[str, int] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             continue  # checked by open_gguf: only _IGNORED_TENSORS get here
+        if gemma and name.endswith("norm.weight"):  # stored as 1 + w: give back w
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            yield name, torch.from_numpy(array - 1.0)
+            continue
         kind = tensor.tensor_type.name
+        if "{}" in name:  # every expert's projection in one [E, rows, cols] tensor
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            for expert in range(array.shape[0]):
+                yield name.format(expert), torch.from_numpy(np.array(array[expert], copy=True))
+            continue
         if keep_quantized and len(tensor.shape) == 2:
             if kind in KEPT_TYPES:
                 out_features, in_features = (int(d) for d in reversed(tensor.shape.tolist()))
@@ -379,8 +456,9 @@ def stored_dtypes(reader: Any) -> dict[str, torch.dtype]:
     """HF name -> the torch dtype that holds that tensor without loss once dequantized:
     fp16 / bf16 for tensors stored so, fp32 for the rest (quantized ones included)."""
     exact = {"F16": torch.float16, "BF16": torch.bfloat16}
+    arch = str(_field(reader, "general.architecture"))
     return {
         name: exact.get(t.tensor_type.name, torch.float32)
         for t in reader.tensors
-        if (name := hf_tensor_name(t.name)) is not None
+        if (name := hf_tensor_name(t.name, arch)) is not None
     }

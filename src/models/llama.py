@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     layer_class: type[nn.Module] = DecoderLayer
+    graph_capturable = True  # its forward may be captured in a CUDA graph
 
     def __init__(
         self,

@@ -146,6 +146,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-family decoder with mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE)."""
 
     layer_class = MoeDecoderLayer
+    graph_capturable = False  # grouping tokens by expert reads the counts on the host
 
     def load_weights(
         self,

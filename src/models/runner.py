@@ -173,6 +173,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids: list[int] = list(mcfg.eos_token_ids)
+        self.kv_sliding_window: int | None = mcfg.uniform_window  # see WorkerReady
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         self.backend = select_backend(attention_backend or config.attention_backend, self.device)
         wanted_len = config.max_model_len or mcfg.max_position_embeddings
@@ -258,6 +259,9 @@ class ModelRunner:
         self._graph_settings: tuple[CaptureMode, list[int]] | None = None
         if parallel is not None and self.device.type == "cuda" and not config.enforce_eager:
             logger.info("tensor parallel: decode runs eagerly (no CUDA graphs)")
+        elif not self.model.graph_capturable and self.device.type == "cuda":
+            logger.info("%s: decode runs eagerly (its forward syncs with the host)",
+                        mcfg.architecture)  # fmt: skip
         elif wants_decode_graphs(self.device, config.enforce_eager, self.backend):
             self.capture_decode_graphs()
         elif self.device.type == "cuda" and not config.enforce_eager:

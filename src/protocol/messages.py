@@ -429,6 +429,9 @@ class WorkerReady(Message):
     eos_token_ids: list[int]
     dtype: str
     device: str
+    # the window every layer attends through, when all share one (else None): the
+    # scheduler then releases KV blocks that fall out of it
+    kv_sliding_window: int | None = None
 
 
 class WorkerError(Message):

@@ -30,6 +30,11 @@ class Runner(Protocol):
     @property
     def eos_token_ids(self) -> Sequence[int]: ...
     @property
+    def kv_sliding_window(self) -> int | None:
+        """The window every layer attends through, when all share one; else None."""
+        ...
+
+    @property
     def dtype(self) -> object:
         """Reported as ``str(dtype)`` without a ``torch.`` prefix."""
         ...

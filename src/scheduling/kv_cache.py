@@ -25,6 +25,15 @@ the step), so a hit never reads KV that a running step is still writing. When
 two requests compute the same block concurrently, the first to publish wins;
 the other's copy stays unhashed and returns to the plain queue when freed.
 
+With a ``sliding_window`` (given only when every layer of the model attends
+through one window), a running request's blocks that have fallen wholly out of
+the window are released as it goes: the next query sits at position
+``num_computed_tokens`` and sees keys from ``num_computed_tokens - window + 1``
+on, so every block that ends before that is never read again. Its place in the
+request's block table becomes the null block (the runner keeps the old id and
+masks it out). With prefix caching a block is released only once published, so
+it joins the cached free queue and stays a hit for later requests until evicted.
+
 Everything here is O(blocks touched) per call; nothing scans the whole pool on
 the per-step path. Pure Python, driven synchronously: never imports torch or trio.
 """
@@ -92,8 +101,16 @@ class KVCacheManager:
     on the steps where they would do nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        """``num_blocks`` includes the null block, so ``num_blocks - 1`` are usable."""
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        sliding_window: int | None = None,
+    ) -> None:
+        """``num_blocks`` includes the null block, so ``num_blocks - 1`` are usable.
+        ``sliding_window``: every layer's window, when all share one (see the module
+        docstring); None keeps every block of a running request."""
         if num_blocks < 2:
             raise ValueError(f"num_blocks: need the null block plus one, got {num_blocks}")
         if block_size < 1:
@@ -109,6 +126,8 @@ class KVCacheManager:
         self._cached_free: OrderedDict[int, KVBlock] = OrderedDict()
         self._hash_to_block: dict[bytes, KVBlock] = {}
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        self.sliding_window = sliding_window
+        self._num_released: dict[str, int] = {}  # leading blocks released (window passed)
         # Cumulative prefix-cache figures, in tokens (the scheduler takes deltas).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -209,6 +228,8 @@ class KVCacheManager:
         free blocks do not suffice.
         """
         held = self._req_blocks.get(request.request_id)
+        if held is not None and self.sliding_window is not None:
+            self._release_outside_window(request, held)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         if held is not None and num_needed <= len(held):
@@ -237,6 +258,29 @@ class KVCacheManager:
             new_ids.append(block.block_id)
         request.num_kv_slots = len(held) * self.block_size
         return new_ids
+
+    def _release_outside_window(self, request: Request, held: list[KVBlock]) -> None:
+        """Release the leading blocks no query of ``request`` will read again (amortised
+        O(1): each block once)."""
+        assert self.sliding_window is not None
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        end = max(first_visible, 0) // self.block_size
+        if self.enable_prefix_caching:
+            end = min(end, request.num_cached_blocks)  # publish before release
+        start = self._num_released.get(request.request_id, 0)
+        for i in range(start, end):
+            self._release(held[i])
+            held[i] = self.null_block
+        if end > start:
+            self._num_released[request.request_id] = end
+
+    def _release(self, block: KVBlock) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.block_hash is not None:
+                self._cached_free[block.block_id] = block
+            else:
+                self._plain_free[block.block_id] = block
 
     def _pop_free(self) -> KVBlock:
         """Take the next free block: a plain one, else evict the LRU cached one."""
@@ -267,7 +311,7 @@ class KVCacheManager:
         hash_map = self._hash_to_block
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is None:
+            if block.block_hash is None and block is not self.null_block:
                 block_hash = self._block_hash(request, i)
                 if block_hash not in hash_map:
                     block.block_hash = block_hash
@@ -282,15 +326,11 @@ class KVCacheManager:
         """
         blocks = self._req_blocks.pop(request.request_id, None)
         request.num_kv_slots = request.num_cached_blocks = 0
+        released = self._num_released.pop(request.request_id, 0)
         if blocks is None:
             return
-        for block in reversed(blocks):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is not None:
-                    self._cached_free[block.block_id] = block
-                else:
-                    self._plain_free[block.block_id] = block
+        for block in reversed(blocks[released:]):  # the window already released the rest
+            self._release(block)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every prefix hash. Returns whether it did.

@@ -34,7 +34,8 @@ class RequestBook:
     ``max_model_len`` does not fit in the KV cache alone.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_sliding_window: int | None = None) -> None:
+        """``kv_sliding_window``: see :class:`~.kv_cache.KVCacheManager`."""
         if config.max_model_len is None or config.num_kv_blocks is None:
             raise ValueError("config: max_model_len and num_kv_blocks must be resolved")
         usable_tokens = (config.num_kv_blocks - 1) * config.block_size
@@ -46,7 +47,10 @@ class RequestBook:
         self.config = config
         self.max_model_len: int = config.max_model_len
         self.kv = KVCacheManager(
-            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            kv_sliding_window,
         )
         self.adapter_limit = AdapterLimit(config.max_loras if config.enable_lora else None)
         self.requests: dict[str, Request] = {}  # every unfinished request

@@ -86,8 +86,10 @@ class Scheduler(RequestBook):
     and adding, finishing, aborting and pausing them, are its ``RequestBook``'s.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, kv_sliding_window: int | None = None) -> None:
+        """``kv_sliding_window``: the window every layer of the model attends through,
+        when all share one; blocks out of it are then released (see ``kv_cache``)."""
+        super().__init__(config, kv_sliding_window)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill

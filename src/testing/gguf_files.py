@@ -17,6 +17,7 @@ Test support only: never imported by the engine.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,22 @@ _GGUF_ARCH = {
     "MistralForCausalLM": "llama",  # as llama.cpp writes Mistral
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",  # as llama.cpp writes Mixtral: llama with experts
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_GEMMA_NAMES = {  # Gemma's sandwich norms, as llama.cpp names them
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_EXPERT_RE = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$"
+)
+_EXPERT_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}  # fmt: skip
 
 _K_QUANT_SCALES: dict[str, tuple[int, int | None, float]] = {
     "Q2_K": (80, 82, 1.5),
@@ -56,6 +72,12 @@ _HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 
 
@@ -89,10 +111,9 @@ def write_gguf(
     kv_heads = config.get("num_key_value_heads") or heads
     if (rope_freqs := _llama3_rope_freqs(config)) is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
-    for hf_name, tensor in iter_weights(root):
-        assert isinstance(tensor, torch.Tensor)  # a directory holds no quantized weights
-        gguf_name = _gguf_name(hf_name)
-        array = tensor.float().numpy()
+    for gguf_name, array in _stack_experts(iter_weights(root), arch):
+        if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + w
         if arch == "llama" and ".attn_q." in gguf_name:
             array = _permute_rows(array, heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
@@ -112,7 +133,24 @@ def write_gguf(
     return Path(out)
 
 
-def _gguf_name(hf_name: str) -> str:
+def _stack_experts(weights: Any, arch: str) -> Any:
+    """``(GGUF name, fp32 array)``: per-expert tensors stacked into one ``[E, rows, cols]``
+    tensor per layer and projection (``blk.N.ffn_gate_exps``), as llama.cpp stores them."""
+    experts: dict[str, dict[int, Any]] = {}
+    for hf_name, tensor in weights:
+        assert isinstance(tensor, torch.Tensor)  # a directory holds no quantized weights
+        match = _EXPERT_RE.match(hf_name)
+        if match is None:
+            yield _gguf_name(hf_name, arch), tensor.float().numpy()
+            continue
+        layer, expert, proj = match.groups()
+        key = f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight"
+        experts.setdefault(key, {})[int(expert)] = tensor.float().numpy()
+    for key, parts in experts.items():
+        yield key, np.stack([parts[e] for e in range(len(parts))])
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     globals_ = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -122,7 +160,8 @@ def _gguf_name(hf_name: str) -> str:
         return globals_[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+    names = {**_HF_TO_GGUF, **_GEMMA_NAMES} if arch.startswith("gemma") else _HF_TO_GGUF
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def _permute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -152,6 +191,7 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
     writer.add_context_length(config.get("max_position_embeddings", 2048))
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -160,6 +200,11 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes it
         import gguf
 
@@ -167,6 +212,24 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     writer.add_vocab_size(config["vocab_size"])
+    if arch.startswith("gemma"):
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
+        if config.get("layer_types"):
+            writer.add_sliding_window_pattern(
+                [t == "sliding_attention" for t in config["layer_types"]]
+            )
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key) is not None:
+                getattr(writer, f"add_{key}")(config[key])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size") and arch != "llama":
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:

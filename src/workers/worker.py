@@ -203,6 +203,7 @@ class Worker:
             eos_token_ids=[int(t) for t in runner.eos_token_ids],
             dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device),
+            kv_sliding_window=runner.kv_sliding_window,
         )
 
     def handle(self, message: object) -> object | None:

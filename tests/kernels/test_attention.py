@@ -242,3 +242,34 @@ def test_reference_window_is_transformers_mask() -> None:
     )
     scores = (q[:, 0] @ k[:, 0].T).masked_fill(~mask, float("-inf"))
     torch.testing.assert_close(out[:, 0], torch.softmax(scores, -1) @ v[:, 0])
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "query_lens", "window"),
+    [([300, 20, 150], [1, 1, 1], None), ([130, 90, 40], [130, 1, 17], 37)],
+)
+def test_softcap_matches_reference(
+    paged_batch: Callable[..., Any],
+    tol: Callable[[torch.dtype], dict[str, float]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    window: int | None,
+) -> None:
+    """Gemma 2's soft cap (``cap * tanh(scores / cap)``), decode (split and not) and prefill,
+    with and without a window; the cap is small enough to change the answer."""
+    b = paged_batch(
+        seq_lens, query_lens, num_heads=4, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=f32, seed=5,
+    )  # fmt: skip
+    scale = b.scale * 8  # large scores, so the cap matters
+    kwargs: dict[str, Any] = {"sliding_window": window, "softcap": 2.0}
+    expected = reference.paged_attention(*b.args(), scale, **kwargs)
+    uncapped = reference.paged_attention(*b.args(), scale, sliding_window=window)
+    assert not torch.allclose(expected, uncapped, atol=1e-3)
+    out = attention.paged_attention(*b.args(), scale, **kwargs)
+    torch.testing.assert_close(out, expected, **tol(f32))
+    if all(q <= 1 for q in query_lens):
+        out = attention.paged_attention_decode(*b.args(), scale, split_tokens=16, **kwargs)
+    else:
+        out = attention.paged_attention_prefill(*b.args(), scale, block_m=16, block_n=16, **kwargs)
+    torch.testing.assert_close(out, expected, **tol(f32))

@@ -7,7 +7,7 @@ generations several times longer), and soft caps small enough to matter (Gemma 2
 cannot change a greedy token but changes the logprobs compared). Gemma 3 adds
 q/k norms and rotates its sliding layers with their own base (10 000) while the
 global ones use a linearly scaled 1 000 000. Whole prefill, chunked prefill, a
-start from a cached prefix, and the reference kernel backend; TP=2 is in
+start from a cached prefix, and the reference and Triton kernels; TP=2 is in
 ``test_tensor_parallel.py``.
 """
 
@@ -118,20 +118,68 @@ def test_prefix_cache_hit_matches_transformers(
     assert sched.run()["hit"] == hf_greedy(ck, prompt, NEW_TOKENS)[0]
 
 
-@pytest.mark.parametrize("kind", list(GEMMA))
-def test_reference_backend_matches_transformers(
+@pytest.mark.parametrize(  # the interpreted Triton kernels are slow: the soft cap's family only
+    ("kind", "backend"), [("gemma2", "reference"), ("gemma3", "reference"), ("gemma2", "triton")]
+)
+def test_kernel_backends_match_transformers(
     kind: str,
+    backend: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
     mini_scheduler: Any,
     hf_greedy: Any,
+    triton_device: str,
 ) -> None:
-    """The kernel contract (soft cap included) on the reference kernels."""
+    """The kernel contract (soft cap included) on the reference and Triton kernels."""
+    from legato.kernels import triton_available
+
+    if backend == "triton" and not triton_available():
+        pytest.skip("triton cannot run here (no CUDA device and no TRITON_INTERPRET)")
     ck = _checkpoint(make_checkpoint, kind)
     prompts = _prompts([2 * WINDOW + 5, 9], seed=53)
-    sched = mini_scheduler(make_runner(ck, attention_backend="reference"), chunk=16)
+    device = triton_device if backend == "triton" else "cpu"
+    runner = make_runner(ck, attention_backend=backend, device=device)
+    sched = mini_scheduler(runner, chunk=16)
     for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
     outputs = sched.run()
     for i, prompt in enumerate(prompts):
         assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"{kind} prompt {i}"
+
+
+@pytest.mark.parametrize("kind", list(GEMMA))
+def test_gguf_file_matches_transformers(
+    kind: str, make_checkpoint: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any,
+    tmp_path: Any,
+) -> None:  # fmt: skip
+    """The checkpoint written as llama.cpp would (norms stored as ``1 + w``, Gemma's norm
+    names, soft caps and window in the metadata): from an F32 file legato gives
+    transformers' tokens on the checkpoint; from a Q8_0 file the matrices stay quantized
+    and the tokens equal the dequantized path's. llama.cpp stores no
+    ``query_pre_attn_scalar`` (it takes ``head_dim`` below 27B): here it is ``head_dim``."""
+    from legato.config import EngineConfig
+    from legato.models.runner import ModelRunner
+    from legato.testing.gguf_files import write_gguf
+
+    ck = make_checkpoint(kind, **{**GEMMA[kind], "query_pre_attn_scalar": 16,
+                                  "intermediate_size": 128})  # fmt: skip
+    prompts = _prompts([6, 2 * WINDOW + 3], seed=54)
+
+    def generate(path: Any, **engine: Any) -> tuple[list[list[int]], ModelRunner]:
+        config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+                              **engine)  # fmt: skip
+        runner = ModelRunner(config)
+        sched = mini_scheduler(runner)
+        for i, prompt in enumerate(prompts):
+            sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+        out = sched.run()
+        return [out[f"r{i}"] for i in range(len(prompts))], runner
+
+    f32 = write_gguf(ck.path, tmp_path / f"{kind}-f32.gguf", tensor_type="F32")
+    assert load_model_config(f32).architecture == CLASSES[kind].__name__
+    tokens, _ = generate(f32)
+    assert tokens == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in prompts]
+    q8 = write_gguf(ck.path, tmp_path / f"{kind}-q8.gguf", tensor_type="Q8_0")
+    kept, runner = generate(q8)
+    assert runner.model.quantized_bytes() > 0
+    assert kept == generate(q8, gguf_dequantize=True)[0]

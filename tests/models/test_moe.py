@@ -128,3 +128,50 @@ def test_prefix_cache_hit_matches_transformers(
     sched.add("hit", prompt, max_tokens=NEW_TOKENS, prefix_of="donor", prefix_blocks=2)
     assert sched.running["hit"].num_computed == 32
     assert sched.run()["hit"] == hf_greedy(ck, prompt, NEW_TOKENS)[0]
+
+
+GGUF_CASES = {
+    "mixtral": ("mixtral", {}),  # llama.cpp's ``llama`` architecture with experts
+    # Q8_0 rows are whole 32-blocks: every intermediate size a multiple of 32
+    "qwen2_moe": ("qwen2_moe", dict(moe_intermediate_size=64, shared_expert_intermediate_size=32)),
+    "qwen3_moe": (  # renormalised, as llama.cpp routes Qwen3-MoE
+        "qwen3_moe",
+        dict(head_dim=16, moe_intermediate_size=64, norm_topk_prob=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_gguf_file_matches_transformers(
+    case: str, make_checkpoint: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any,
+    tmp_path: Any,
+) -> None:  # fmt: skip
+    """The checkpoint written as GGUF (experts stacked per layer, as llama.cpp stores them):
+    from an F32 file legato gives transformers' tokens on the checkpoint; from a Q8_0 file
+    its 2-D matrices stay quantized and the tokens equal the dequantized path's."""
+    from legato.config import EngineConfig
+    from legato.models.runner import ModelRunner
+    from legato.testing.gguf_files import write_gguf
+
+    kind, overrides = GGUF_CASES[case]
+    ck = make_checkpoint(kind, **overrides)
+    prompts = _prompts([6, 21], seed=63)
+
+    def generate(path: Any, **engine: Any) -> tuple[list[list[int]], ModelRunner]:
+        config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+                              **engine)  # fmt: skip
+        runner = ModelRunner(config)
+        sched = mini_scheduler(runner)
+        for i, prompt in enumerate(prompts):
+            sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+        out = sched.run()
+        return [out[f"r{i}"] for i in range(len(prompts))], runner
+
+    f32 = write_gguf(ck.path, tmp_path / f"{case}-f32.gguf", tensor_type="F32")
+    tokens, _ = generate(f32)
+    assert tokens == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in prompts]
+    q8 = write_gguf(ck.path, tmp_path / f"{case}-q8.gguf", tensor_type="Q8_0")
+    kept, runner = generate(q8)
+    assert runner.model.quantized_bytes() > 0
+    assert kept == generate(q8, gguf_dequantize=True)[0]
+    assert all(len(set(t)) > 2 for t in kept)

@@ -110,3 +110,73 @@ def test_kernel_backends_match_transformers(
     outputs = _generate(runner, mini_scheduler, prompts, chunk=16)
     for i, prompt in enumerate(prompts):
         assert outputs[i] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"{backend} prompt {i}"
+
+
+def _serve(
+    runner: Any, window: int | None, requests: list[tuple[str, list[int], int]]
+) -> tuple[dict[str, list[int]], dict[str, int], int, dict[str, int]]:
+    """Drive the real scheduler (``kv_sliding_window=window``) and ``runner``; each request
+    is added once the one before it finished. Returns the tokens per request, the most
+    blocks each held at once (null entries not counted), the pool's peak usage, and each
+    request's prefix-cache hit in tokens."""
+    from legato.protocol.messages import EngineRequest
+    from legato.protocol.params import SamplingParams
+    from legato.scheduling.scheduler import Scheduler
+
+    config = runner.config.resolved(
+        max_model_len=runner.max_model_len, num_kv_blocks=runner.num_kv_blocks
+    )
+    sched = Scheduler(config, kv_sliding_window=window)
+    tokens: dict[str, list[int]] = {}
+    held: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    peak = 0
+    for arrival, (rid, prompt, n) in enumerate(requests):
+        params = SamplingParams(temperature=0.0, max_tokens=n)
+        sched.add_request(EngineRequest(rid, prompt, params, float(arrival)))
+        while sched.has_unfinished_requests():
+            plan = sched.schedule()
+            blocks = sched.kv.get_blocks(rid)
+            held[rid] = max(held.get(rid, 0), sum(b is not sched.kv.null_block for b in blocks))
+            if window is not None and rid in sched.requests:  # nothing still visible went
+                computed = sched.requests[rid].num_computed_tokens
+                first_needed = max(computed - window + 1, 0) // config.block_size
+                assert sched.kv.null_block not in blocks[first_needed:], (rid, computed)
+            peak = max(peak, sched.kv.num_used_blocks)
+            result = sched.update_from_output(plan, runner.execute(plan))
+            for out in result.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
+    return tokens, held, peak, cached
+
+
+def test_blocks_out_of_the_window_are_released(
+    make_checkpoint: Callable[..., Any], make_runner: Callable[..., Any], hf_greedy: Any
+) -> None:
+    """A 200-token generation on a window of 24 (every layer) holds at most three 16-token
+    blocks at once, against fifteen without the release; the tokens equal transformers'.
+    A second request that shares the first one's first 48 tokens still hits them in the
+    prefix cache (released blocks stay cached until evicted) and matches too."""
+    ck = make_checkpoint("mistral", **WINDOWED["mistral"])
+    first = _prompts([40], seed=34)[0]
+    second = first + _prompts([30], seed=35)[0]  # all of "long"'s prompt, and more
+    requests = [("long", first, 200), ("hit", second, 24)]
+    runner = make_runner(ck, num_kv_blocks=64, enable_prefix_caching=True)
+    assert runner.kv_sliding_window == WINDOW
+    tokens, held, peak, cached = _serve(runner, WINDOW, requests)
+    for rid, prompt, n in requests:
+        assert tokens[rid] == hf_greedy(ck, prompt, n)[0], rid
+    assert held["long"] <= 3, held  # tokens p-23..p span at most 2 blocks, plus the next
+    assert cached["hit"] >= 32  # blocks released by "long" came back as a prefix hit
+    runner = make_runner(ck, num_kv_blocks=64, enable_prefix_caching=True)
+    tokens_kept, held_kept, peak_kept, _ = _serve(runner, None, requests)
+    assert tokens_kept == tokens
+    assert held_kept["long"] == -(-(40 + 200) // 16) and peak_kept > peak
+
+
+def test_no_release_when_any_layer_is_global(make_checkpoint: Callable[..., Any]) -> None:
+    """Qwen2 here windows layer 1 only: layer 0 reads every block, none may go."""
+    cfg = load_model_config(make_checkpoint("qwen2", **WINDOWED["qwen2"]).path)
+    assert cfg.uniform_window is None
+    cfg = load_model_config(make_checkpoint("mistral", **WINDOWED["mistral"]).path)
+    assert cfg.uniform_window == WINDOW
