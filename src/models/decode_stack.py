@@ -108,8 +108,16 @@ class DecodeStack:
         """Gathers the pointers; only for a model :meth:`eligible` accepted."""
         self.model = model
         self.key = self._key(model, kv_caches)
-        layers = (_Layer * len(kv_caches))()
         decoder: list[Any] = list(model.model.layers)
+        self._held = (  # see _key
+            [_projections(layer) for layer in decoder],
+            [
+                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+                for layer in decoder
+            ],
+            list(kv_caches),
+        )
+        layers = (_Layer * len(kv_caches))()
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(decoder, kv_caches, strict=True)):
             qkv, o, gate_up, down = _projections(layer)
             assert qkv is not None and o is not None and gate_up is not None and down is not None
@@ -128,10 +136,17 @@ class DecodeStack:
     def _key(
         model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[int, ...]:
-        """What the pointers depend on: the caches' storage and the weights' objects (a
-        reload makes new ones)."""
-        weights = tuple(id(_projections(layer)[0]) for layer in model.model.layers)
-        return weights + tuple(cache.data_ptr() for pair in kv_caches for cache in pair)
+        """What the pointers depend on: the projections' objects (a reload makes new ones),
+        the norms' and the caches' storage. The stack holds all of these (``_held``), so no
+        other object or allocation can take their ids or addresses while it lives."""
+        decoder: list[Any] = list(model.model.layers)
+        weights = [id(p) for layer in decoder for p in _projections(layer)]
+        norms = [
+            norm.weight.data_ptr()
+            for layer in decoder
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        return tuple(weights + norms + [c.data_ptr() for pair in kv_caches for c in pair])
 
     @staticmethod
     def eligible(
