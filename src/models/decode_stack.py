@@ -19,7 +19,7 @@ Never imports trio.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,8 +27,9 @@ from . import cpu_kernels
 from .attention_backend import AttentionMetadata
 from .quantized import QuantizedLinear
 
-if TYPE_CHECKING:
-    from .llama import LlamaForCausalLM
+# The model is a legato.models.llama.LlamaForCausalLM, typed Any here: llama imports this
+# module, and the import contract keeps models/ free of circles.
+LlamaForCausalLM = Any
 
 _MAX_PARTS = 4  # kMaxParts in cpu_kernels.cpp
 
