@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 from legato.config import EngineConfig  # noqa: E402
 from legato.models import layers as legato_layers  # noqa: E402
 from legato.models import runner as legato_runner  # noqa: E402
+from legato.models.decode_stack import DecodeStack  # noqa: E402
 from legato.models.input_batch import InputBatch  # noqa: E402
 from legato.models.runner import ModelRunner  # noqa: E402
 from legato.protocol.messages import (  # noqa: E402
@@ -257,6 +258,7 @@ def profiled(runner: ModelRunner) -> Iterator[dict[str, float]]:
 
     backend.begin_step = begin_step
     undo.append(lambda: delattr(backend, "begin_step"))
+    patch(DecodeStack, "run", "native stack")
     patch(legato_runner, "build_metadata", "input prep")
     patch(legato_runner, "sample", "sampling")
     patch(InputBatch, "sampling_metadata", "sampling")
@@ -267,7 +269,15 @@ def profiled(runner: ModelRunner) -> Iterator[dict[str, float]]:
             fn()
 
 
-CATEGORIES = ("matmuls", "attention", "norm+rope+act", "input prep", "sampling", "overhead")
+CATEGORIES = (
+    "matmuls",
+    "attention",
+    "norm+rope+act",
+    "native stack",  # legato.models.decode_stack: a decode step's layers in one native call
+    "input prep",
+    "sampling",
+    "overhead",
+)
 
 
 def bench(

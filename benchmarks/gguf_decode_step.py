@@ -1,8 +1,10 @@
 """Where one decode step of a GGUF model goes, weights kept quantized against dequantized.
 
-Loads ``--gguf`` (default: the embedded default model, SmolLM2-135M-Instruct Q4_1) twice
-in a ModelRunner on the CPU: with its quantized matrices kept quantized (the default) and
-with ``gguf_dequantize=True`` (fp32 weights, oneDNN-packed). For each batch size, after a
+Loads ``--gguf`` (default: the embedded default model, SmolLM2-135M-Instruct Q4_1) in a
+ModelRunner on the CPU: with its quantized matrices kept quantized (the default: a decode
+step's decoder stack in one native call, ``legato.models.decode_stack``), the same with that
+off (``layered``: the layer-by-layer forward, one Python dispatch per kernel), and with
+``gguf_dequantize=True`` (fp32 weights, oneDNN-packed). For each batch size, after a
 ``--context``-token prefill per sequence, times ``--steps`` decode steps (median) and splits
 one profiled pass by category (:func:`decode_step.profiled`): matmuls, attention, norm +
 rope + activation, input preparation, sampling, and the step's own overhead (the rest:
@@ -50,10 +52,11 @@ def main() -> None:
     weights_mb: dict[str, float] = {}
     for batch in args.batch_sizes:
         prompts = torch.randint(0, 40000, (batch, args.context))
-        for label, dequantize in (("quantized", False), ("fp32", True)):
+        for label, dequantize in (("quantized", False), ("layered", False), ("fp32", True)):
             ours = LegatoDecode(
                 args, args.gguf, "float32", batch, prompts, gguf_dequantize=dequantize
             )
+            ours.runner.model.fused_decode = label != "layered"
             for _ in range(args.warmup):
                 ours.step()
             times = [ours.step() for _ in range(args.steps)]

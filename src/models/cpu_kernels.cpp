@@ -922,6 +922,115 @@ int quantized_matmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, con
   return -2;
 }
 
+// ------------------------------------------------------- a decode step's decoder stack
+//
+// Every decoder layer of a Llama-family model, for a batch of decode rows (one query token
+// per sequence), in one call: the Python forward's ~15 kernel calls a layer become loops
+// here, with the same kernels in the same order (so the numbers are those of the layer-by-
+// layer path). For fp32 models whose projections are all kept quantized, without biases,
+// q/k norms or sliding windows; the caller checks that (legato.models.decode_stack).
+
+struct QuantPart {  // one row block of a quantized projection (QuantizedWeight)
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;  // null: none
+  int64_t rows;
+  int32_t bits;
+  int32_t group;
+};
+
+constexpr int kMaxParts = 4;
+
+struct QuantProjection {
+  int32_t num_parts;
+  int32_t pad;
+  QuantPart parts[kMaxParts];
+};
+
+struct DecoderLayerWeights {
+  const float* input_norm;
+  const float* post_norm;
+  float* key_cache;  // [blocks, block_size, kv_heads, head_dim]
+  float* value_cache;
+  QuantProjection qkv, o, gate_up, down;
+};
+
+// y[T, N] = x[T, K] @ W^T over the projection's row blocks (each writes its columns).
+int project(const QuantProjection& w, const float* x, int64_t T, int64_t K, float* y, int64_t N,
+            bool integer, int num_threads) {
+  int64_t column = 0;
+  for (int p = 0; p < w.num_parts; ++p) {
+    const QuantPart& part = w.parts[p];
+    const int code = integer
+        ? quantized_matmul_int8(x, K, T, K, part.codes, part.bits, part.group, part.rows,
+                                part.scales, part.offsets, y + column, N, num_threads)
+        : quantized_matmul(x, K, T, K, part.codes, part.bits, part.group, part.rows,
+                           part.scales, part.offsets, y + column, N, num_threads);
+    if (code != 0) return code;
+    column += part.rows;
+  }
+  return column == N ? 0 : -4;
+}
+
+int decode_layers(const DecoderLayerWeights* layers, int num_layers, float* hidden,
+                  float* residual, int64_t T, int H, int num_heads, int num_kv_heads,
+                  int head_dim, int intermediate, const int32_t* block_table,
+                  int64_t table_stride, int64_t table_cols, int64_t num_blocks, int block_size,
+                  const int32_t* seq_lens, const int64_t* slots, const int64_t* positions,
+                  const float* cos_sin, int64_t max_position, float eps, float scale,
+                  int int8_max_rows, int num_threads) {
+  const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
+  const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  const bool integer = T <= int8_max_rows;
+  thread_local std::vector<float> normed, qkv, attn, gate_up, act;
+  normed.resize(T * H);
+  qkv.resize(T * qkv_width);
+  attn.resize(T * q_width);
+  gate_up.resize(T * 2 * intermediate);
+  act.resize(T * intermediate);
+  std::memcpy(residual, hidden, sizeof(float) * T * H);  // layer 0: the residual is the input
+  int code = rms_norm<float>(hidden, H, nullptr, layers[0].input_norm, normed.data(), T, H, eps,
+                             num_threads);
+  for (int l = 0; l < num_layers && code == 0; ++l) {
+    const DecoderLayerWeights& layer = layers[l];
+    if (l > 0)  // residual += hidden; normed = norm(residual)
+      code = rms_norm<float>(hidden, H, residual, layer.input_norm, normed.data(), T, H, eps,
+                             num_threads);
+    if (code == 0)
+      code = project(layer.qkv, normed.data(), T, H, qkv.data(), qkv_width, integer, num_threads);
+    if (code == 0)
+      code = rotary_neox<float>(qkv.data(), qkv_width, head_dim, T, num_heads + num_kv_heads,
+                                head_dim, positions, cos_sin, max_position, num_threads);
+    if (code == 0) {
+      const char* key = reinterpret_cast<const char*>(qkv.data() + q_width);
+      const char* value = reinterpret_cast<const char*>(qkv.data() + q_width + kv_width);
+      code = write_kv(key, qkv_width * 4, value, qkv_width * 4,
+                      reinterpret_cast<char*>(layer.key_cache),
+                      reinterpret_cast<char*>(layer.value_cache), slots, T,
+                      num_blocks * block_size, kv_width * 4, num_threads);
+    }
+    if (code == 0)
+      code = decode_attention<float>(qkv.data(), qkv_width, head_dim, layer.key_cache,
+                                     layer.value_cache, block_table, table_stride, table_cols,
+                                     num_blocks, seq_lens, attn.data(), T, num_heads,
+                                     num_kv_heads, head_dim, block_size, scale, num_threads);
+    if (code == 0) code = project(layer.o, attn.data(), T, q_width, hidden, H, integer, num_threads);
+    if (code == 0)
+      code = rms_norm<float>(hidden, H, residual, layer.post_norm, normed.data(), T, H, eps,
+                             num_threads);
+    if (code == 0)
+      code = project(layer.gate_up, normed.data(), T, H, gate_up.data(), 2 * intermediate,
+                     integer, num_threads);
+    if (code == 0)
+      code = silu_and_mul<float>(gate_up.data(), 2 * intermediate, act.data(), T, intermediate,
+                                 num_threads);
+    if (code == 0)
+      code = project(layer.down, act.data(), T, intermediate, hidden, H, integer, num_threads);
+  }
+  return code;
+}
+
 }  // namespace
 
 extern "C" {
@@ -988,5 +1097,21 @@ int legato_quantized_matmul_int8(const float* x, int64_t ldx, int64_t M, int64_t
 // The int8-activation path's ISA: 2 AVX-512 VNNI, 1 AVX2, 0 portable. request >= 0 picks
 // min(request, the best this CPU runs); request < 0 only reads it. Returns the path in use.
 int legato_quantized_isa(int request) { return quantized_isa(request); }
+
+// The decoder stack of a decode step (decode_layers above): hidden [T, H] in (the
+// embeddings) and out (the last layer's MLP output), residual [T, H] out.
+int legato_decode_layers_f32(const DecoderLayerWeights* layers, int num_layers, float* hidden,
+                             float* residual, int64_t T, int H, int num_heads, int num_kv_heads,
+                             int head_dim, int intermediate, const int32_t* block_table,
+                             int64_t table_stride, int64_t table_cols, int64_t num_blocks,
+                             int block_size, const int32_t* seq_lens, const int64_t* slots,
+                             const int64_t* positions, const float* cos_sin,
+                             int64_t max_position, float eps, float scale, int int8_max_rows,
+                             int num_threads) {
+  return decode_layers(layers, num_layers, hidden, residual, T, H, num_heads, num_kv_heads,
+                       head_dim, intermediate, block_table, table_stride, table_cols, num_blocks,
+                       block_size, seq_lens, slots, positions, cos_sin, max_position, eps, scale,
+                       int8_max_rows, num_threads);
+}
 
 }  // extern "C"

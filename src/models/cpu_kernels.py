@@ -69,6 +69,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_quantized_matmul_f32": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_isa": [_I],
+    # layers (an array of structs, legato.models.decode_stack), then as in the C++ source
+    "legato_decode_layers_f32": [_P, _I, _P, _P, _L, _I, _I, _I, _I, _I, _P, _L, _L, _L, _I]
+    + [_P, _P, _P, _P, _L, _F, _F, _I, _I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 DTYPES = tuple(_SUFFIX)  # what the typed kernels take
@@ -507,3 +510,10 @@ def quantized_matmul_kernel(int8_activations: bool = False) -> Any:
     if int8_activations:
         return library.legato_quantized_matmul_int8
     return library.legato_quantized_matmul_f32
+
+
+def decode_layers_kernel() -> Any:
+    """The raw ctypes entry point that runs a decode step's decoder stack
+    (:mod:`legato.models.decode_stack` builds its arguments and checks them). Raises
+    ``RuntimeError`` when the library is unavailable."""
+    return _library().legato_decode_layers_f32

@@ -19,6 +19,7 @@ from torch import nn
 
 from .attention_backend import AttentionMetadata, Backend, StepContext
 from .config import ModelConfig
+from .decode_stack import DecodeStack
 from .layers import MLP, Attention, Embedding, Linear, RMSNorm
 from .quantized import QuantizedLinear, QuantizedWeight
 from .rotary import RotaryEmbedding
@@ -149,6 +150,10 @@ class LlamaForCausalLM(nn.Module):
         self._full_shapes = {
             name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=False)
         }  # each parameter's shape at build, for when its storage is released
+        # decode-only steps run the decoder stack in one native call where it qualifies
+        # (.decode_stack); False keeps the layer-by-layer path (the fidelity reference)
+        self.fused_decode = True
+        self._stack: DecodeStack | None = None
 
     def forward(
         self,
@@ -161,6 +166,11 @@ class LlamaForCausalLM(nn.Module):
         Writes each layer's new K/V into ``kv_caches`` at ``meta.slot_mapping``.
         """
         cos_sin_cache, meta = self.rotary.for_step(meta)
+        stack = self._decode_stack(kv_caches) if meta.num_decodes == input_ids.shape[0] else None
+        if stack is not None:  # a decode-only step: the whole stack in one native call
+            hidden, last = stack.run(self.model.embed_tokens(input_ids), meta, cos_sin_cache)
+            hidden, _ = self.model.norm.add_forward(hidden, last)
+            return hidden
         step = self.backend.begin_step(meta, cos_sin_cache, self.dtype)
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
@@ -169,6 +179,17 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden
+
+    def _decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
+        """The one-call decoder stack for a decode-only step, when this model and these
+        caches qualify and ``fused_decode`` is on (:mod:`.decode_stack`); else None."""
+        if not self.fused_decode or not kv_caches:
+            return None
+        stack = self._stack
+        if stack is None or not stack.matches(kv_caches):
+            stack = DecodeStack(self, kv_caches) if DecodeStack.eligible(self, kv_caches) else None
+            self._stack = stack
+        return stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` logits in the model dtype."""

@@ -1,0 +1,227 @@
+"""A decode step's decoder stack in one native call (``legato_decode_layers_f32``).
+
+The layer-by-layer forward of a 30-layer model makes about 15 kernel calls a layer,
+each with Python dispatch and argument checks around it; at batch 1 that overhead is
+as large as the math. For a batch of decode rows (one query token per sequence) of an
+fp32 Llama-family model whose projections are all kept quantized
+(:mod:`legato.models.quantized`), without biases, q/k norms or sliding windows, this
+module hands the whole stack to :mod:`legato.models.cpu_kernels` at once: the same
+kernels in the same order, so the numbers are the layer-by-layer path's.
+
+:func:`DecodeStack.build` says whether a model qualifies (None if not); the weights'
+pointers are gathered once per KV-cache allocation. The model keeps its plain
+per-layer forward for prefill and for everything else (``fused_decode = False``
+forces it: the fidelity path the tests compare against).
+
+Never imports trio.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from . import cpu_kernels
+from .attention_backend import AttentionMetadata
+from .quantized import QuantizedLinear
+
+# The model is a legato.models.llama.LlamaForCausalLM, typed Any here: llama imports this
+# module, and the import contract keeps models/ free of circles.
+LlamaForCausalLM = Any
+
+_MAX_PARTS = 4  # kMaxParts in cpu_kernels.cpp
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [
+        ("codes", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+    ]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [
+        ("num_parts", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("parts", _Part * _MAX_PARTS),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("qkv", _Projection),
+        ("o", _Projection),
+        ("gate_up", _Projection),
+        ("down", _Projection),
+    ]
+
+
+def _projection(linear: QuantizedLinear) -> _Projection:
+    out = _Projection(num_parts=len(linear.parts))
+    for i, part in enumerate(linear.parts):
+        offsets = part.offsets.data_ptr() if part.offsets is not None else None
+        out.parts[i] = _Part(
+            part.codes.data_ptr(), part.scales.data_ptr(), offsets, part.out_features,
+            part.bits, part.group,
+        )  # fmt: skip
+    return out
+
+
+def _projections(layer: Any) -> tuple[QuantizedLinear | None, ...]:
+    """A decoder layer's (qkv, o, gate_up, down) quantized projections (None: not quantized)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return tuple(linear.quantized for linear in linears)
+
+
+def _first_qkv(model: LlamaForCausalLM) -> Any:
+    layer: Any = model.model.layers[0]
+    return layer.self_attn.qkv_proj.quantized
+
+
+def _supported(linear: QuantizedLinear | None) -> bool:
+    return (
+        linear is not None
+        and len(linear.parts) <= _MAX_PARTS
+        and all(
+            p.layout()[:2] in ((4, 32), (8, 32), (8, 16)) and p.codes.device.type == "cpu"
+            for p in linear.parts
+        )
+    )
+
+
+class DecodeStack:
+    """The pointers of one model's decoder layers and KV caches, laid out for the kernel."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Gathers the pointers; only for a model :meth:`eligible` accepted."""
+        self.model = model
+        self.key = self._key(model, kv_caches)
+        decoder: list[Any] = list(model.model.layers)
+        self._held = (  # see _key
+            [_projections(layer) for layer in decoder],
+            [
+                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+                for layer in decoder
+            ],
+            list(kv_caches),
+        )
+        layers = (_Layer * len(kv_caches))()
+        for i, (layer, (key_cache, value_cache)) in enumerate(zip(decoder, kv_caches, strict=True)):
+            qkv, o, gate_up, down = _projections(layer)
+            assert qkv is not None and o is not None and gate_up is not None and down is not None
+            layers[i] = _Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                _projection(qkv), _projection(o), _projection(gate_up), _projection(down),
+            )  # fmt: skip
+        self.layers = layers
+        self.int8_max_rows: int = _first_qkv(model).int8_max_rows
+        self.num_blocks, self.block_size = kv_caches[0][0].shape[:2]
+
+    @staticmethod
+    def _key(
+        model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[int, ...]:
+        """What the pointers depend on: the projections' objects (a reload makes new ones),
+        the norms' and the caches' storage. The stack holds all of these (``_held``), so no
+        other object or allocation can take their ids or addresses while it lives."""
+        decoder: list[Any] = list(model.model.layers)
+        weights = [id(p) for layer in decoder for p in _projections(layer)]
+        norms = [
+            norm.weight.data_ptr()
+            for layer in decoder
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        return tuple(weights + norms + [c.data_ptr() for pair in kv_caches for c in pair])
+
+    @staticmethod
+    def eligible(
+        model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> bool:
+        """Whether ``model`` with these caches can run its decode steps here."""
+        cfg = model.config
+        if not (
+            cpu_kernels.available()
+            and model.dtype == torch.float32
+            and getattr(model.backend, "native", False)
+            and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)
+            and all(cfg.window_of(i) is None for i in range(cfg.num_layers))
+            and len(kv_caches) == cfg.num_layers
+        ):
+            return False
+        for layer, pair in zip(model.model.layers, kv_caches, strict=True):
+            if not all(_supported(linear) for linear in _projections(layer)):
+                return False
+            if not all(
+                c.dtype == torch.float32
+                and c.is_contiguous()
+                and c.device.type == "cpu"
+                and c.shape == kv_caches[0][0].shape
+                and c.shape[2:] == (cfg.num_kv_heads, cfg.head_dim)
+                for c in pair
+            ):
+                return False
+        return True
+
+    def matches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether these are still the caches (and weights' row limit) it was built for."""
+        qkv = _first_qkv(self.model)
+        return (
+            qkv is not None
+            and qkv.int8_max_rows == self.int8_max_rows
+            and self._key(self.model, kv_caches) == self.key
+        )
+
+    def run(
+        self, hidden: torch.Tensor, meta: AttentionMetadata, cos_sin_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stack over ``hidden`` ``[T, H]`` (the embeddings of ``T`` decode rows, one per
+        sequence, ``meta.num_decodes == T``): ``(hidden, residual)`` as the last layer leaves
+        them. Writes each layer's K/V at ``meta.slot_mapping``. Raises ``ValueError`` for a
+        length or block id outside the table or the cache (checked before any read)."""
+        cfg = self.model.config
+        tokens = hidden.shape[0]
+        hidden = hidden.contiguous().clone()
+        residual = torch.empty_like(hidden)
+        table, seq_lens = meta.block_tables, meta.seq_lens
+        slots, positions = meta.slot_mapping, meta.positions
+        if not (
+            table.dtype == torch.int32
+            and table.stride(1) == 1
+            and table.shape[0] == tokens
+            and meta.num_decodes == tokens
+            and meta.block_size == self.block_size
+            and seq_lens.dtype == torch.int32
+            and seq_lens.is_contiguous()
+            and slots.is_contiguous()
+            and positions.is_contiguous()
+            and cos_sin_cache.is_contiguous()
+            and cos_sin_cache.dtype == torch.float32
+        ):
+            raise ValueError("decode stack: unsupported metadata layout")
+        code = cpu_kernels.decode_layers_kernel()(
+            self.layers, cfg.num_layers, hidden.data_ptr(), residual.data_ptr(), tokens,
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, table.data_ptr(), table.stride(0), table.shape[1],
+            self.num_blocks, self.block_size, seq_lens.data_ptr(), slots.data_ptr(),
+            positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
+            cfg.rms_norm_eps, cfg.head_dim**-0.5, self.int8_max_rows, torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"decode stack: the kernel refused its arguments (code {code})")
+        return hidden, residual

@@ -1,0 +1,71 @@
+"""The one-call decoder stack (legato.models.decode_stack) against the layer-by-layer forward
+it replaces, on the default model's kept-quantized GGUF weights: decode steps of 1 and of 3
+sequences give the same logits, greedy tokens and KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from legato.config import EngineConfig
+from legato.models import cpu_kernels
+from legato.models.runner import ModelRunner
+from legato.protocol.params import SamplingParams
+
+
+def _run(runner: ModelRunner, mini_scheduler: Any, fused: bool, prompts: list[list[int]]) -> Any:
+    runner.model.fused_decode = fused
+    for key, value in runner.kv_caches:
+        key.zero_()
+        value.zero_()
+    sched = mini_scheduler(runner)
+    params = SamplingParams(temperature=0.0, logprobs=5)
+    for i, prompt in enumerate(prompts):
+        sched.add(f"r{i}", prompt, params, max_tokens=12)
+    sched.run()
+    return sched
+
+
+@pytest.mark.parametrize("gguf_activations", ["int8", "fp32"])
+def test_fused_decode_equals_the_layer_by_layer_path(
+    smollm2_gguf: Path, mini_scheduler: Any, gguf_activations: str
+) -> None:
+    """One stream (the integer kernel with "int8") and three at once (the fp32 tile): the
+    stack runs (its one call is seen), and tokens, logprobs and the KV cache equal the
+    per-layer path's (the same kernels in the same order: to fp32 rounding)."""
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels did not build here")
+    config = EngineConfig(
+        model=str(smollm2_gguf), device="cpu", num_kv_blocks=32, max_num_seqs=4,
+        gguf_activations=gguf_activations,
+    )  # fmt: skip
+    runner = ModelRunner(config)
+    calls = []
+    kernel = cpu_kernels.decode_layers_kernel()
+
+    def counted(*args: Any) -> int:
+        calls.append(args[4])  # the number of rows
+        return int(kernel(*args))
+
+    for prompts in ([[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7], [100, 200, 300, 400, 500], [42]]):
+        plain = _run(runner, mini_scheduler, False, prompts)
+        plain_cache = [tuple(c.clone() for c in pair) for pair in runner.kv_caches]
+        original = cpu_kernels.decode_layers_kernel
+        cpu_kernels.decode_layers_kernel = lambda: counted  # type: ignore[assignment]
+        try:
+            fused = _run(runner, mini_scheduler, True, prompts)
+        finally:
+            cpu_kernels.decode_layers_kernel = original  # type: ignore[assignment]
+        assert calls and set(calls) == {len(prompts)}
+        calls.clear()
+        for rid, req in plain.done.items():
+            assert fused.done[rid].outputs == req.outputs
+            for a, b in zip(fused.done[rid].logprobs, req.logprobs, strict=True):
+                assert a.token_ids == b.token_ids
+                torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        for (k, v), (pk, pv) in zip(runner.kv_caches, plain_cache, strict=True):
+            torch.testing.assert_close(k, pk, atol=1e-5, rtol=0)
+            torch.testing.assert_close(v, pv, atol=1e-5, rtol=0)
