@@ -31,14 +31,14 @@ import os
 import time
 from collections import deque
 
-from legato.actors.core_steps import CoreSteps, PlannedStep
-from legato.actors.scheduler import Scheduler
-from legato.actors.stats import StepStats
 from legato.config import EngineConfig
+from legato.metrics.records import StepStats
 from legato.null_runner import NullModelRunner
 from legato.protocol import wire
 from legato.protocol.messages import EngineRequest, ModelRunnerOutput
 from legato.protocol.params import SamplingParams
+from legato.scheduling.core_steps import CoreSteps, PlannedStep
+from legato.scheduling.scheduler import Scheduler
 from legato.structured.engine import EngineGrammars
 
 _clock = time.thread_time_ns  # CPU time: what this code costs the main process

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from legato.actors.detokenizer import find_stop_string, partial_stop_length
+from legato.outputs.detokenizer import find_stop_string, partial_stop_length
 from legato.protocol.params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from legato.protocol.structured import SPEC_LIMITS
 from legato.server.openai_protocol import MAX_TOOLS

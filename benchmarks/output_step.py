@@ -33,9 +33,9 @@ from typing import Any
 import trio
 import trio.testing
 
-from legato.actors.output_processor import OutputProcessor
 from legato.actors.output_slot import OutputSlot
 from legato.default_model import default_model_dir
+from legato.outputs.output_processor import OutputProcessor
 from legato.protocol.messages import EngineCoreOutput, EngineCoreOutputs
 from legato.protocol.params import RequestOutputKind, SamplingParams
 from legato.tokenizer_loading import load_tokenizer

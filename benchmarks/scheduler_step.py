@@ -23,10 +23,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from legato.actors.scheduler import Scheduler
 from legato.config import EngineConfig
 from legato.protocol.messages import EngineRequest, ModelRunnerOutput, SchedulerOutput
 from legato.protocol.params import SamplingParams
+from legato.scheduling.scheduler import Scheduler
 
 
 @dataclass

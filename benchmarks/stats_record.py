@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from legato.actors import stats
-from legato.actors.stats import FinishedRequest, StatsCollector, StepStats
+from legato.metrics import prometheus as stats
+from legato.metrics.collector import StatsCollector
+from legato.metrics.records import FinishedRequest, StepStats
 from legato.testing.per_sample_histogram import PerSampleHistogram
 
 

@@ -69,7 +69,7 @@ def measure(args: argparse.Namespace, rank: int | None) -> dict[str, Any]:
     from torch._C._distributed_c10d import TCPStore
 
     from legato.config import EngineConfig
-    from legato.distributed.group import gloo_group
+    from legato.models.process_group import gloo_group
     from legato.models.runner import ModelRunner
     from legato.models.tensor_parallel import TensorParallel
     from legato.protocol.messages import CachedRequestData, SchedulerOutput

@@ -411,7 +411,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run this node's tensor-parallel ranks for an engine on another node."""
-    from .distributed.node import run_node
+    from .workers.node import run_node
 
     try:
         return run_node(

@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .actors.output_processor import OutputProcessor
-from .actors.renderer import Renderer
-from .actors.scheduler import Scheduler
 from .config import EngineConfig
+from .frontend.renderer import Renderer
+from .outputs.output_processor import OutputProcessor
 from .protocol import messages as m
+from .scheduling.scheduler import Scheduler
 from .structured.engine import EngineGrammars
 
 

@@ -3,7 +3,7 @@
 Selected with ``runner="null"``. It has the ModelRunner's interface and no
 model, so a benchmark through it measures the control plane alone: renderer,
 scheduler, executor frames, detokenizer and streams. It is never a stand-in
-for a real model anywhere else. Reached through ``legato.runner_registry``; never
+for a real model anywhere else. Reached through ``legato.workers.runner_registry``; never
 imports torch or trio.
 """
 

@@ -97,12 +97,12 @@ def _hung_record() -> StreamRecord:
 def test_a_hung_stream_is_named_with_its_progress() -> None:
     fault = Fault(FaultKind.SIGKILL, when=AfterTokens(0, 2))
     result = RoundResult(4, 99, fault, [_hung_record()], fault_time=1.0, death_time=1.1)
-    result.leaked_processes = ["pid 4242 (sleeping): python -m legato.worker"]
+    result.leaked_processes = ["pid 4242 (sleeping): python -m legato.workers.worker"]
     (hang, leak) = check_round(result)
     assert "round 4 (seed 99, fault sigkill" in hang
     assert "stream 'req-7'" in hang and "3 outputs, 3 tokens" in hang
     assert "'partial text'" in hang and "hung: still running 2 s after the fault" in hang
-    assert leak.endswith("leaked process pid 4242 (sleeping): python -m legato.worker")
+    assert leak.endswith("leaked process pid 4242 (sleeping): python -m legato.workers.worker")
     table = format_table([result])
     assert table.splitlines()[2].split()[:7] == ["sigkill", "1", "1", "0", "0", "0", "1"]
 

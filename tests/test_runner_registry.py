@@ -9,7 +9,7 @@ import pytest
 
 from legato.config import EngineConfig
 from legato.null_runner import NullModelRunner
-from legato.runner_registry import RUNNERS, build_runner
+from legato.workers.runner_registry import RUNNERS, build_runner
 
 
 def test_the_null_runner_is_built_by_name() -> None:
@@ -31,8 +31,8 @@ def test_a_null_runner_worker_never_imports_torch_or_the_testing_package() -> No
     code = (
         "import sys\n"
         "from legato.config import EngineConfig\n"
-        "from legato.runner_registry import build_runner\n"
-        "import legato.worker\n"
+        "from legato.workers.runner_registry import build_runner\n"
+        "import legato.workers.worker\n"
         "build_runner(EngineConfig(model=None, runner='null'))\n"
         "print(sorted(n for n in sys.modules if n == 'torch' or n.startswith('legato.testing')))\n"
     )

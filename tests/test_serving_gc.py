@@ -93,7 +93,7 @@ import gc, io
 from legato.config import EngineConfig
 from legato.protocol import messages as m
 from legato.protocol.wire import encode, frame_header
-from legato.worker import serve
+from legato.workers.worker import serve
 
 init = encode(m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to_dict()))
 frames = io.BytesIO(frame_header(len(init), 1) + init)  # then end of input: a clean exit
@@ -104,5 +104,5 @@ assert gc.get_threshold()[0] == YOUNG, gc.get_threshold()
 
 
 def test_the_model_worker_tunes_its_own_process() -> None:
-    """The worker (``python -m legato.worker`` runs ``serve``) is an engine process too."""
+    """The worker (``python -m legato.workers.worker`` runs ``serve``) is an engine process too."""
     run_fresh(WORKER)

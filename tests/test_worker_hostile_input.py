@@ -28,7 +28,7 @@ from legato.config import EngineConfig
 from legato.protocol import messages as m
 from legato.protocol import wire
 from legato.protocol.wire import HEADER_SIZE, MAX_FRAME_SIZE, WireError, encode, frame_header
-from legato.worker import read_frame, serve
+from legato.workers.worker import read_frame, serve
 
 NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to_dict())
 
@@ -47,11 +47,11 @@ def raw_frame(payload: bytes) -> bytes:
 
 
 def run_worker(stdin: bytes) -> subprocess.CompletedProcess[bytes]:
-    """``python -m legato.worker`` fed ``stdin`` then end of input; must exit within 30 s."""
+    """``python -m legato.workers.worker`` fed ``stdin`` then end of input; must exit within 30 s."""
     env = dict(os.environ)
     env.pop("LEGATO_WORKER_THREADS", None)
     return subprocess.run(
-        [sys.executable, "-m", "legato.worker"],
+        [sys.executable, "-m", "legato.workers.worker"],
         input=stdin,
         capture_output=True,
         timeout=30,
@@ -361,7 +361,7 @@ async def test_executor_frame_reader_reassembles_split_frames() -> None:
 def test_a_step_answer_that_cannot_be_encoded_fails_its_requests_not_the_worker() -> None:
     """An answer too large for one frame (the whole vocabulary's logprobs, say; here a
     token id past 64 bits stands in) goes back as that step's requests failing."""
-    from legato.worker import write_frame
+    from legato.workers.worker import write_frame
 
     out = io.BytesIO()
     answer = m.ModelRunnerOutput(7, ["a", "b"], [1, 1], [3, 2**64])

@@ -41,14 +41,20 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import trio
 
+from ..metrics.records import StepStats
 from ..protocol import messages as m
 from ..protocol import wire
 from ..protocol.errors import LegatoError
-from .core_steps import AbortRequests, AddRequests, CoreSteps, FinishRequests, PlannedStep
+from ..scheduling.core_steps import (
+    AbortRequests,
+    AddRequests,
+    CoreSteps,
+    FinishRequests,
+    PlannedStep,
+)
+from ..scheduling.pause_gate import PauseMode
+from ..scheduling.scheduler import Scheduler
 from .executor import Executor, StepAnswer, WorkerCallError
-from .pause_gate import PauseMode
-from .scheduler import Scheduler
-from .stats import StepStats
 
 if TYPE_CHECKING:
     from ..structured.engine import EngineGrammars

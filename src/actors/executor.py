@@ -2,7 +2,7 @@
 
 :class:`Executor` is the protocol (``run``, ``submit_step``, ``submit_bitmask``,
 ``ping``, ``call``, ``begin_shutdown``, ``kill``). Three implement it, each in its
-own module and each serving frames with ``legato.worker.Worker.handle``:
+own module and each serving frames with ``legato.workers.worker.Worker.handle``:
 
 - ``process_executor.ProcessExecutor`` (the default): the worker in a child
   process, id-carrying frames over its stdin / stdout;

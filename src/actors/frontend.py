@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
+from ..frontend.frontend_core import FrontendCore, LiveRequest, RenderedRequest
+from ..frontend.renderer import PromptType, RenderedPrompt, Renderer
+from ..metrics.records import StepStats
+from ..outputs.output_processor import OutputProcessor
 from ..protocol import messages as m
 from ..protocol.errors import EngineGenerateError
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
-from .core_steps import FrontendMessage
-from .frontend_core import FrontendCore, LiveRequest, RenderedRequest
-from .output_processor import OutputProcessor
+from ..scheduling.core_steps import FrontendMessage
 from .output_slot import OutputSlot
-from .renderer import PromptType, RenderedPrompt, Renderer
-from .stats import StepStats
 
 if TYPE_CHECKING:
     from ..structured.grammar import GrammarState
@@ -146,7 +146,7 @@ class Frontend:
         *,
         offload_renderer: Renderer | None = None,
     ) -> None:
-        self.core = FrontendCore(renderer, processor, to_core, record)
+        self.core: FrontendCore[OutputSlot] = FrontendCore(renderer, processor, to_core, record)
         self.renderer = renderer
         self.processor = processor
         self.offload_renderer = offload_renderer
@@ -222,7 +222,7 @@ class Frontend:
     async def _render(
         self,
         request_id: str,
-        live: LiveRequest,
+        live: LiveRequest[OutputSlot],
         params: SamplingParams,
         render: Callable[..., tuple[RenderedPrompt, list[m.EngineRequest]]],
         inline: bool,

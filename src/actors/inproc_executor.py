@@ -2,7 +2,7 @@
 
 One task serves frames in order, each in a worker thread, through the same
 ``Worker.handle`` the worker process uses. Imports trio, the protocol and
-``legato.worker`` (its whole job); never torch itself.
+``legato.workers.worker`` (its whole job); never torch itself.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class InprocExecutor(WorkerFrames):
         self, *, task_status: trio.TaskStatus[m.WorkerReady] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Load the model, report ready, then serve frames in order until cancelled."""
-        from ..worker import Worker
+        from ..workers.worker import Worker
 
         init = m.WorkerInit(config=self._config.to_dict(), inject_fault=self._inject_fault)
         try:

@@ -1,6 +1,6 @@
 """The process executor: the model worker in a child process.
 
-``ProcessExecutor`` runs ``python -m legato.worker`` as a child process and
+``ProcessExecutor`` runs ``python -m legato.workers.worker`` as a child process and
 talks to it over its stdin / stdout with length-prefixed msgpack frames. Every
 frame carries an id and every answer the id of the frame it answers, so answers
 are routed by id to whoever asked. Frames are encoded in the caller's task and
@@ -131,7 +131,7 @@ class ProcessExecutor(WorkerFrames):
 
     def _worker_command(self) -> list[str]:
         """The worker process's command line (the tensor-parallel executor runs rank 0)."""
-        return [sys.executable, "-m", "legato.worker"]
+        return [sys.executable, "-m", "legato.workers.worker"]
 
     def _worker_env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -1,7 +1,7 @@
 """The tensor-parallel executor: one worker process per rank, every one supervised.
 
 ``TensorParallelExecutor`` is the process executor whose worker is rank 0 of a
-torch.distributed group (``legato.distributed.rank_worker``): the engine
+torch.distributed group (``legato.workers.rank_worker``): the engine
 speaks the worker protocol to rank 0 only, and rank 0 hands every frame to the
 other ranks (see that module). This executor also starts the other ranks of
 this node (node 0: ranks ``1 .. tensor_parallel_size / nnodes - 1``; the other
@@ -33,10 +33,10 @@ from typing import Any
 import trio
 
 from ..config import EngineConfig
-from ..distributed.rank_worker import RankAddress
 from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
+from ..workers.rank_worker import RankAddress
 from .executor import OnFailure, WorkerDiedError
 from .process_executor import ProcessExecutor, _cpu_threads, reap_process
 

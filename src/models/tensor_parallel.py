@@ -2,7 +2,7 @@
 
 :class:`TensorParallel` is what a rank's :class:`~legato.models.runner.ModelRunner`
 is given. It builds the rank's model from the plan
-(:mod:`legato.distributed.sharding`): the ordinary layers at the rank's
+(:mod:`legato.models.sharding`): the ordinary layers at the rank's
 sizes (its query and KV heads, its share of the MLP), with four modules
 swapped for their parallel forms:
 
@@ -32,14 +32,14 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from ..distributed.group import TensorParallelGroup
-from ..distributed.sharding import Shard, TensorParallelPlan
 from .attention_backend import Backend
 from .config import ModelConfig, read_json
 from .gguf_checkpoint import gguf_weights_file, iter_gguf_weights, open_gguf
 from .layers import Embedding, Linear, RMSNorm
 from .llama import _FUSED, DecoderLayer, LlamaForCausalLM
 from .loader import RANDOM_WEIGHTS_FILE, build_model, safetensors_files
+from .process_group import TensorParallelGroup
+from .sharding import Shard, TensorParallelPlan
 
 
 class RowParallelLinear(Linear):

@@ -2,7 +2,7 @@
 
 Two implement it: ``legato.models.runner.ModelRunner`` (the real model on the
 paged KV cache) and ``legato.null_runner.NullModelRunner`` (no model,
-for control-plane benchmarks). ``legato.worker`` is typed against this
+for control-plane benchmarks). ``legato.workers.worker`` is typed against this
 protocol, so ``mypy --strict`` checks both. A runner's further public methods
 (LoRA, ``embedding_size``...) are served by name through ``UtilityCall`` where
 it has them; the engine never needs them of every runner.

@@ -35,8 +35,8 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
-from ..actors.renderer import template_kwargs_of
 from ..engine import RequestStream
+from ..frontend.renderer import template_kwargs_of
 from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob, RequestOutput
 from ..protocol.params import LoRARequest, SamplingParams

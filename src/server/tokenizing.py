@@ -18,7 +18,7 @@ from typing import TypeVar
 import trio
 
 from ..actors.frontend import INLINE_MAX_PROMPT_CHARS, INLINE_MAX_PROMPT_TOKENS, thread_renderer
-from ..actors.renderer import Renderer
+from ..frontend.renderer import Renderer
 
 _T = TypeVar("_T")
 

@@ -182,7 +182,7 @@ ALL_FAULTS: Final = (
 )
 # The faults that need the worker in a child process.
 PROCESS_FAULTS: Final = (FaultKind.SIGKILL.value, FaultKind.SIGSTOP.value)
-_RAISE_TEXT: Final = "injected fault: model runner raised on step"  # legato.worker._FaultPlan
+_RAISE_TEXT: Final = "injected fault: model runner raised on step"  # legato.workers.worker._FaultPlan
 _LOAD_TEXT: Final = "weight loading failed"
 
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import trio
 
-from legato.actors.core_steps import AbortRequests, AddRequests, CoreSteps, FinishRequests
 from legato.actors.engine_core import EngineCore
 from legato.actors.inproc_executor import InprocExecutor
-from legato.actors.scheduler import Scheduler
-from legato.actors.stats import StepStats
 from legato.config import EngineConfig
+from legato.metrics.records import StepStats
 from legato.protocol import messages as m
 from legato.protocol.params import SamplingParams
+from legato.scheduling.core_steps import AbortRequests, AddRequests, CoreSteps, FinishRequests
+from legato.scheduling.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 42, 7], [9, 9, 31], [101, 3, 58, 22, 14, 6], [77], [12, 40, 40, 2, 8]]
 

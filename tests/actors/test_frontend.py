@@ -18,7 +18,6 @@ import pytest
 import trio
 import trio.testing
 
-from legato.actors.core_steps import AddRequests, FrontendMessage
 from legato.actors.engine_core import EngineCore
 from legato.actors.frontend import (
     INLINE_MAX_PROMPT_CHARS,
@@ -29,15 +28,16 @@ from legato.actors.frontend import (
     thread_renderer,
 )
 from legato.actors.inproc_executor import InprocExecutor
-from legato.actors.output_processor import OutputProcessor
 from legato.actors.output_slot import OutputSlot
-from legato.actors.renderer import Renderer
-from legato.actors.scheduler import Scheduler
 from legato.config import EngineConfig
+from legato.frontend.renderer import Renderer
+from legato.outputs.output_processor import OutputProcessor
 from legato.protocol import messages as m
 from legato.protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from legato.protocol.outputs import RequestOutput
 from legato.protocol.params import RequestOutputKind, SamplingParams
+from legato.scheduling.core_steps import AddRequests, FrontendMessage
+from legato.scheduling.scheduler import Scheduler
 
 DELTA = RequestOutputKind.DELTA
 BIG_PROMPT = "the " * 1100  # 4,400 characters (rendered in a thread), 1,102 toy tokens

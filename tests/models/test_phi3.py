@@ -150,9 +150,9 @@ def test_partial_rotary_refused_for_other_architectures(tmp_path: Path, llama: A
 
 def test_tensor_parallel_load_fails_with_the_reason(phi3: Any) -> None:
     """A rank's share of Phi-3 is refused when it is built, naming the reason."""
-    from legato.distributed.sharding import TensorParallelPlan
     from legato.models.attention_backend import select_backend
     from legato.models.loader import build_model
+    from legato.models.sharding import TensorParallelPlan
 
     cfg = load_model_config(phi3.path)
     rank_cfg = TensorParallelPlan.for_model(cfg, 2, 0).rank_config(cfg)

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from legato.config import EngineConfig
-from legato.distributed.group import gloo_group
-from legato.distributed.sharding import TensorParallelPlan
 from legato.models.config import load_model_config
+from legato.models.process_group import gloo_group
 from legato.models.runner import ModelRunner
+from legato.models.sharding import TensorParallelPlan
 from legato.models.tensor_parallel import TensorParallel
 from legato.protocol.params import SamplingParams
 

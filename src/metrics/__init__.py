@@ -1,0 +1,3 @@
+"""The engine's figures: per-step records, the stat loggers and their collector.
+
+Synchronous; never imports trio or torch."""

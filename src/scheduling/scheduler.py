@@ -1,0 +1,382 @@
+"""Continuous batching over the paged KV cache: the scheduler's policy, as a plain class.
+
+:class:`Scheduler` decides, step by step, which requests compute how many
+tokens, within the per-step budgets ``max_num_batched_tokens`` and
+``max_num_seqs``. It holds the requests (:mod:`.request_state`) and drives the
+block pool (:mod:`.kv_cache`); it never touches tensors. The engine core
+calls it synchronously::
+
+    out = scheduler.schedule()                     # SchedulerOutput for the runner
+    runner_out = <model runner runs out>           # ModelRunnerOutput
+    core_outs = scheduler.update_from_output(out, runner_out)
+
+A step may be planned before the one in flight has answered (async
+scheduling): a request whose planned tokens will sample counts that sample as
+a *placeholder* token, so the next step can already compute it (the runner
+fills it in with its own sample); when the answer comes, the placeholder
+becomes the real token. Answers must be applied in step order, one per
+planned step. :meth:`~Scheduler.add_request`, :meth:`~Scheduler.abort`,
+:meth:`~Scheduler.finish_requests`, :meth:`~Scheduler.pause` /
+:meth:`~Scheduler.resume` and :meth:`~Scheduler.reset_prefix_cache` are
+allowed at any point between those calls (answers for requests finished or
+preempted in between are dropped). A request whose in-flight samples could
+already reach its ``max_tokens`` or ``max_model_len`` is not scheduled ahead.
+
+Policy, as in vLLM v1:
+
+* Running requests are scheduled first (decodes and unfinished prefill chunks),
+  then waiting ones in policy order (FCFS: arrival; priority: lower value
+  first, then arrival) while budget, ``max_num_seqs`` and free blocks allow. A
+  waiting request that cannot be admitted blocks those behind it.
+* A waiting request starts at its prefix-cache hit. With chunked prefill a
+  prompt larger than the remaining budget is computed over several steps;
+  without it, the prompt waits for a step with room for all of it.
+* When a running request needs a block and none is free, the lowest-priority
+  running request (FCFS: latest arrival; priority: highest value, then latest
+  arrival) is preempted by recompute: its blocks are freed, its computed tokens
+  reset to 0, and it goes back to the front of the waiting queue; when it runs
+  again it is sent as ``NewRequestData`` with the tokens it had generated. A
+  step that preempted admits no waiting request.
+
+* At most ``max_loras`` distinct LoRA adapters run in one step (when
+  ``enable_lora``): a waiting request whose adapter would be one too many
+  waits like one that does not fit (:mod:`.lora_admission`).
+* A pooling (embedding) request never starts from a prefix-cache hit (its
+  pooler needs every prompt position) and finishes in the step that
+  computes the end of its prompt, with the runner's pooled vector.
+
+Ids the runner must drop ride in ``finished_req_ids`` / ``preempted_req_ids``
+of the next step that schedules tokens (an empty step carries none, so the
+caller may skip the runner for an empty step). The runner applies them before
+``new_requests``: an id may be dropped and sent anew in the same step.
+
+Pure Python, driven synchronously: never imports torch or trio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from ..config import EngineConfig
+from ..protocol.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from .pause_gate import PauseMode
+from .request_book import RequestBook
+from .request_state import Request, RequestStatus
+from .step_assembly import STEP_FRAME_BUDGET, assemble_step, new_request_bytes
+from .step_plan import InFlightStep, StepPlan
+from .token_acceptance import accept_other, check_stop
+
+__all__ = ["Scheduler"]
+
+
+class Scheduler(RequestBook):
+    """Continuous batching, prefix caching, chunked prefill and preemption by recompute.
+
+    Needs a resolved config (``max_model_len`` and ``num_kv_blocks`` set) in
+    which one request of ``max_model_len`` tokens fits in the KV cache alone, so
+    that preemption always lets the oldest request finish. The requests it holds,
+    and adding, finishing, aborting and pausing them, are its ``RequestBook``'s.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix. Returns whether the cache was reset.
+
+        Refuses (False) while a request holds blocks, unless
+        ``reset_running_requests``: then every running request is first
+        preempted (its blocks freed, recomputed later from scratch, so nothing
+        reads stale cache) and the reset always succeeds.
+        """
+        if reset_running_requests and self.running:
+            for req in reversed(self.running):
+                self._preempt(req)
+            self.running = []
+        return self.kv.reset_prefix_cache(reset_running_requests)
+
+    # --------------------------------------------------------- scheduling
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step. Never blocks; O(running + admitted) apart from preemptions.
+
+        Every scheduled request's ``num_computed_tokens`` is advanced by its
+        scheduled tokens here, in anticipation of the step.
+        """
+        self._step_id += 1
+        if self.pause_gate.mode is PauseMode.KEEP or not self.requests:
+            return SchedulerOutput(self._step_id, [], CachedRequestData(), {}, 0)
+        plan = StepPlan(self.max_num_batched_tokens)
+        preempted = self._schedule_running(plan)
+        if not preempted and self.waiting and len(self.running) < self.max_num_seqs:
+            self._schedule_waiting(plan)
+        return self._emit(plan)
+
+    def _schedule_running(self, plan: StepPlan) -> bool:
+        """Give each running request its next tokens, advancing its computed tokens (and
+        placeholders) at once; preempt when blocks run out. Returns whether anything
+        was preempted.
+        """
+        running = self.running
+        kv = self.kv
+        chunked_prefill = self.chunked_prefill
+        planned, computed_at, samples = plan.running, plan.computed, plan.samples
+        num_scheduled = plan.num_scheduled
+        budget = plan.budget
+        num_decode = 0
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            i += 1
+            placeholders = req.num_output_placeholders
+            num_tokens = len(req.all_token_ids)
+            num_known = num_tokens + placeholders  # with the samples in flight
+            if placeholders and num_known >= req.token_limit:
+                # The samples already on their way may reach its length limit (a pooling
+                # request is done once its prompt is computed). A request with a grammar
+                # does not wait: its bitmask row is only needed at sampling time, and the
+                # engine core sends it once the token in flight is known.
+                continue
+            computed = req.num_computed_tokens
+            num_new = num_known - computed
+            if num_new > budget:
+                if not chunked_prefill:
+                    continue
+                num_new = budget
+            if num_new <= 0:
+                continue
+            if computed + num_new > req.num_kv_slots:  # its blocks are full: it needs more
+                new_ids = kv.allocate_slots(req, num_new)
+                while new_ids is None:
+                    j = self._victim_index()
+                    victim = running.pop(j)
+                    preempted = True
+                    if victim.request_id in num_scheduled:  # planned earlier this step
+                        budget += plan.drop(victim)
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                    if j < i:
+                        i -= 1
+                    new_ids = kv.allocate_slots(req, num_new)
+                if new_ids is None:
+                    break  # it was preempted itself
+                if new_ids:
+                    plan.new_block_ids[req.request_id] = new_ids
+            planned.append(req)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            computed_at.append(computed)
+            sent = req.num_tokens_sent
+            if sent < num_tokens:
+                plan.new_token_ids[req.request_id] = req.all_token_ids[sent:]
+                req.num_tokens_sent = num_tokens
+            req.num_computed_tokens = computed + num_new
+            sampling = computed + num_new >= num_known
+            if sampling:
+                req.num_output_placeholders = placeholders + 1
+                if num_new == 1 and (placeholders or req.output_token_ids):
+                    num_decode += 1
+            samples.append(sampling)
+        plan.budget = budget
+        plan.num_decode += num_decode  # less those dropped since
+        return preempted
+
+    def _victim_index(self) -> int:
+        """Index in ``running`` of the request to preempt: the lowest priority."""
+        running = self.running
+        if self.waiting.policy == "priority":
+            return max(range(len(running)), key=lambda k: running[k].sort_key)
+        return max(range(len(running)), key=lambda k: running[k].sort_key[1:])
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and requeue it for recompute.
+
+        The caller removes it from ``running``.
+        """
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_tokens_sent = 0
+        req.num_output_placeholders = 0
+        req.reset_step = self._step_id  # answers of steps planned up to now are stale
+        req.num_preemptions += 1
+        self.waiting.push_front(req)
+        self._preempted_ids.append(req.request_id)
+        self.counters.preempted += 1
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in policy order until one does not fit."""
+        gate = self.pause_gate
+        if gate.mode is None:
+            waiting = self.waiting
+            while waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+                if not self._admit(waiting.peek(), plan):
+                    return
+                waiting.pop()
+            return
+        # Paused (WAIT / ABORT): requests that arrived during the pause are held.
+        if len(self.waiting) == gate.num_held:
+            return  # every waiting request is held
+        for req in [r for r in self.waiting.ordered() if not gate.is_held(r)]:
+            if plan.budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            if not self._admit(req, plan):
+                return
+            self.waiting.remove({req.request_id})
+
+    def _admit(self, req: Request, plan: StepPlan) -> bool:
+        """Start (or resume) a waiting request from its prefix-cache hit, if it fits."""
+        if not self.adapter_limit.admits(req, self.running):
+            return False
+        if req.pooling_params is None:
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        else:
+            hit_blocks, num_hit = [], 0
+        num_new = req.num_tokens - num_hit
+        frame_bytes = new_request_bytes(req, plan)
+        if plan.new and plan.frame_bytes + frame_bytes > STEP_FRAME_BUDGET:
+            return False  # the step's frame is full: it starts in the next step
+        if num_new > plan.budget:
+            if not self.chunked_prefill:
+                return False
+            num_new = plan.budget
+        if self.kv.allocate_slots(req, num_new, hit_blocks) is None:
+            return False
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        self.running.append(req)
+        plan.frame_bytes += frame_bytes
+        plan.new.append(req)
+        plan.num_scheduled[req.request_id] = num_new
+        plan.budget -= num_new
+        return True
+
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
+        """Turn the plan into the runner's message (``assemble_step``) and remember the
+        step until its answer comes."""
+        step_id = self._step_id
+        total = sum(plan.num_scheduled.values())
+        if total == 0:
+            return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0)
+        finished, self._finished_ids = self._finished_ids, []
+        preempted, self._preempted_ids = self._preempted_ids, []
+        output = assemble_step(step_id, plan, self.kv, finished, preempted)
+        self.counters.prefill_tokens += total - plan.num_decode
+        self.counters.decode_tokens += plan.num_decode
+        self._in_flight[step_id] = InFlightStep(plan.running + plan.new, plan.samples)
+        return output
+
+    # ----------------------------------------------------------- results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Accept a step's sampled tokens; finish requests that stopped.
+
+        Answers must come in step order, one per non-empty step planned (an
+        empty step's answer is accepted and changes nothing).
+        ``runner_output`` must hold one entry per scheduled request, and one
+        token for every request whose scheduled tokens reached the end of its
+        tokens (a ValueError otherwise: a runner that drops requests would hang
+        them); tokens for a partial prefill chunk are ignored. Requests
+        finished, aborted or preempted since that step was planned are
+        skipped. Returns one output per request that got tokens, prompt
+        logprobs or finished, and the stats.
+        """
+        step_id = scheduler_output.step_id
+        in_flight = self._in_flight.pop(step_id, None)
+        if in_flight is None:
+            if scheduler_output.is_empty:  # nothing was planned: nothing to accept
+                return EngineCoreOutputs([], time.monotonic(), self.make_stats())
+            raise ValueError(f"step {step_id} was not planned, or was answered already")
+        num_sampled = runner_output.num_sampled
+        sampled = runner_output.sampled_token_ids
+        if len(num_sampled) != len(in_flight.requests) or len(runner_output.req_ids) != len(
+            num_sampled
+        ):
+            raise ValueError(
+                f"model runner returned {len(num_sampled)} sample counts for "
+                f"{len(runner_output.req_ids)} ids; step {step_id} scheduled "
+                f"{len(in_flight.requests)} requests"
+            )
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
+        kv = self.kv
+        prefix_caching = kv.enable_prefix_caching
+        block_size = kv.block_size
+        running = RequestStatus.RUNNING
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        append_output = outputs.append
+        # The requests' tokens follow each other in ``sampled``: each one's start.
+        starts = itertools.accumulate(num_sampled, initial=0)
+        for req, sampling, count, start in zip(
+            in_flight.requests, in_flight.samples, num_sampled, starts
+        ):
+            if step_id <= req.reset_step:
+                continue  # preempted since: its placeholders are gone already
+            if sampling:
+                req.num_output_placeholders -= 1
+            if req.status is not running:
+                continue  # finished or aborted since this step was planned
+            request_id = req.request_id
+            reason: FinishReason | None = None
+            pooled: list[float] | None = None
+            if count == 1 and sampling and req.pooling_params is None:  # the common case
+                token_id = sampled[start]
+                all_ids = req.all_token_ids
+                all_ids.append(token_id)
+                req.output_token_ids.append(token_id)
+                req.num_tokens_sent += 1  # the runner appended its own sample
+                new_ids = [token_id]
+                if token_id in req.stopping_token_ids or len(all_ids) >= req.token_limit:
+                    reason = check_stop(req, token_id)
+            else:
+                new_ids, reason, pooled = accept_other(
+                    req, sampling, sampled[start : start + count], runner_output
+                )
+            # Publish the blocks whose KV is computed (or being computed), if a block filled.
+            if (
+                prefix_caching
+                and req.num_computed_tokens >= (req.num_cached_blocks + 1) * block_size
+            ):
+                kv.cache_full_blocks(req)
+            plp = prompt_logprobs.get(request_id) if prompt_logprobs else None
+            if new_ids or reason is not None or plp:
+                lp = logprobs.get(request_id) if logprobs else None
+                if lp is not None and len(lp) > len(new_ids):
+                    lp = lp[: len(new_ids)]
+                append_output(
+                    EngineCoreOutput(
+                        request_id,
+                        new_ids,
+                        lp,
+                        plp,
+                        reason,
+                        req.stop_reason,
+                        req.num_cached_tokens,
+                        pooled=pooled,
+                    )
+                )
+            if reason is not None:
+                self._release(req, reason, req.stop_reason)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is running]
+        return EngineCoreOutputs(outputs, time.monotonic(), self.make_stats())
