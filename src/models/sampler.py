@@ -5,10 +5,11 @@ Order of operations (as vLLM v1): the structured-outputs token bitmask
 logits, before any processing) → allowed_token_ids → min_tokens (EOS and stop
 ids masked) → logit_bias → penalties (repetition over prompt + output tokens,
 presence / frequency over output tokens) → greedy argmax for temperature 0,
-else temperature → min_p → top-k / top-p → exponential-race sampling
-``argmax(probs / Exponential(1))``. A seeded row draws its noise from its own
-``torch.Generator``, so it samples the same whatever else shares the batch;
-other rows draw from the engine's generator.
+else temperature → min_p → top-k / top-p → a draw from the softmax by inverse
+transform (:func:`random_sample`; vLLM races exponential noise instead: the same
+distribution). A seeded row draws its uniform from its own ``torch.Generator``,
+so it samples the same whatever else shares the batch; other rows draw from the
+engine's generator.
 
 Everything is vectorised over the batch; the only per-row loop is over the
 seeded rows' generators. :class:`SamplingMetadata` is built by the input batch.
@@ -128,15 +129,37 @@ def random_sample(
     generators: dict[int, torch.Generator],
     engine_generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """``argmax(probs / q)`` with ``q ~ Exponential(1)``: a draw from each row of ``probs``."""
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_(generator=engine_generator)
+    """One draw from each row of ``probs`` ``[N, V]`` (non-negative, any positive row sum):
+    :func:`inverse_transform` with one ``u ~ U[0, 1)`` per row.
+
+    One random number per row, not one per vocabulary entry: the exponential race
+    (``argmax(probs / Exponential(1))``, vLLM's native sampler) drew ``N * V`` of them,
+    and on the CPU that draw cost more than the rest of sampling together. The
+    distribution is the same. A seeded row takes its ``u`` from its own generator, so it
+    draws the same whatever shares the batch. ``probs`` is overwritten.
+    """
+    n = probs.shape[0]
+    u = torch.empty(n, 1, dtype=probs.dtype, device=probs.device)
+    if len(generators) < n:
+        u.uniform_(generator=engine_generator)
     for row, gen in generators.items():
-        noise[row].exponential_(generator=gen)
-    # A zero draw would make 0/0 = nan (and nan wins argmax): keep it positive.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+        u[row].uniform_(generator=gen)
+    return inverse_transform(probs, u)
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``probs`` ``[N, V]``, the first token whose cumulative mass exceeds
+    ``u`` ``[N, 1]`` (in ``[0, 1]``) times the row's mass: ``[N]`` int64.
+
+    A token of zero mass is never returned, whatever ``u`` (``u = 1`` gives the last
+    token of positive mass). ``probs`` is overwritten with its cumulative sums.
+    """
+    cdf = probs.cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # Keep the target strictly below the row's mass, so that a token of positive mass
+    # always lies above it (u = 1, or u * total rounded up).
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).view(-1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

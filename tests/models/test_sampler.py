@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from legato.models.input_batch import InputBatch
-from legato.models.sampler import apply_penalties, sample
+from legato.models.sampler import apply_penalties, inverse_transform, sample
 from legato.protocol.messages import CachedRequestData, NewRequestData, RunnerSamplingParams
 from legato.protocol.params import SamplingParams
 
@@ -57,6 +57,33 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     draws = _draw(SamplingParams(temperature=1.0), 8000)
     freq = np.bincount(draws, minlength=V) / len(draws)
     assert np.abs(freq - PROBS.numpy()).max() < 0.03
+
+
+def test_inverse_transform_never_returns_a_token_of_zero_mass() -> None:
+    """Zero-mass tokens at both ends and in the middle: the extremes of ``u`` land on
+    the first and last tokens of positive mass, the mass boundaries on the next token."""
+    row = torch.tensor([0.0, 0.5, 0.0, 1.5, 0.0])  # mass 2, unnormalised
+    u = torch.tensor([[0.0], [0.2499], [0.25], [0.9999], [1.0]])
+    got = inverse_transform(row.repeat(5, 1), u).tolist()
+    assert got == [1, 1, 3, 3, 3]
+
+
+def test_sampling_follows_the_distribution_over_a_wide_vocabulary() -> None:
+    """A 49,152-token vocabulary (the default model's): cumulative sums over all of it
+    still give each region of the vocabulary its mass."""
+    vocab = 49152
+    probs = torch.full((vocab,), 0.25 / (vocab - 2))
+    probs[0], probs[-1] = 0.0, 0.25  # a zero-mass first token, a heavy last one
+    probs[vocab // 2] = 0.5
+    batch = InputBatch(4, 64, 4, vocab, [], CPU, 0)
+    batch.add(NewRequestData("r", [0], "r", [0], 0), RunnerSamplingParams.of(SamplingParams()))
+    md = batch.sampling_metadata(np.repeat(np.array([batch.row("r")]), 400))
+    logits = probs.log().repeat(400, 1)  # 10 x 400 draws keeps the batch at 79 MB
+    draws = np.array([t for _ in range(10) for t in sample(logits.clone(), md).sampled.tolist()])
+    assert 0 not in draws
+    shares = [np.mean(draws == vocab // 2), np.mean(draws == vocab - 1)]
+    rest = np.mean((draws != vocab // 2) & (draws != vocab - 1))
+    assert abs(shares[0] - 0.5) < 0.03 and abs(shares[1] - 0.25) < 0.03 and abs(rest - 0.25) < 0.03
 
 
 @pytest.mark.parametrize(
