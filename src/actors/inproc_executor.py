@@ -16,7 +16,14 @@ import trio
 from ..config import EngineConfig
 from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
-from .executor import FrameAnswer, OnFailure, WorkerCallError, WorkerDiedError, WorkerFrames
+from .executor import (
+    SHUTDOWN_GRACE,
+    FrameAnswer,
+    OnFailure,
+    WorkerCallError,
+    WorkerDiedError,
+    WorkerFrames,
+)
 
 
 class InprocExecutor(WorkerFrames):
@@ -79,8 +86,8 @@ class InprocExecutor(WorkerFrames):
     def _send_unanswered(self, message: object) -> None:
         self._submit(message)
 
-    def begin_shutdown(self) -> None:
-        pass
+    def begin_shutdown(self, grace: float = SHUTDOWN_GRACE) -> None:
+        pass  # no process to give time to
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         raise WorkerCallError("the in-process executor has no worker process to signal")

@@ -31,7 +31,7 @@ from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol import wire
 from ..protocol.errors import EngineStartupError
-from .executor import FrameAnswer, OnFailure, WorkerDiedError, WorkerFrames
+from .executor import SHUTDOWN_GRACE, FrameAnswer, OnFailure, WorkerDiedError, WorkerFrames
 
 
 class _FrameReader:
@@ -81,6 +81,7 @@ class ProcessExecutor(WorkerFrames):
         self._last_id = 0  # frames are numbered 1, 2, ...
         self._failure: BaseException | None = None  # set once the worker is gone
         self._closing = False
+        self._grace = SHUTDOWN_GRACE  # seconds a gracefully stopped worker gets to exit
         self.ready: m.WorkerReady | None = None
         self.on_failure = on_failure
 
@@ -224,7 +225,7 @@ class ProcessExecutor(WorkerFrames):
                 await process.stdin.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
-        await reap_process(process, graceful=graceful)
+        await reap_process(process, grace=self._grace if graceful else FORCED_GRACE)
         if process.stdout is not None:
             await process.stdout.aclose()
 
@@ -252,9 +253,11 @@ class ProcessExecutor(WorkerFrames):
             raise self._failure
         self._outbox.send_nowait(self._frame(message)[1])
 
-    def begin_shutdown(self) -> None:
-        """Mark the coming stop as graceful: the worker gets time to exit by itself."""
+    def begin_shutdown(self, grace: float = SHUTDOWN_GRACE) -> None:
+        """Mark the coming stop as graceful: the worker gets ``grace`` seconds (at most
+        ``SHUTDOWN_GRACE``) to exit by itself once the executor is cancelled."""
         self._closing = True
+        self._grace = min(max(0.0, grace), SHUTDOWN_GRACE)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the worker (chaos testing)."""
@@ -262,10 +265,14 @@ class ProcessExecutor(WorkerFrames):
             os.kill(self._process.pid, sig)
 
 
-async def reap_process(process: trio.Process, *, graceful: bool) -> None:
-    """Give a worker process a moment to exit by itself (5 s after a graceful stop, else
-    0.2 s), then SIGKILL its process group. Bounded; a checkpoint."""
-    with trio.move_on_after(5 if graceful else 0.2):
+FORCED_GRACE = 0.2
+"""Seconds a worker gets to exit by itself when the stop is not graceful (death)."""
+
+
+async def reap_process(process: trio.Process, *, grace: float) -> None:
+    """Give a worker process ``grace`` seconds to exit by itself, then SIGKILL its process
+    group. Bounded; a checkpoint."""
+    with trio.move_on_after(grace):
         await process.wait()
     if process.returncode is None:
         try:

@@ -37,8 +37,8 @@ from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
 from ..workers.rank_worker import RankAddress
-from .executor import OnFailure, WorkerDiedError
-from .process_executor import ProcessExecutor, _cpu_threads, reap_process
+from .executor import SHUTDOWN_GRACE, OnFailure, WorkerDiedError
+from .process_executor import FORCED_GRACE, ProcessExecutor, _cpu_threads, reap_process
 
 _STARTUP_GRACE = 5.0  # seconds rank 0 has to report why a rank failed to start
 
@@ -128,7 +128,7 @@ class TensorParallelExecutor(ProcessExecutor):
         finally:
             with trio.CancelScope(shield=True):
                 for process in self._others.values():
-                    await reap_process(process, graceful=self._graceful)
+                    await reap_process(process, grace=self._grace if self._graceful else FORCED_GRACE)
 
     async def _run_rank_zero(
         self,
@@ -163,8 +163,8 @@ class TensorParallelExecutor(ProcessExecutor):
             self.on_failure(error)
         raise error
 
-    def begin_shutdown(self) -> None:
-        super().begin_shutdown()
+    def begin_shutdown(self, grace: float = SHUTDOWN_GRACE) -> None:
+        super().begin_shutdown(grace)
         self._graceful = True
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
