@@ -8,6 +8,7 @@ from .engine import AsyncEngine, RequestStream, open_engine
 from .llm import LLM, LLMEngine
 from .protocol import (
     CompletionOutput,
+    EngineBusyError,
     EngineClient,
     EngineDeadError,
     EngineGenerateError,
@@ -43,6 +44,7 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "EngineDeadError",
+    "EngineBusyError",
     "EngineGenerateError",
     "EngineStartupError",
     "LLMEngine",

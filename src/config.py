@@ -34,6 +34,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes, when no block count is given
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Requests the engine holds at once (rendering, queued, running or held by a pause);
+    # one more is refused with EngineBusyError (check_admission), and the engine core's
+    # inbox is bounded by it. LLM's batches stay under it by themselves.
+    max_live_requests: int = 4096
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
@@ -83,6 +87,7 @@ class EngineConfig:
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_live_requests", self.max_live_requests)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:

@@ -22,6 +22,14 @@ has then accepted the tokens before the one this step samples): at once
 without overlap, else right after step N-1's answer, while step N's forward
 runs. So constrained requests are planned ahead like any other.
 
+The inbox is bounded. Requests enter it only past the front end's admission
+check (``has_room``: at most ``max_live_requests`` queued; ``AsyncEngine``
+refuses more with EngineBusyError), so ``submit`` never finds it full for
+them. A control call waits for room (a checkpoint) in the rare case it finds
+none. Finishes the front end passes on never wait and are never lost: when
+the inbox is full they are merged into a set by reason (as many ids as there
+are requests), applied right after the inbox's messages.
+
 Aborts and stop-string finishes that arrive while a step is running take
 effect before the next step is planned, so an aborted request's KV blocks are
 free within one step (two with overlap: a step already sent still runs, and
@@ -33,7 +41,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -97,6 +104,9 @@ class _Call(Generic[T]):
 
 CoreMessage = AddRequests | AbortRequests | FinishRequests | Control
 
+CONTROL_ROOM = 256
+"""Inbox places beyond ``max_live_requests``: for control calls and finishes."""
+
 
 @dataclass
 class EngineCore:
@@ -113,6 +123,7 @@ class EngineCore:
     async_scheduling: bool = False
     grammars: EngineGrammars | None = None  # structured outputs (None: no request uses them)
     sleeping: bool = False
+    max_live_requests: int = 4096  # the requests the inbox holds at most (see ``has_room``)
     _inbox_send: trio.MemorySendChannel[CoreMessage] = field(init=False)
     _inbox: trio.MemoryReceiveChannel[CoreMessage] = field(init=False)
     # What WAIT-mode pauses and sleeps do once nothing is in flight.
@@ -120,7 +131,11 @@ class EngineCore:
     _resume_on_wake: bool = False  # a sleep(mode="keep") paused; wake_up resumes
 
     def __post_init__(self) -> None:
-        self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](math.inf)
+        # Room for every admitted request, and for the control calls and finishes beside.
+        self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](
+            self.max_live_requests + CONTROL_ROOM
+        )
+        self._overflow: dict[m.FinishReason, list[str]] = {}  # finishes that found it full
         self.steps = CoreSteps(self.scheduler, self.record_stats, self.grammars)
         # Steps sent to the executor and not applied yet, oldest first.
         self._sent: collections.deque[tuple[PlannedStep, StepAnswer]] = collections.deque()
@@ -152,9 +167,29 @@ class EngineCore:
         elif self._idle.is_set():
             self._idle = trio.Event()
 
-    def submit(self, message: CoreMessage) -> None:
-        """Queue a message for the loop. Never blocks; safe from any trio task."""
-        self._inbox_send.send_nowait(message)
+    def has_room(self) -> bool:
+        """Whether the inbox has room for one more request (the admission check's part)."""
+        return self._inbox_send.statistics().current_buffer_used < self.max_live_requests
+
+    def submit(self, message: AddRequests | FinishRequests | AbortRequests) -> None:
+        """Queue a front-end message for the loop. Never blocks; safe from any trio task.
+
+        Requests must have passed the admission check (``has_room``); one that finds
+        the inbox full anyway raises ``trio.WouldBlock``. Finishes never fail: past a
+        full inbox they wait, merged, for the loop (in order after what it holds).
+        Once the loop has stopped (the engine died or shut down) this does nothing.
+        """
+        sender = self._inbox_send
+        if isinstance(message, FinishRequests) and (
+            self._overflow
+            or sender.statistics().current_buffer_used >= sender.statistics().max_buffer_size
+        ):
+            self._overflow.setdefault(message.reason, []).extend(message.request_ids)
+            return
+        try:
+            sender.send_nowait(message)
+        except trio.ClosedResourceError:  # the loop has stopped: nobody is left to tell
+            pass
 
     async def pause(self, mode: PauseMode, clear_cache: bool = False) -> None:
         """Stop admitting: ABORT finishes what is in flight, WAIT returns once it has
@@ -196,8 +231,14 @@ class EngineCore:
             raise CoreStopped("the scheduler loop has stopped")
         call: _Call[T] = _Call()
         self._calls.add(call)
+        control = Control(functools.partial(operation, call.reply))
         try:
-            self.submit(Control(functools.partial(operation, call.reply)))
+            try:
+                self._inbox_send.send_nowait(control)
+            except trio.WouldBlock:  # a full inbox: wait for room (cancellable until queued)
+                await self._inbox_send.send(control)
+            except trio.ClosedResourceError:  # the loop stopped since the check above
+                raise CoreStopped("the scheduler loop has stopped") from None
             await call.done.wait()
         finally:
             self._calls.discard(call)
@@ -210,12 +251,17 @@ class EngineCore:
 
         When it ends, every call still waiting raises CoreStopped.
         """
-        try:
-            await self._loop()
-        finally:
-            self._stopped = True
-            for call in list(self._calls):
-                call.reply(CoreStopped("the scheduler loop has stopped"))
+        # The loop owns the outputs' send side and its inbox: closing them when it ends
+        # ends the delivery actor's loop, and a late ``submit`` finds the inbox closed.
+        # (``with``, not ``async with``: no checkpoint between the loop's end and the
+        # supervisor's noting why it ended.)
+        with self.outputs, self._inbox_send:
+            try:
+                await self._loop()
+            finally:
+                self._stopped = True
+                for call in list(self._calls):
+                    call.reply(CoreStopped("the scheduler loop has stopped"))
 
     async def _loop(self) -> None:
         while True:
@@ -228,6 +274,10 @@ class EngineCore:
                 except trio.WouldBlock:
                     break
                 await self._handle(message)
+            if self._overflow:  # finishes that found the inbox full: after what it held
+                overflow, self._overflow = self._overflow, {}
+                for reason, request_ids in overflow.items():
+                    await self._handle(FinishRequests(request_ids, reason))
             if self._stats_dirty:
                 self._record(self.scheduler.make_stats())
             sent = False

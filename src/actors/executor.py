@@ -36,6 +36,10 @@ import trio
 from ..protocol import messages as m
 from ..protocol.errors import LegatoError, ValidationError
 
+SHUTDOWN_GRACE = 5.0
+"""Seconds a worker gets to exit by itself after a graceful stop, unless the stop
+names fewer (``begin_shutdown(grace)``; ``AsyncEngine.shutdown(timeout)``)."""
+
 
 class WorkerDiedError(LegatoError):
     """The model worker exited, hung up, reported a fatal error or sent a malformed answer."""
@@ -182,7 +186,11 @@ class Executor(Protocol):
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
-    def begin_shutdown(self, grace: float | None = None) -> None: ...
+    def begin_shutdown(self, grace: float | None = None) -> None:
+        """Mark the coming stop as graceful: the worker gets ``grace`` seconds (None:
+        ``SHUTDOWN_GRACE``) to exit by itself once the executor is cancelled, then it
+        is killed."""
+        ...
 
     def kill(self, sig: int = signal.SIGKILL) -> None: ...
 

@@ -131,7 +131,8 @@ class Frontend:
     output-delivery actor.
 
     ``to_core`` queues a message for the engine core (never blocks);
-    ``record`` takes each step's output-side figures. Large renders run one at
+    ``record`` takes each step's output-side figures; ``admit`` raises to refuse a
+    new request before anything is held for it. Large renders run one at
     a time in a worker thread, through ``offload_renderer`` (default:
     ``thread_renderer(renderer)``, built on first use).
 
@@ -149,8 +150,10 @@ class Frontend:
         record: Callable[[StepStats], None],
         *,
         offload_renderer: Renderer | None = None,
+        admit: Callable[[], None] | None = None,
     ) -> None:
         self.core: FrontendCore[OutputSlot] = FrontendCore(renderer, processor, to_core, record)
+        self._admit = admit
         self.renderer = renderer
         self.processor = processor
         self.offload_renderer = offload_renderer
@@ -193,10 +196,14 @@ class Frontend:
         raising: ``slot`` gets the ValueError (ValidationError), or
         EngineGenerateError for any other failure of the tokenizer, so the
         stream's first read raises it; the id stays held until the stream ends.
+        ``admit`` (given at construction) may refuse the request before anything
+        is held (``AsyncEngine.check_admission``: EngineBusyError).
         An ``abort`` while the prompt renders takes effect once it is registered.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         core = self.core
+        if self._admit is not None:  # in the same synchronous stretch as begin: no race
+            self._admit()
         live = core.begin(request_id, slot)
         engine_id = live.engine_id
         try:

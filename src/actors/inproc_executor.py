@@ -16,7 +16,13 @@ import trio
 from ..config import EngineConfig
 from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
-from .executor import FrameAnswer, OnFailure, WorkerCallError, WorkerDiedError, WorkerFrames
+from .executor import (
+    FrameAnswer,
+    OnFailure,
+    WorkerCallError,
+    WorkerDiedError,
+    WorkerFrames,
+)
 
 
 class InprocExecutor(WorkerFrames):
@@ -80,7 +86,7 @@ class InprocExecutor(WorkerFrames):
         self._submit(message)
 
     def begin_shutdown(self, grace: float | None = None) -> None:
-        pass
+        pass  # no process to give time to
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         raise WorkerCallError("the in-process executor has no worker process to signal")

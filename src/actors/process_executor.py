@@ -31,7 +31,7 @@ from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol import wire
 from ..protocol.errors import EngineStartupError
-from .executor import FrameAnswer, OnFailure, WorkerDiedError, WorkerFrames
+from .executor import SHUTDOWN_GRACE, FrameAnswer, OnFailure, WorkerDiedError, WorkerFrames
 
 
 class _FrameReader:
@@ -81,7 +81,7 @@ class ProcessExecutor(WorkerFrames):
         self._last_id = 0  # frames are numbered 1, 2, ...
         self._failure: BaseException | None = None  # set once the worker is gone
         self._closing = False
-        self._grace: float | None = None  # begin_shutdown's, for a graceful stop
+        self._grace = SHUTDOWN_GRACE  # seconds a gracefully stopped worker gets to exit
         self.ready: m.WorkerReady | None = None
         self.on_failure = on_failure
 
@@ -219,14 +219,13 @@ class ProcessExecutor(WorkerFrames):
         """
         graceful = self._closing
         self._closing = True
-        grace = self._grace if graceful else None
         self._outbox.close()
         try:
             if process.stdin is not None:
                 await process.stdin.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
-        await reap_process(process, graceful=graceful, grace=grace)
+        await reap_process(process, grace=self._grace if graceful else FORCED_GRACE)
         if process.stdout is not None:
             await process.stdout.aclose()
 
@@ -255,10 +254,11 @@ class ProcessExecutor(WorkerFrames):
         self._outbox.send_nowait(self._frame(message)[1])
 
     def begin_shutdown(self, grace: float | None = None) -> None:
-        """Mark the coming stop as graceful: the worker gets ``grace`` seconds (None: the
-        default 5 s) to exit by itself before it is killed."""
+        """Mark the coming stop as graceful: the worker gets ``grace`` seconds (None:
+        ``SHUTDOWN_GRACE``; longer is honoured, as vLLM's ``shutdown(timeout)``) to exit
+        by itself once the executor is cancelled."""
         self._closing = True
-        self._grace = grace
+        self._grace = SHUTDOWN_GRACE if grace is None else max(0.0, grace)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the worker (chaos testing)."""
@@ -266,17 +266,14 @@ class ProcessExecutor(WorkerFrames):
             os.kill(self._process.pid, sig)
 
 
-DEFAULT_GRACE = 5.0
-"""Seconds a worker gets to exit by itself after a graceful stop without a timeout."""
+FORCED_GRACE = 0.2
+"""Seconds a worker gets to exit by itself when the stop is not graceful (death)."""
 
 
-async def reap_process(
-    process: trio.Process, *, graceful: bool, grace: float | None = None
-) -> None:
-    """Give a worker process a moment to exit by itself (after a graceful stop ``grace``
-    seconds, None: 5; else 0.2 s), then SIGKILL its process group. Bounded; a checkpoint."""
-    wait = (DEFAULT_GRACE if grace is None else grace) if graceful else 0.2
-    with trio.move_on_after(wait):
+async def reap_process(process: trio.Process, *, grace: float) -> None:
+    """Give a worker process ``grace`` seconds to exit by itself, then SIGKILL its process
+    group. Bounded; a checkpoint."""
+    with trio.move_on_after(grace):
         await process.wait()
     if process.returncode is None:
         try:

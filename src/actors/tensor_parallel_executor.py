@@ -38,7 +38,7 @@ from ..protocol import messages as m
 from ..protocol.errors import EngineStartupError
 from ..workers.rank_worker import RankAddress
 from .executor import OnFailure, WorkerDiedError
-from .process_executor import ProcessExecutor, _cpu_threads, reap_process
+from .process_executor import FORCED_GRACE, ProcessExecutor, _cpu_threads, reap_process
 
 _STARTUP_GRACE = 5.0  # seconds rank 0 has to report why a rank failed to start
 
@@ -128,7 +128,9 @@ class TensorParallelExecutor(ProcessExecutor):
         finally:
             with trio.CancelScope(shield=True):
                 for process in self._others.values():
-                    await reap_process(process, graceful=self._graceful, grace=self._grace)
+                    await reap_process(
+                        process, grace=self._grace if self._graceful else FORCED_GRACE
+                    )
 
     async def _run_rank_zero(
         self,

@@ -44,7 +44,7 @@ from ..metrics.collector import StatLoggerArg, StatsCollector
 from ..metrics.logger_base import StatLoggerBase
 from ..protocol import messages as m
 from ..protocol.client import EngineClient, ModelInfo, StreamingInput, SupportedTask
-from ..protocol.errors import EngineDeadError, ValidationError
+from ..protocol.errors import EngineBusyError, EngineDeadError, ValidationError
 from ..protocol.inputs import EngineCoreRequest
 from ..protocol.outputs import PoolingOutput, PoolingRequestOutput
 from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams, check_lora_request
@@ -86,8 +86,6 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
         self.ready: m.WorkerReady | None = None  # the worker's report, once started
         self._embedding_size: int | None = None
         self._stopped = False
-        self._worker_started = False  # the executor actor has begun (a worker may exist)
-        self._worker_gone = trio.Event()  # ...and has ended: its worker is reaped
         self.supervisor.on_death(self._on_death)
 
     # ------------------------------------------------------------ start-up
@@ -191,7 +189,7 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
         ready: m.WorkerReady = await self._nursery.start(
             functools.partial(self.supervisor.run_actor, uses_task_status=True),
             "executor",
-            self._run_executor,
+            self.executor.run,
         )
         self.ready = ready
         parts = build_engine_parts(config, ready, tokenizer)
@@ -209,6 +207,7 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
             self.stats.record,
             async_scheduling=config.async_scheduling,
             grammars=parts.grammars,
+            max_live_requests=config.max_live_requests,
         )
         self.frontend = Frontend(
             self.renderer,
@@ -216,6 +215,7 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
             self.core.submit,
             self.stats.record,
             offload_renderer=offload_renderer,
+            admit=self.check_admission,
         )
         start = self._nursery.start_soon
         run = self.supervisor.run_actor
@@ -376,6 +376,24 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
             tokenization_kwargs=request.tokenization_kwargs,
             prompt_text=request.prompt_text,
         )
+
+    def check_admission(self, n: int = 1, request_id: str | None = None) -> None:
+        """Raise EngineBusyError if one more request would pass ``max_live_requests``
+        (requests rendering, queued, running or held; ``n``, its sequences, does not
+        count: the bound is on requests, the unit the engine core's inbox holds).
+
+        Not a checkpoint; never blocks. Every submission makes the same check
+        before anything is held for it, so a flood of submissions is refused
+        request by request and never grows the core's inbox past its bound.
+        """
+        frontend: Frontend | None = getattr(self, "frontend", None)
+        if frontend is None:  # not started: nothing is held
+            return
+        if frontend.num_live >= self.config.max_live_requests or not self.core.has_room():
+            raise EngineBusyError(
+                f"the engine holds {frontend.num_live} requests, its max_live_requests="
+                f"{self.config.max_live_requests}: retry once some have finished"
+            )
 
     async def render_chat_prompt(
         self,

@@ -209,9 +209,13 @@ class LLM:
         batch = f"llm-{time.monotonic_ns()}"
         bar = tqdm(total=count, desc=desc, disable=not show_progress)
 
+        # Never more at once than the engine admits (max_live_requests).
+        limiter = trio.CapacityLimiter(self.engine.config.max_live_requests)
+
         async def one(i: int, cancel: trio.CancelScope) -> None:
             try:
-                results[i] = await run_one(i, f"{batch}-{i}")
+                async with limiter:
+                    results[i] = await run_one(i, f"{batch}-{i}")
             except Exception as exc:
                 errors[i] = exc
                 cancel.cancel()

@@ -5,6 +5,7 @@ Nothing in this package imports torch or trio.
 
 from .client import EngineClient, PromptType, TextPrompt, TokensPrompt
 from .errors import (
+    EngineBusyError,
     EngineDeadError,
     EngineGenerateError,
     EngineStartupError,
@@ -20,6 +21,7 @@ __all__ = [
     "CompletionOutput",
     "EngineClient",
     "EngineDeadError",
+    "EngineBusyError",
     "EngineGenerateError",
     "EngineStartupError",
     "LegatoError",

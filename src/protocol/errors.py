@@ -49,6 +49,15 @@ class MQClientClosedError(EngineDeadError):
         super().__init__(message)
 
 
+class EngineBusyError(LegatoError, RuntimeError):
+    """The engine already holds as many requests as it admits (``max_live_requests``).
+
+    Raised by ``check_admission`` and by submitting a request past the bound;
+    nothing was registered, and the engine keeps serving: retry once requests
+    have finished.
+    """
+
+
 class EngineGenerateError(LegatoError):
     """One request failed; the engine is healthy and keeps serving others.
 

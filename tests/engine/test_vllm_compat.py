@@ -194,13 +194,20 @@ async def test_input_processor_add_request_and_vllms_other_members(engine: Async
 
 async def test_a_shutdown_timeout_past_the_default_grace_is_honoured() -> None:
     """``shutdown(timeout)`` gives the worker that long to exit by itself, also past the
-    executor's default 5 s: a process that exits on its own after 5.5 s is reaped with
-    its own exit status, not killed (it was killed at 5 s before)."""
-    from legato.actors.process_executor import DEFAULT_GRACE, reap_process
+    executor's default 5 s: ``begin_shutdown`` keeps the longer grace (it was capped at
+    5 s), and the one reaping path waits it out, so a process that exits on its own
+    after 5.5 s is reaped with its own exit status, not killed."""
+    from legato.actors.executor import SHUTDOWN_GRACE
+    from legato.actors.process_executor import ProcessExecutor, reap_process
+    from legato.config import EngineConfig
 
+    executor = ProcessExecutor(EngineConfig(runner="null"))
+    executor.begin_shutdown(SHUTDOWN_GRACE + 3)
+    grace = executor._grace
+    assert grace == SHUTDOWN_GRACE + 3
     code = "import time; time.sleep(5.5)"
     process = await trio.lowlevel.open_process([sys.executable, "-c", code], start_new_session=True)
-    await reap_process(process, graceful=True, grace=DEFAULT_GRACE + 3)
+    await reap_process(process, grace=grace)
     assert process.returncode == 0
 
 
