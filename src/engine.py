@@ -309,7 +309,9 @@ class AsyncEngine(EngineClient):
             self.executor,
             outputs_send,
             self.stats.record,
-            async_scheduling=config.async_scheduling,
+            # Speculative decoding plans each step from the last one's verified tokens
+            # and drafts: no step is planned ahead (see docs/architecture.md).
+            async_scheduling=config.async_scheduling and config.speculative_config is None,
             grammars=grammars,
         )
         self.frontend = Frontend(

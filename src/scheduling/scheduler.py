@@ -369,6 +369,15 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
+            drafts = req.spec_token_ids
+            num_drafts = 0
+            if drafts:  # speculative decoding: a plain decode verifies its drafts
+                req.spec_token_ids = []
+                if num_new == 1 and not placeholders and req.grammar is None:
+                    num_drafts = max(
+                        0, min(len(drafts), budget - 1, req.token_limit - num_tokens - 1)
+                    )
+                    num_new += num_drafts
             if computed + num_new > req.num_kv_slots:  # its blocks are full: it needs more
                 new_ids = kv.allocate_slots(req, num_new)
                 while new_ids is None:
@@ -388,6 +397,8 @@ class Scheduler:
                 if new_ids:
                     plan.new_block_ids[req.request_id] = new_ids
             planned.append(req)
+            if num_drafts:
+                plan.spec_tokens[req.request_id] = drafts[:num_drafts]
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             computed_at.append(computed)
@@ -399,8 +410,8 @@ class Scheduler:
             sampling = computed + num_new >= num_known
             if sampling:
                 req.num_output_placeholders = placeholders + 1
-                if num_new == 1 and (placeholders or req.output_token_ids):
-                    num_decode += 1
+                if num_new - num_drafts == 1 and (placeholders or req.output_token_ids):
+                    num_decode += num_new
             samples.append(sampling)
         plan.budget = budget
         plan.num_decode += num_decode  # less those dropped since
@@ -423,6 +434,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_tokens_sent = 0
         req.num_output_placeholders = 0
+        req.spec_token_ids = []
         req.reset_step = self._step_id  # answers of steps planned up to now are stale
         req.num_preemptions += 1
         self.waiting.push_front(req)
@@ -524,7 +536,10 @@ class Scheduler:
         counters.decode_tokens += plan.num_decode
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
-        self._in_flight[step_id] = InFlightStep(running + plan.new, samples)
+        spec_tokens = plan.spec_tokens
+        self._in_flight[step_id] = InFlightStep(
+            running + plan.new, samples, {rid: len(d) for rid, d in spec_tokens.items()}
+        )
         cached = CachedRequestData(
             cached_ids, plan.computed, plan.new_block_ids, plan.new_token_ids
         )
@@ -537,6 +552,7 @@ class Scheduler:
             finished,
             preempted,
             sampling_params=params_table,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
 
     # ----------------------------------------------------------- results
@@ -574,6 +590,8 @@ class Scheduler:
             )
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
+        num_drafts_of = in_flight.num_drafts
+        proposed = runner_output.spec_token_ids
         kv = self.kv
         prefix_caching = kv.enable_prefix_caching
         block_size = kv.block_size
@@ -595,6 +613,10 @@ class Scheduler:
             request_id = req.request_id
             reason: FinishReason | None = None
             pooled: list[float] | None = None
+            if num_drafts_of:
+                self._settle_drafts(req, num_drafts_of.get(request_id, 0), count)
+            if proposed:
+                req.spec_token_ids = proposed.get(request_id, [])
             if count == 1 and sampling and req.pooling_params is None:  # the common case
                 token_id = sampled[start]
                 all_ids = req.all_token_ids
@@ -637,6 +659,20 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
         return EngineCoreOutputs(outputs, time.monotonic(), self.make_stats())
+
+    def _settle_drafts(self, req: Request, num_drafts: int, count: int) -> None:
+        """A verified request's answer: ``count - 1`` of its ``num_drafts`` drafts were
+        accepted; its computed tokens come back past the rejected ones (their KV slots
+        are rewritten by its next step), and the figures count them."""
+        if not num_drafts:
+            return
+        if not 1 <= count <= num_drafts + 1:
+            raise ValueError(
+                f"model runner returned {count} tokens for {req.request_id!r}, "
+                f"which verified {num_drafts} drafts"
+            )
+        req.num_computed_tokens -= num_drafts - (count - 1)
+        self.counters.verified(num_drafts, count - 1)
 
     def _accept_other(
         self, req: Request, sampling: bool, tokens: list[int], runner_output: ModelRunnerOutput
