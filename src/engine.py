@@ -309,9 +309,7 @@ class AsyncEngine(EngineClient):
             self.executor,
             outputs_send,
             self.stats.record,
-            # Speculative decoding plans each step from the last one's verified tokens
-            # and drafts: no step is planned ahead (see docs/architecture.md).
-            async_scheduling=config.async_scheduling and config.speculative_config is None,
+            async_scheduling=config.async_scheduling,
             grammars=grammars,
         )
         self.frontend = Frontend(

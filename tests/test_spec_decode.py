@@ -222,9 +222,9 @@ def test_structured_outputs_are_as_without_drafts(default_runs: Runs) -> None:
 
 def test_sampled_requests_finish_at_max_tokens_with_drafts() -> None:
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
-    outs, counts = run("toy", PROMPTS, params, NGRAM)
-    assert counts.drafts > 0
-    assert [len(t) for t in tokens(outs)] == [30, 30, 30]
+    outs, counts = run(None, PROMPTS[:1] * 2, params, NGRAM)
+    assert counts.accepted > 0
+    assert [len(t) for t in tokens(outs)] == [30, 30]
 
 
 async def test_kv_usage_returns_to_zero_after_aborts(toy_model_dir: Any) -> None:
@@ -307,7 +307,7 @@ async def test_a_dead_worker_mid_verification_ends_every_stream(
         max_tokens=(8, 40),
         engine_args={**ARGS, "speculative_config": NGRAM},
     )
-    results = await run_chaos(2, seed=5, faults=[fault], config=config, log=lambda _: None)
+    results = await run_chaos(1, seed=5, faults=[fault], config=config, log=lambda _: None)
     for result in results:
         assert check_round(result) == []
         assert result.dead_error is not None and result.count("hung") == 0

@@ -163,6 +163,12 @@ class Scheduler:
         self.waiting.push(req)
         self.pause_gate.arrived()
 
+    def has_drafts_to_verify(self) -> bool:
+        """Whether a running request holds drafts (speculative decoding) for its next step.
+        The engine core then plans no step ahead of the one in flight: a request with a
+        sample in flight verifies no drafts. O(running)."""
+        return any(req.spec_token_ids for req in self.running)
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is queued, running or paused (held ones included)."""
         return bool(self.requests)
@@ -615,7 +621,7 @@ class Scheduler:
             pooled: list[float] | None = None
             if num_drafts_of:
                 self._settle_drafts(req, num_drafts_of.get(request_id, 0), count)
-            if proposed:
+            if proposed or req.spec_token_ids:  # the latest proposal replaces older ones
                 req.spec_token_ids = proposed.get(request_id, [])
             if count == 1 and sampling and req.pooling_params is None:  # the common case
                 token_id = sampled[start]
