@@ -37,7 +37,6 @@ import asyncio
 import atexit
 import contextlib
 import logging
-import threading
 import uuid
 import weakref
 from collections import deque
@@ -56,7 +55,7 @@ from typing import Any, Generic, TypeVar, cast
 import trio
 
 from .engine import AsyncEngine, RequestStream
-from .engine import open_engine as open_trio_engine
+from .engine.thread import SHUT_DOWN, Crossing, EngineThread
 from .outputs.delta_merge import merge_delta_outputs
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
@@ -73,52 +72,26 @@ _HOST_LOOP_CHECK_SECONDS = 1.0
 # At interpreter exit, how long each engine still open may take to shut down.
 _EXIT_JOIN_SECONDS = 30.0
 
-_SHUT_DOWN = "the engine has been shut down"
 
+class _EngineThread(EngineThread):
+    """The trio engine's thread (``legato.engine.thread``), with the way back to the loop.
 
-class _Crossing:
-    """One piece of work started from the event loop in the engine thread: a stream's
-    trio task or a control call. ``cancel`` (engine thread) cancels it, also before it
-    has started."""
-
-    __slots__ = ("cancel_requested", "scope")
-
-    def __init__(self) -> None:
-        self.cancel_requested = False
-        self.scope: trio.CancelScope | None = None
-
-    def cancel(self) -> None:
-        self.cancel_requested = True
-        if self.scope is not None:
-            self.scope.cancel()
-
-
-class _EngineThread:
-    """The trio engine in its own thread, and the two ways across.
-
-    Event loop -> engine: ``call_soon`` (``TrioToken.run_sync_soon``: never blocks,
-    any thread). Engine -> event loop: ``post`` queues a callback in the outbox and,
-    if no drain is pending, schedules one drain on the loop; the loop runs every
-    queued callback in order. A closed loop makes the engine shut down.
+    Event loop -> engine: ``call_soon`` / ``spawn`` (``TrioToken.run_sync_soon``:
+    never blocks, any thread). Engine -> event loop: ``post`` queues a callback in
+    the outbox and, if no drain is pending, schedules one drain on the loop; the
+    loop runs every queued callback in order. A closed loop makes the engine shut
+    down.
     """
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, model: str | None, engine_args: dict[str, Any]
     ) -> None:
+        super().__init__(model, engine_args)
         self.loop = loop
-        self._model = model
-        self._engine_args = engine_args
         self._outbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
         self._drain_pending = False
         self.started: asyncio.Future[AsyncEngine] = loop.create_future()
         self.finished: asyncio.Future[None] = loop.create_future()
-        self.engine: AsyncEngine | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._nursery: trio.Nursery | None = None
-        self._stop_requested = False
-        self._stop: trio.Event | None = None
-        self.done = threading.Event()  # set when trio.run has returned
-        self.thread = threading.Thread(target=self._run, name="legato-engine", daemon=True)
 
     # ------------------------------------------------------- engine -> loop
 
@@ -141,89 +114,24 @@ class _EngineThread:
             callback, args = outbox.popleft()
             callback(*args)
 
-    # ------------------------------------------------------- loop -> engine
+    # --------------------------------------------------------------- hooks
 
-    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
-        """Run ``fn(*args)`` in the engine thread. Raises EngineDeadError once it has ended."""
-        if self._token is None:
-            raise EngineDeadError(_SHUT_DOWN)
-        try:
-            self._token.run_sync_soon(fn, *args)
-        except trio.RunFinishedError:
-            raise EngineDeadError(_SHUT_DOWN) from None
+    def on_started(self, engine: AsyncEngine) -> None:
+        self.post(_set_result, self.started, engine)
 
-    def start_task(
-        self, crossing: _Crossing, fn: Callable[..., Awaitable[object]], *args: Any
-    ) -> None:
-        """Start ``fn(*args)`` as a task of the engine thread, cancellable through ``crossing``."""
-        self.call_soon(self._spawn, crossing, fn, args)
+    def on_start_failed(self, error: BaseException) -> None:
+        self.post(_set_exception, self.started, error)  # open_engine raises it
 
-    def _spawn(
-        self, crossing: _Crossing, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...]
-    ) -> None:
-        assert self._nursery is not None
-        self._nursery.start_soon(self._in_scope, crossing, fn, args)
+    def on_ended(self) -> None:
+        self.post(_set_result, self.finished, None)
 
-    async def _in_scope(
-        self, crossing: _Crossing, fn: Callable[..., Awaitable[object]], args: tuple[Any, ...]
-    ) -> None:
-        with trio.CancelScope() as crossing.scope:
-            if crossing.cancel_requested:
-                crossing.scope.cancel()
-            await fn(*args)
-
-    def request_stop(self) -> None:
-        """Shut the engine down and end the thread. Idempotent; any thread; never blocks."""
-        self._stop_requested = True  # seen by _main if the engine is still starting
-        if threading.current_thread() is self.thread:
-            self._stop_now()
-        else:
-            with contextlib.suppress(EngineDeadError):
-                self.call_soon(self._stop_now)
-
-    def _stop_now(self) -> None:
-        self._stop_requested = True
-        if self.engine is not None:
-            self.engine.shutdown()
-        if self._stop is not None:
-            self._stop.set()
-
-    # ------------------------------------------------------------ the thread
-
-    def _run(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as exc:
-            if self.started.done():  # after start-up: nobody awaits it any more
-                logger.exception("the engine thread failed while shutting down")
-            else:  # start-up failed: open_engine raises it
-                self.post(_set_exception, self.started, exc)
-        finally:
-            self.done.set()
-            self.post(_set_result, self.finished, None)
-
-    async def _main(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        self._stop = trio.Event()
-        async with open_trio_engine(self._model, **self._engine_args) as engine:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                self.engine = engine
-                if self._stop_requested:  # stopped while starting
-                    engine.shutdown()
-                    self._stop.set()
-                self.post(_set_result, self.started, engine)
-                nursery.start_soon(self._watch_host_loop)
-                await self._stop.wait()
-                nursery.cancel_scope.cancel()
-
-    async def _watch_host_loop(self) -> None:
+    async def watch(self) -> None:
         """Shut down once the event loop is closed (an app that never left ``open_engine``)."""
         # asyncio has no hook for a loop's closing: polled (cheap, and only while idle
         # matters: a closed loop with output pending is noticed by ``post`` at once).
         while not self.loop.is_closed():  # noqa: ASYNC110 - no event to wait on
             await trio.sleep(_HOST_LOOP_CHECK_SECONDS)
-        self._stop_now()
+        self.request_stop()
 
 
 def _set_result(future: asyncio.Future[T], value: T) -> None:
@@ -287,7 +195,7 @@ async def _serve_stream(
     Cancelled by the consumer (it left) or by shutdown; either way the mailbox ends
     with the shutdown error (a consumer that left no longer reads it)."""
     post = runner.post
-    error: BaseException | None = EngineDeadError(_SHUT_DOWN)
+    error: BaseException | None = EngineDeadError(SHUT_DOWN)
     try:
         stream = open_stream(engine)
         async with contextlib.AsyncExitStack() as stack:
@@ -329,7 +237,7 @@ class AioStream(Generic[OutputT]):
         self._open_stream = open_stream
         self.request_id = request_id
         self._merge_deltas = merge_deltas
-        self._crossing = _Crossing()
+        self._crossing = Crossing()
         self._box: _Mailbox[OutputT] = _Mailbox(client._loop.create_future())
         self._started = False
         self._done = False  # the consumer side is finished with it
@@ -400,7 +308,7 @@ class AioStream(Generic[OutputT]):
         client = self._client
         try:
             client._check_alive()
-            client._runner.start_task(
+            client._runner.spawn(
                 self._crossing,
                 _serve_stream,
                 client._runner,
@@ -453,21 +361,21 @@ class AioEngine(EngineClient):
         the caller cancels that task.
         """
         future: asyncio.Future[T] = self._loop.create_future()
-        crossing = _Crossing()
+        crossing = Crossing()
         runner = self._runner
 
         async def call() -> None:
             try:
                 result = await fn(self._engine)
             except trio.Cancelled:  # the caller gave up (its future is done), or shutdown
-                runner.post(_set_exception, future, EngineDeadError(_SHUT_DOWN))
+                runner.post(_set_exception, future, EngineDeadError(SHUT_DOWN))
                 raise
             except Exception as exc:
                 runner.post(_set_exception, future, exc)
             else:
                 runner.post(_set_result, future, result)
 
-        runner.start_task(crossing, call)
+        runner.spawn(crossing, call)
         try:
             return await future
         except asyncio.CancelledError:
@@ -483,7 +391,7 @@ class AioEngine(EngineClient):
         if self._engine.errored:
             raise self._engine.dead_error
         if self._engine.is_stopped or self._runner.done.is_set():
-            raise EngineDeadError(_SHUT_DOWN)
+            raise EngineDeadError(SHUT_DOWN)
 
     # ------------------------------------------------------------- state
 

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .protocol.errors import ValidationError
-from .protocol.params import LoRARequest
+from .protocol.params import LoRARequest, check_lora_request
 
 WorkerCall = Callable[..., Awaitable[Any]]
 
@@ -54,9 +54,8 @@ class EngineAdapters:
         self._call_error = call_error
         self._by_id: dict[int, LoRARequest] = {}
 
-    def _check(self, lora: object, field: str = "lora_request") -> LoRARequest:
-        if not isinstance(lora, LoRARequest):
-            raise ValidationError(field, f"must be a LoRARequest, got {type(lora).__name__}")
+    def _check(self, value: object, field: str = "lora_request") -> LoRARequest:
+        lora = check_lora_request(value, field)
         if not self.enabled:
             raise ValidationError(
                 field, "LoRA adapters need an engine started with enable_lora=True"

@@ -19,13 +19,14 @@ from typing import Any
 import trio
 
 from .config import EngineConfig
+from .config_views import VllmConfigViews
 from .frontend.renderer import PromptType, RenderedPrompt, Renderer
 from .protocol.client import EngineClient, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput, RequestOutput
 from .protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .tokenizer_loading import load_tokenizer
-from .vllm_config import DecodingConfig, ModelConfig, VllmConfig
+from .vllm_config import VllmConfig
 
 
 def _no_model(what: str) -> NotImplementedError:
@@ -34,7 +35,7 @@ def _no_model(what: str) -> NotImplementedError:
     )
 
 
-class RenderOnlyClient(EngineClient):
+class RenderOnlyClient(VllmConfigViews, EngineClient):
     """Render prompts for ``model`` (a local HF directory or GGUF file; None: the default
     model, "toy": the toy model; see legato.model_source)."""
 
@@ -79,24 +80,9 @@ class RenderOnlyClient(EngineClient):
 
     @property
     def vllm_config(self) -> VllmConfig:
-        """vLLM's read-only view of the client's configuration (legato.vllm_config)."""
+        """vLLM's read-only view of the client's configuration (legato.vllm_config);
+        ``model_config`` and the ``get_*_config`` calls derive from it (VllmConfigViews)."""
         return VllmConfig.of(self.config)
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.vllm_config.model_config
-
-    async def get_vllm_config(self) -> VllmConfig:
-        await trio.lowlevel.checkpoint()
-        return self.vllm_config
-
-    async def get_model_config(self) -> ModelConfig:
-        await trio.lowlevel.checkpoint()
-        return self.model_config
-
-    async def get_decoding_config(self) -> DecodingConfig:
-        await trio.lowlevel.checkpoint()
-        return self.vllm_config.decoding_config
 
     # ------------------------------------------------------------ rendering
 

@@ -163,6 +163,7 @@ class FrontendCore(Generic[SinkT]):
             slot=live.slot,
             child_ids=[r.request_id for r in requests],
             output_id=request_id,
+            lora_request=requests[0].lora_request,
         )
         live.registered = True
         self._to_core(AddRequests(requests, done.grammars))

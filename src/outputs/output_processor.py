@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..protocol.errors import ConstraintFailedError, EngineGenerateError
 from ..protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from ..protocol.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
-from ..protocol.params import RequestOutputKind, SamplingParams
+from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams
 from ..protocol.request_ids import child_id
 from .detokenizer import AnyTokenizer, DetokenizationError, TokenTexts, make_detokenizer
 from .logprobs import add_logprobs, add_prompt_logprobs
@@ -73,6 +73,7 @@ class OutputProcessor:
         slot: OutputSink,
         child_ids: Sequence[str] | None = None,
         output_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         """Register a request; return the ids the scheduler runs it under.
 
@@ -112,6 +113,7 @@ class OutputProcessor:
             params,
             arrival_time,
             slot,
+            lora_request=lora_request,
         )
         for index, completion_id in enumerate(ids):
             detokenizer = None
@@ -227,16 +229,18 @@ class OutputProcessor:
         completion.last_token_time = now
         completion.token_ids += new_ids
         request = completion.parent
+        lora = request.lora_request
         request.slot.put(
             RequestOutput(  # positional: see CompletionState.take_delta
                 request.output_id,
                 request.prompt,
                 request.prompt_token_ids,
                 None,
-                [CompletionOutput(0, text, list(new_ids), None, None, None, None)],
+                [CompletionOutput(0, text, list(new_ids), None, None, None, None, lora)],
                 False,
                 completion.num_cached_tokens,
                 RequestMetrics(request.arrival_time, None, completion.first_token_time, now, None),
+                lora,
             )
         )
         return True
@@ -386,6 +390,7 @@ class OutputProcessor:
                     finished,
                     request.completions[0].num_cached_tokens,
                     request.metrics(now if finished else None),
+                    request.lora_request,
                 )
             )
         if finished:

@@ -25,7 +25,7 @@ from ..protocol.outputs import (
     RequestMetrics,
     SampleLogprobs,
 )
-from ..protocol.params import SamplingParams
+from ..protocol.params import LoRARequest, SamplingParams
 from .detokenizer import Detokenizer
 from .stop_strings import partial_stop_length
 
@@ -160,6 +160,7 @@ class CompletionState:
             new_logprobs,
             None if finish_reason is None else str(finish_reason),
             self.stop_reason,
+            self.parent.lora_request,
         )
         self.clear_news()
         return output
@@ -173,6 +174,7 @@ class CompletionState:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=None if self.finish_reason is None else str(self.finish_reason),
             stop_reason=self.stop_reason,
+            lora_request=self.parent.lora_request,
         )
 
 
@@ -194,6 +196,8 @@ class RequestState:
     completions: list[CompletionState] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
+    # The adapter it runs through: every output (and each completion) names it, as vLLM's.
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:

@@ -86,6 +86,13 @@ class ConstraintFailedError(EngineGenerateError, ValidationError):
         LegatoError.__init__(self, f"request {request_id!r}: {field}: {message}")
         self.request_id = request_id
         self.field = field
+        self.reason = message
+
+    def renamed(self, field: str) -> ConstraintFailedError:
+        """The same failure of the same request, naming ``field`` instead."""
+        if field == self.field:
+            return self
+        return ConstraintFailedError(self.request_id or "", field, self.reason)
 
 
 class PromptTooLongError(ValidationError):

@@ -283,6 +283,16 @@ class LoRARequest:
             raise _fail("base_model_name", "must be a string or None")
 
 
+def check_lora_request(value: object, field_name: str = "lora_request") -> LoRARequest:
+    """``value`` if it is a LoRARequest; else ValidationError naming ``field_name``.
+
+    Every entry point that takes an adapter (generate, encode, get_tokenizer,
+    add_lora) checks it here."""
+    if not isinstance(value, LoRARequest):
+        raise _fail(field_name, f"must be a LoRARequest, got {type(value).__name__}")
+    return value
+
+
 # Counts and sizes fit in int32 and seeds in int64, so no value that passes
 # validation can overflow a tensor in the model worker (and kill the engine).
 _MAX_COUNT = 2**31 - 1

@@ -35,3 +35,13 @@ class AdapterLimit:
                     return True
                 active.add(other.lora_request.lora_int_id)
         return len(active) < self.max_loras
+
+
+def requests_per_adapter(requests: Iterable[Request]) -> dict[str, int]:
+    """How many of ``requests`` run through each LoRA adapter, by adapter name."""
+    counts: dict[str, int] = {}
+    for req in requests:
+        if req.lora_request is not None:
+            name = req.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -26,7 +26,7 @@ from legato.protocol.messages import (
     TokenLogprobs,
 )
 from legato.protocol.outputs import RequestOutput
-from legato.protocol.params import RequestOutputKind, SamplingParams
+from legato.protocol.params import LoRARequest, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -684,3 +684,32 @@ def test_only_plain_completions_take_the_plain_path(tok: PreTrainedTokenizerBase
         c.parent.request_id for c in engine.proc._completions.values() if c.shortcut is not None
     }
     assert plain == set(PLAIN)
+
+
+@pytest.mark.parametrize(
+    ("kind", "n"), [(DELTA, 1), (DELTA, 2), (CUMULATIVE, 1), (FINAL_ONLY, 2)]
+)
+def test_every_output_names_the_requests_adapter(
+    tok: PreTrainedTokenizerBase, kind: RequestOutputKind, n: int
+) -> None:
+    """vLLM's outputs name the adapter they ran through, each completion too: the plain
+    path (DELTA, n=1), the general one and the abort's last output alike."""
+    lora = LoRARequest("sql", 7, "/unused")
+    engine = Engine(tok)
+    params = SamplingParams(n=n, output_kind=kind)
+    engine.slots["a"] = OutputSlot(kind)
+    ids = engine.proc.add_request(
+        "a", "Hi", [0, 5], params, ARRIVAL, slot=engine.slots["a"], lora_request=lora
+    )
+    engine.add("base", SamplingParams(output_kind=kind))
+    seen: list[RequestOutput] = []
+    for token in (5, 6, 7):
+        engine.step(*(core(i, [token]) for i in [*ids, "base"]))
+        seen += [o for o in [engine.take("a")] if o is not None]
+        base = engine.take("base")
+        assert base is None or base.lora_request is None
+    engine.proc.abort_requests(["a"])
+    seen += [o for o in [engine.take("a")] if o is not None]
+    assert seen and seen[-1].finished
+    assert all(o.lora_request is lora for o in seen)
+    assert all(c.lora_request is lora for o in seen for c in o.outputs)

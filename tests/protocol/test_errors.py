@@ -39,3 +39,15 @@ def test_input_errors_are_value_errors_and_startup_errors_runtime_errors() -> No
     # vLLM: RuntimeError("Engine core initialization failed...").
     assert issubclass(EngineStartupError, RuntimeError)
     assert issubclass(ModelLoadError, RuntimeError) and issubclass(ModelLoadError, ValueError)
+
+
+def test_a_constraint_failure_renamed_for_a_frame_keeps_its_request_and_reason() -> None:
+    """The WebSocket names fields under ``params``: renaming a ConstraintFailedError must
+    work (it once raised AttributeError there and the connection died with 1011)."""
+    failed = ConstraintFailedError("r2", "structured_outputs.regex", "token 0 fails parse")
+    framed = failed.under("params")
+    assert isinstance(framed, ConstraintFailedError)
+    assert framed.field == "params.structured_outputs.regex"
+    assert framed.reason == "token 0 fails parse"
+    assert framed.request_id == "r2"
+    assert failed.renamed(failed.field) is failed

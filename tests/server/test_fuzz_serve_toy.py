@@ -21,7 +21,7 @@ import httpx
 import msgpack
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from trio_websocket import HandshakeError, open_websocket_url
 
@@ -133,6 +133,15 @@ def test_hostile_http_requests(
     binary=st.booleans(),
     origin=st.sampled_from([None, "http://evil.example", "null"]),
     junk=st.sampled_from([None, b"\xc1", b"\x00" * 8, "{" * 3000]),
+)
+# Found by the fuzz: the grammar and allowed_token_ids leave no common token, the request
+# fails while generating, and that ConstraintFailedError must reach the client as an
+# error frame naming params.structured_outputs.regex (it once closed the socket with 1011).
+@example(
+    params={"max_tokens": 2, "structured_outputs": {"regex": "[ab]+"}, "allowed_token_ids": [0]},
+    binary=False,
+    origin=None,
+    junk=None,
 )
 def test_hostile_websocket_frames(
     serve_toy: ServeToy,

@@ -1,339 +1,43 @@
-"""Offline inference: ``LLM`` (batch generate) and ``LLMEngine`` (add_request / step).
+"""``LLMEngine``: vLLM's step-wise engine (``add_request``, ``step``, ``abort_request``).
 
-``LLM`` is synchronous and runs the async engine underneath: a background
-thread owns a trio run with an open engine (worker process included), so the
-model loads once and every ``generate`` call reuses it. ``LLMEngine`` is the
-step-wise engine of vLLM: the same renderer, scheduler, model runner and
-detokenizer, driven synchronously in this thread, one ``step()`` at a time.
+A short synchronous driver over the parts ``AsyncEngine`` has, wired by
+``build_engine_parts``: the front end's core, the engine core's step
+(``CoreSteps``) and an in-process ``Worker``, all in the calling thread.
+
+Imports torch only through the worker it starts (and once, lazily, for a
+pooled vector); never imports trio's actors beyond the output slot and the
+runner-output check.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import threading
 import time
-import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
-import trio
-
-from .actors.executor import WorkerCallError, check_runner_output
-from .actors.output_slot import OutputSlot
-from .config import EngineConfig
-from .engine_parts import build_engine_parts
-from .frontend.frontend_core import FrontendCore, RenderedRequest
-from .frontend.renderer import PromptType
-from .metrics.collector import StatLoggerArg, StatsCollector
-from .metrics.logger_base import StatLoggerBase
-from .protocol import messages as m
-from .protocol.errors import ValidationError
-from .protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
-from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
-from .scheduling.core_steps import AddRequests, CoreSteps, FinishRequests, FrontendMessage
-from .serving_gc import tune_gc_for_serving
-from .tokenizer_loading import load_tokenizer
-from .vllm_config import EngineArgs, ModelConfig, VllmConfig
-
-if TYPE_CHECKING:
-    from .engine import AsyncEngine
-
-T = TypeVar("T")
-LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
-
-
-class _EngineThread:
-    """The trio run that owns an ``LLM``'s engine, in a daemon thread of its own.
-
-    It holds no reference to the ``LLM``, so an ``LLM`` dropped without
-    ``shutdown()`` is collected as usual and its finalizer calls :meth:`stop`
-    (as vLLM's engines clean up through finalizers): the engine shuts down and
-    its worker process is reaped.
-    """
-
-    def __init__(self, model: str | None, engine_args: dict[str, Any]) -> None:
-        self.engine: AsyncEngine | None = None
-        self.token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._main, args=(model, engine_args), name="legato-llm", daemon=True
-        )
-
-    def start(self) -> None:
-        """Start the engine; blocks until it is up, and raises its start-up error."""
-        self._thread.start()
-        self._ready.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
-
-    def _main(self, model: str | None, engine_args: dict[str, Any]) -> None:
-        from .engine import open_engine
-
-        async def serve() -> None:
-            try:
-                async with open_engine(model, **engine_args) as engine:
-                    self.engine = engine
-                    self._stop = trio.Event()
-                    self.token = trio.lowlevel.current_trio_token()
-                    self._ready.set()
-                    await self._stop.wait()
-            except BaseException as exc:
-                if not self._ready.is_set():
-                    self._startup_error = exc
-                    self._ready.set()
-                    return
-                raise
-
-        trio.run(serve)
-
-    def stop(self) -> None:
-        """Stop the engine and join the thread (at most 30 s). Idempotent."""
-        if self.token is not None and self._stop is not None and self._thread.is_alive():
-            if self._thread is threading.current_thread():  # collected in the engine's thread
-                self._stop.set()
-                return
-            try:
-                trio.from_thread.run_sync(self._stop.set, trio_token=self.token)
-            except trio.RunFinishedError:
-                pass
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-
-
-class LLM:
-    """Generate for many prompts at once, synchronously.
-
-    ``LLM(model=None, **engine_args)`` starts the engine (None: the default model,
-    SmolLM2-135M-Instruct; "toy": the toy model). Call ``shutdown()`` (or use it
-    as a context manager) to stop it; an ``LLM`` dropped without it is stopped
-    when it is garbage-collected.
-    """
-
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        runner = _EngineThread(model, engine_args)
-        runner.start()
-        self._runner = runner
-        self._finalizer = weakref.finalize(self, runner.stop)
-
-    @property
-    def engine(self) -> AsyncEngine:
-        """The async engine this ``LLM`` drives (it lives in the engine's thread)."""
-        engine = self._runner.engine
-        assert engine is not None  # set before start() returns
-        return engine
-
-    @property
-    def _token(self) -> trio.lowlevel.TrioToken | None:
-        return self._runner.token
-
-    def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool | None = None,
-        lora_request: LoRAArg = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in the prompts' order.
-
-        A progress bar is shown for more than 16 prompts unless ``use_tqdm=False``.
-        ``lora_request``: one adapter for every prompt, or one (or None) per prompt.
-        """
-        prompt_list = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError("sampling_params: need one per prompt, or a single one")
-        loras = _per_prompt(lora_request, len(prompt_list))
-
-        async def one(i: int, request_id: str) -> RequestOutput | None:
-            final = params_list[i].clone(output_kind=RequestOutputKind.FINAL_ONLY)
-            result = None
-            async with self.engine.generate(
-                prompt_list[i], final, request_id, lora_request=loras[i]
-            ) as stream:
-                async for out in stream:
-                    result = out
-            return result
-
-        show = len(prompt_list) > 16 if use_tqdm is None else use_tqdm
-        return self._run_all(len(prompt_list), one, show, "generating")
-
-    def encode(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | None = None,
-        *,
-        use_tqdm: bool | None = None,
-        lora_request: LoRAArg = None,
-    ) -> list[PoolingRequestOutput]:
-        """Pool every prompt's final hidden states (see ``AsyncEngine.encode``); outputs
-        in the prompts' order, each vector in ``outputs.data``."""
-        prompt_list = _as_prompt_list(prompts)
-        params = pooling_params if pooling_params is not None else PoolingParams()
-        loras = _per_prompt(lora_request, len(prompt_list))
-
-        async def one(i: int, request_id: str) -> PoolingRequestOutput | None:
-            result = None
-            async for out in self.engine.encode(
-                prompt_list[i], params, request_id, lora_request=loras[i]
-            ):
-                result = out
-            return result
-
-        show = len(prompt_list) > 16 if use_tqdm is None else use_tqdm
-        return self._run_all(len(prompt_list), one, show, "embedding")
-
-    def embed(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | None = None,
-        *,
-        use_tqdm: bool | None = None,
-        lora_request: LoRAArg = None,
-    ) -> list[PoolingRequestOutput]:
-        """Embeddings (task "embed"): ``encode``; each vector is also ``outputs.embedding``."""
-        return self.encode(
-            prompts,
-            pooling_params or PoolingParams(task="embed"),
-            use_tqdm=use_tqdm,
-            lora_request=lora_request,
-        )
-
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template: str | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        add_generation_prompt: bool = True,
-        use_tqdm: bool | None = None,
-    ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of messages) or to several (a list of
-        them), as vLLM's ``LLM.chat``. ``tools`` (OpenAI's shape) and ``chat_template_kwargs``
-        reach the chat template; constrain the reply with ``SamplingParams.structured_outputs``.
-        """
-        conversations: list[Sequence[Mapping[str, Any]]]
-        if messages and isinstance(messages[0], Mapping):
-            conversations = [messages]  # type: ignore[list-item]
-        else:
-            conversations = list(messages)  # type: ignore[arg-type]
-        render = functools.partial(
-            self.engine.render_chat_prompt,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            tools=tools,
-            template_kwargs=chat_template_kwargs,
-        )
-        # On the engine's own thread (a large chat in its render thread): the event
-        # loop's tokenizer is never used from this thread while the loop uses it.
-        prompts: list[PromptType] = [self._call(render, c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter (see ``AsyncEngine.add_lora``)."""
-        return self._call(self.engine.add_lora, lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return self._call(self.engine.remove_lora, lora_id)
-
-    def list_loras(self) -> set[int]:
-        return self._call(self.engine.list_loras)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        return self._call(self.engine.pin_lora, lora_id)
-
-    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
-
-    def _run_all(
-        self,
-        count: int,
-        run_one: Callable[[int, str], Awaitable[T | None]],
-        show_progress: bool,
-        desc: str,
-    ) -> list[T]:
-        return trio.from_thread.run(
-            self._run_all_async, count, run_one, show_progress, desc, trio_token=self._token
-        )
-
-    async def _run_all_async(
-        self,
-        count: int,
-        run_one: Callable[[int, str], Awaitable[T | None]],
-        show_progress: bool,
-        desc: str,
-    ) -> list[T]:
-        """Run ``run_one(i, request_id)`` for every prompt; a prompt that fails raises
-        its own error.
-
-        On a failure the other requests are aborted, and the error is raised
-        as it is (a ValidationError for a bad prompt), never wrapped in a group.
-        """
-        from tqdm import tqdm
-
-        results: list[T | None] = [None] * count
-        errors: dict[int, Exception] = {}
-        batch = f"llm-{time.monotonic_ns()}"
-        bar = tqdm(total=count, desc=desc, disable=not show_progress)
-
-        async def one(i: int, cancel: trio.CancelScope) -> None:
-            try:
-                results[i] = await run_one(i, f"{batch}-{i}")
-            except Exception as exc:
-                errors[i] = exc
-                cancel.cancel()
-                return
-            bar.update(1)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for i in range(count):
-                    nursery.start_soon(one, i, nursery.cancel_scope)
-        finally:
-            bar.close()
-        if errors:
-            raise errors[min(errors)]
-        return [r for r in results if r is not None]
-
-    def shutdown(self) -> None:
-        """Stop the engine and its thread. Idempotent."""
-        self._finalizer()
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-def _per_prompt(lora_request: LoRAArg, count: int) -> list[LoRARequest | None]:
-    """One adapter (or None) per prompt, from one for all or a list of them."""
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * count
-    loras = list(lora_request)
-    if len(loras) != count:
-        raise ValidationError("lora_request", "need one per prompt, or a single one")
-    return loras
-
-
-def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-    if isinstance(prompts, str) or isinstance(prompts, dict):
-        return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(x, int) for x in items):
-        return [[int(x) for x in items]]  # type: ignore[arg-type]  # one prompt as token ids
-    return items  # type: ignore[return-value]
+from ..actors.executor import WorkerCallError, check_runner_output
+from ..actors.output_slot import OutputSlot
+from ..config import EngineConfig
+from ..engine_parts import build_engine_parts
+from ..frontend.frontend_core import FrontendCore, RenderedRequest
+from ..frontend.renderer import PromptType
+from ..metrics.collector import StatLoggerArg, StatsCollector
+from ..metrics.logger_base import StatLoggerBase
+from ..protocol import messages as m
+from ..protocol.errors import ValidationError
+from ..protocol.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from ..protocol.params import (
+    LoRARequest,
+    PoolingParams,
+    RequestOutputKind,
+    SamplingParams,
+    check_lora_request,
+)
+from ..scheduling.core_steps import AddRequests, CoreSteps, FinishRequests, FrontendMessage
+from ..serving_gc import tune_gc_for_serving
+from ..tokenizer_loading import load_tokenizer
+from ..vllm_config import EngineArgs, ModelConfig, VllmConfig
 
 
 class LLMEngine:
@@ -351,8 +55,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerArg] = ()) -> None:
         """``stat_loggers``: custom stat loggers or vLLM-style factories, fed besides
         the built-in Prometheus and log-line loggers (see ``legato.actors.stats``)."""
-        from .engine import resolve_model
-        from .workers.worker import Worker
+        from ..engine.wiring import resolve_model
+        from ..workers.worker import Worker
 
         config = resolve_model(config)
         if config.tensor_parallel_size > 1:  # refused, never silently run on one device
@@ -508,11 +212,7 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter in this process; ValidationError naming the field if it cannot."""
-        if not isinstance(lora_request, LoRARequest):
-            raise ValidationError(
-                "lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}"
-            )
-        return bool(self._call("add_lora", lora_request))
+        return bool(self._call("add_lora", check_lora_request(lora_request)))
 
     def remove_lora(self, lora_id: int) -> bool:
         return bool(self._call("remove_lora", lora_id))
