@@ -140,6 +140,7 @@ async def run(args: argparse.Namespace) -> None:
                         )
                         best = max(best, tps)
                     results[(workload, n, use_spec)] = best
+                    print(f"  {workload} x{n} spec={use_spec}: {best:.1f} tok/s", flush=True)
                     outputs[(workload, n, use_spec)] = outs
                     if use_spec:
                         drafts = acceptance.drafts - before[0]
