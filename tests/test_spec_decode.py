@@ -174,6 +174,7 @@ def default_runs() -> Runs:
     return Runs(dict(zip(names, plain)), dict(zip(names, speculative)), counts)
 
 
+@pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_greedy_outputs_are_token_identical_on_the_default_model(default_runs: Runs) -> None:
     for name in ("greedy-0", "greedy-1", "greedy-2"):
         assert default_runs.same_tokens(name), name
@@ -182,6 +183,7 @@ def test_greedy_outputs_are_token_identical_on_the_default_model(default_runs: R
     assert counts.per_pos[0] >= counts.per_pos[-1] and sum(counts.per_pos) == counts.accepted
 
 
+@pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_stop_strings_end_the_output_where_they_would_without_drafts(default_runs: Runs) -> None:
     a, b = default_runs.plain["stop"].outputs[0], default_runs.speculative["stop"].outputs[0]
     assert a.stop_reason == "lazy dog sleeps"  # the stop string did stop it
@@ -189,11 +191,13 @@ def test_stop_strings_end_the_output_where_they_would_without_drafts(default_run
     assert default_runs.same_tokens("stop")
 
 
+@pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_max_tokens_is_exact_with_drafts(default_runs: Runs) -> None:
     assert len(default_runs.speculative["short"].outputs[0].token_ids) == 7
     assert default_runs.same_tokens("short")
 
 
+@pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_logprobs_are_as_without_drafts(default_runs: Runs) -> None:
     assert default_runs.same_tokens("logprobs")
     got = default_runs.speculative["logprobs"].outputs[0].logprobs
@@ -206,6 +210,7 @@ def test_logprobs_are_as_without_drafts(default_runs: Runs) -> None:
             assert g[token_id].rank == lp.rank
 
 
+@pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_penalties_min_tokens_and_bad_words_count_the_drafts(default_runs: Runs) -> None:
     """Penalties and bans at a draft's position depend on the drafts before it."""
     for name in ("penalties-0", "penalties-1", "bans"):
@@ -213,6 +218,7 @@ def test_penalties_min_tokens_and_bad_words_count_the_drafts(default_runs: Runs)
     assert "lazy dog" not in default_runs.speculative["bans"].outputs[0].text
 
 
+@pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_structured_outputs_are_as_without_drafts(default_runs: Runs) -> None:
     """A constrained request verifies no drafts (its bitmask row holds for one position);
     it decodes beside drafted ones."""
@@ -220,6 +226,7 @@ def test_structured_outputs_are_as_without_drafts(default_runs: Runs) -> None:
     assert default_runs.speculative["regex"].outputs[0].text == "the lazy dog " * 3
 
 
+@pytest.mark.slow
 def test_sampled_requests_finish_at_max_tokens_with_drafts() -> None:
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
     outs, counts = run(None, PROMPTS[:1] * 2, params, NGRAM)
