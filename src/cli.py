@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import logging
 import os
 import sys
@@ -43,8 +44,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=type(default), default=default)
         elif field.name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_cpu_loras"):
             group.add_argument(flag, type=int, default=None)
+        elif field.name == "speculative_config":
+            group.add_argument(
+                flag,
+                type=_json_object,
+                default=None,
+                help='JSON, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 3}',
+            )
         else:
             group.add_argument(flag, default=default)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value (argparse reports the error with the flag's name)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

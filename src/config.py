@@ -17,6 +17,80 @@ from typing import Any, Literal
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 
+_SPEC_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+)
+_SPEC_MAX_TOKENS = 16  # drafts per request per step: more is never worth a verification
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``speculative_config`` spells it.
+
+    ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": M,
+    "prompt_lookup_min": m}``: each step proposes up to ``k`` tokens per request
+    by prompt lookup (the continuation of the latest earlier match of the last
+    ``m..M`` tokens), and the model verifies them in one forward. Only one of
+    ``prompt_lookup_min`` / ``prompt_lookup_max`` given: the other takes its
+    value; neither: both are 5 (vLLM's defaults). ``{"model": path, ...}`` (a draft
+    model) is refused: not implemented yet. Built by :meth:`of`; a bad value is a
+    ValueError naming the field (``speculative_config.<name>``).
+    """
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """The config ``value`` describes (a vLLM-style dict, or one already built)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config: expected a dict such as "
+                f'{{"method": "ngram", "num_speculative_tokens": 3}}, got {type(value).__name__}'
+            )
+        unknown = sorted(set(value) - set(_SPEC_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"speculative_config.{unknown[0]}: unknown field; "
+                f"expected some of {', '.join(_SPEC_FIELDS)}"
+            )
+        if value.get("model") is not None:
+            raise ValueError(
+                "speculative_config.model: draft-model speculation is not implemented yet; "
+                'use {"method": "ngram"}'
+            )
+        method = value.get("method", "ngram")
+        if method not in ("ngram", "[ngram]"):
+            raise ValueError(
+                f"speculative_config.method: unknown method {method!r}; legato has 'ngram'"
+            )
+        k = value.get("num_speculative_tokens")
+        if k is None:
+            raise ValueError("speculative_config.num_speculative_tokens: required")
+        _positive("speculative_config.num_speculative_tokens", k)
+        if k > _SPEC_MAX_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens: at most {_SPEC_MAX_TOKENS}, got {k}"
+            )
+        given_hi, given_lo = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        hi: int = given_hi if given_hi is not None else given_lo if given_lo is not None else 5
+        lo: int = given_lo if given_lo is not None else hi
+        _positive("speculative_config.prompt_lookup_max", hi)
+        _positive("speculative_config.prompt_lookup_min", lo)
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min: {lo} exceeds prompt_lookup_max ({hi})"
+            )
+        return cls("ngram", k, hi, lo)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -82,8 +156,13 @@ class EngineConfig:
     # Pooling (encode / embeddings): how a prompt's final hidden states become one
     # vector (vLLM's pooler_config.pooling_type): "LAST" token, "MEAN" or "CLS" (first).
     pooling_type: Literal["LAST", "MEAN", "CLS"] = "LAST"
+    # Speculative decoding (vLLM's speculative_config): a SpeculativeConfig, or its
+    # fields as a dict, normalised to a SpeculativeConfig here. None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.of(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -202,7 +202,6 @@ _UNSUPPORTED_AT_DEFAULT: dict[str, tuple[Any, str]] = {
     "tokenizer_mode": ("auto", "the tokenizer is loaded with transformers"),
     "trust_remote_code": (False, "models are legato's own code; none is loaded from the hub"),
     "revision": (None, "models are local directories; there is no hub revision"),
-    "speculative_config": (None, "speculative decoding is not supported"),
     "enable_expert_parallel": (False, "expert parallelism is not supported"),
     "cpu_offload_gb": (0, "weight offloading is not supported"),
     "swap_space": (4, "preempted requests recompute; nothing is swapped"),

@@ -36,7 +36,6 @@ def test_unsupported_vllm_fields_are_refused_by_name_unless_at_the_default() -> 
         ("pipeline_parallel_size", 2),
         ("data_parallel_size", 2),
         ("quantization", "awq"),
-        ("speculative_config", {"method": "ngram"}),
         ("trust_remote_code", True),
     ]:
         with pytest.raises(ValueError, match=f"^{name}: "):

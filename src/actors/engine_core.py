@@ -30,6 +30,12 @@ none. Finishes the front end passes on never wait and are never lost: when
 the inbox is full they are merged into a set by reason (as many ids as there
 are requests), applied right after the inbox's messages.
 
+Speculative decoding: a request with a sample in flight (a placeholder) verifies
+no drafts, since they were proposed before that sample. So while some running
+request holds drafts the loop plans no step ahead: the next step is planned once
+the one in flight is applied, and verifies them. When no request holds drafts
+(prompt lookup found nothing) the loop overlaps steps again.
+
 Aborts and stop-string finishes that arrive while a step is running take
 effect before the next step is planned, so an aborted request's KV blocks are
 free within one step (two with overlap: a step already sent still runs, and
@@ -140,6 +146,8 @@ class EngineCore:
         # Steps sent to the executor and not applied yet, oldest first.
         self._sent: collections.deque[tuple[PlannedStep, StepAnswer]] = collections.deque()
         self._depth = 2 if self.async_scheduling else 1
+        # Speculative decoding: while drafts wait to be verified, no step is planned ahead.
+        self._drafts = self.scheduler.config.speculative_config is not None
         self._idle = trio.Event()
         self._idle.set()
         self._stats_dirty = False
@@ -281,9 +289,12 @@ class EngineCore:
             if self._stats_dirty:
                 self._record(self.scheduler.make_stats())
             sent = False
-            if self._has_work() and len(self._sent) < self._depth:
+            depth = self._depth
+            if self._drafts and depth > 1 and self.scheduler.has_drafts_to_verify():
+                depth = 1
+            if self._has_work() and len(self._sent) < depth:
                 sent = self._send_step()
-            if self._sent and (not sent or len(self._sent) >= self._depth):
+            if self._sent and (not sent or len(self._sent) >= depth):
                 await self._apply_oldest()
             elif not sent and not self._sent and self._has_work():
                 # Nothing can run (frozen, or waiting on blocks only an abort can free):

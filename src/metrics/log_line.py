@@ -26,6 +26,7 @@ class LoggingStatLogger(StepStatLogger):
         self._last_scheduler = SchedulerStats()
         self._window: deque[tuple[float, int, int]] = deque()  # (time, prompt, generation)
         self._prefix_window: deque[tuple[float, int, int]] = deque()
+        self._spec_window: deque[tuple[float, int, int, int]] = deque()  # drafts, tokens, accepted
 
     def record_step(self, step: StepStats) -> None:
         s = step.scheduler
@@ -34,6 +35,16 @@ class LoggingStatLogger(StepStatLogger):
             self._prefix_window.append(
                 (step.timestamp, s.prefix_cache_queries, s.prefix_cache_hits)
             )
+            spec = s.spec_decoding
+            if spec is not None:
+                self._spec_window.append(
+                    (
+                        step.timestamp,
+                        spec.num_drafts,
+                        spec.num_draft_tokens,
+                        spec.num_accepted_tokens,
+                    )
+                )
         if step.num_prompt_tokens or step.num_generation_tokens:
             self._window.append(
                 (step.timestamp, step.num_prompt_tokens, step.num_generation_tokens)
@@ -41,7 +52,7 @@ class LoggingStatLogger(StepStatLogger):
         self._trim(step.timestamp)
 
     def _trim(self, now: float) -> None:
-        for dq in (self._window, self._prefix_window):
+        for dq in (self._window, self._prefix_window, self._spec_window):
             while dq and dq[0][0] < now - self.interval:
                 dq.popleft()
 
@@ -62,6 +73,21 @@ class LoggingStatLogger(StepStatLogger):
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
 
+    def spec_line(self, now: float | None = None) -> str | None:
+        """Speculative decoding over the last interval, as vLLM's SpecDecoding metrics
+        line; None when nothing was verified."""
+        self._trim(time.monotonic() if now is None else now)
+        drafts = sum(d for _, d, _, _ in self._spec_window)
+        if not drafts:
+            return None
+        tokens = sum(t for _, _, t, _ in self._spec_window)
+        accepted = sum(a for _, _, _, a in self._spec_window)
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted: {accepted} tokens, Drafted: {tokens} tokens, "
+            f"Draft acceptance rate: {100.0 * accepted / tokens if tokens else 0.0:.1f}%"
+        )
+
     def idle(self, now: float | None = None) -> bool:
         """Nothing computed over the last interval, and nothing running or waiting."""
         self._trim(time.monotonic() if now is None else now)
@@ -74,3 +100,6 @@ class LoggingStatLogger(StepStatLogger):
         now = time.monotonic()
         level = logging.DEBUG if self.idle(now) else logging.INFO
         self._log.log(level, "%s", self.line(now))
+        spec = self.spec_line(now)
+        if spec is not None:
+            self._log.log(level, "%s", spec)

@@ -288,9 +288,22 @@ class InputBatch:
 
     # ------------------------------------------------------- sampling
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampler inputs for ``rows`` (one logits row each, in this order)."""
+    def sampling_metadata(
+        self, rows: np.ndarray, pending: list[list[int]] | None = None
+    ) -> SamplingMetadata:
+        """Sampler inputs for ``rows`` (one logits row each, in this order).
+
+        ``pending[i]`` (speculative decoding): tokens not held yet that precede entry
+        ``i``'s position (the drafts before it), counted as output by its seed's step,
+        min_tokens, penalties and bad_words; a row may then appear several times, each
+        entry with its own generator.
+        """
         dev = self.device
+        extra = (
+            np.zeros(len(rows), dtype=np.int64)
+            if pending is None
+            else np.fromiter((len(p) for p in pending), dtype=np.int64, count=len(rows))
+        )
         vocab = self.vocab_size
         temp = self.temperature[rows]
         greedy_np = temp < _EPS
@@ -312,12 +325,13 @@ class InputBatch:
             mp = self.min_p[rows]
             if (mp > 0.0).any():
                 min_p = t(mp)
-            n_out = self.num_tokens[rows] - self.num_prompt[rows]
+            n_out = self.num_tokens[rows] - self.num_prompt[rows] + extra
             for i in np.flatnonzero(self.has_seed[rows]).tolist():
                 st = self.state(int(rows[i]))
                 assert st.generator is not None and st.seed is not None
-                st.generator.manual_seed(step_seed(st.seed, int(n_out[i])))
-                generators[i] = st.generator
+                gen = st.generator if pending is None else torch.Generator(device=dev)
+                gen.manual_seed(step_seed(st.seed, int(n_out[i])))
+                generators[i] = gen
         md = SamplingMetadata(
             temperature=t(np.where(greedy_np, np.float32(1.0), temp)),
             greedy=t(greedy_np) if any_greedy and not all_greedy else None,
@@ -340,6 +354,15 @@ class InputBatch:
                 presence=t(self.presence[pr]),
                 frequency=t(self.frequency[pr]),
             )
+            if pending is not None:  # the drafts before each position count as output
+                counts = md.penalties.output_counts
+                for k, i in enumerate(pen):
+                    ids = [tok for tok in pending[i] if tok < vocab]
+                    if ids:
+                        idx = torch.tensor(ids, dtype=torch.long, device=dev)
+                        counts[k].index_put_(
+                            (idx,), torch.ones_like(idx, dtype=counts.dtype), accumulate=True
+                        )
         allowed = np.flatnonzero(self.has_allowed[rows]).tolist()
         if allowed:
             md.allowed_rows = torch.tensor(allowed, dtype=torch.long, device=dev)
@@ -356,7 +379,7 @@ class InputBatch:
             md.bias_rows = torch.cat(bias_rows)
             md.bias_cols = torch.cat(bias_cols)
             md.bias_values = torch.cat(bias_vals)
-        n_out_all = self.num_tokens[rows] - self.num_prompt[rows]
+        n_out_all = self.num_tokens[rows] - self.num_prompt[rows] + extra
         banned = np.flatnonzero(n_out_all < self.min_tokens[rows]).tolist()
         ban_rows, ban_cols = [], []
         for i in banned:
@@ -366,9 +389,11 @@ class InputBatch:
                 ban_cols.append(st.stop_ids)
         for i in np.flatnonzero(self.has_bad_words[rows]).tolist():
             row = int(rows[i])
-            output = self.token_ids[row, self.num_prompt[row] : self.num_tokens[row]]
+            output = self.token_ids[row, self.num_prompt[row] : self.num_tokens[row]].tolist()
+            if pending is not None:
+                output += pending[i]
             words = self.state(row).params.bad_words_token_ids
-            ids = [t for t in bad_words_banned(words, output.tolist()) if t < vocab]
+            ids = [t for t in bad_words_banned(words, output) if t < vocab]
             if ids:
                 ban_cols.append(torch.tensor(ids, dtype=torch.long, device=dev))
                 ban_rows.append(torch.full_like(ban_cols[-1], i))

@@ -53,6 +53,7 @@ from .lora import RunnerLoRA
 from .pooling import Pooler
 from .registry import resolve_architecture
 from .sampler import SamplingMetadata, sample, token_logprobs
+from .spec_decode import SpecDecoder, logits_rows, place_drafts
 
 if TYPE_CHECKING:  # imported by the rank workers only: it needs torch.distributed
     from .tensor_parallel import TensorParallel
@@ -128,6 +129,10 @@ class StepForward:
     hidden: torch.Tensor | None = None
     sampling: np.ndarray = field(default_factory=_no_rows)  # indices into ``order`` that sample
     logits: torch.Tensor | None = None  # of the ``sampling`` rows, in order
+    # Speculative decoding: drafts per entry of ``order`` (None: the step has none); a
+    # drafted entry's logits are its last ``spec_lens[i] + 1`` rows.
+    spec_lens: np.ndarray | None = None
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -227,6 +232,8 @@ class ModelRunner:
                 use_triton=self.backend.name == "triton",
             )
         self.pooler = Pooler(config.pooling_type)
+        spec = config.speculative_config
+        self.spec_decoder = SpecDecoder(spec) if spec is not None else None
         self.kv_block_bytes = (
             2
             * mcfg.num_layers
@@ -388,6 +395,10 @@ class ModelRunner:
         starts = batch.num_computed[rows]
         ends = starts + q_lens
         known = batch.num_tokens[rows]
+        drafts = step.scheduled_spec_decode_tokens
+        spec_lens = place_drafts(batch, drafts, req_ids, order) if drafts else None
+        if spec_lens is not None:
+            known = known + spec_lens  # the drafts are computed as if known
         self._check_step(req_ids, order, rows, ends, known)
 
         uses_lora = self.lora is not None and self.lora.begin_step(
@@ -422,12 +433,25 @@ class ModelRunner:
             self._pool(out, req_ids, order, starts, query_start_loc, hidden, pooling)
         logits = None
         if len(sampling):
-            last_rows = np.asarray(query_start_loc[1:], dtype=np.int64)[sampling] - 1
+            if spec_lens is None:
+                last_rows = np.asarray(query_start_loc[1:], dtype=np.int64)[sampling] - 1
+            else:
+                last_rows = logits_rows(query_start_loc, sampling, spec_lens)
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
             )
         return StepForward(
-            out, order, rows, starts, ends, query_start_loc, hidden, sampling, logits
+            out,
+            order,
+            rows,
+            starts,
+            ends,
+            query_start_loc,
+            hidden,
+            sampling,
+            logits,
+            spec_lens,
+            drafts,
         )
 
     @torch.inference_mode()
@@ -445,7 +469,9 @@ class ModelRunner:
         order, rows, starts, ends = forward.order, forward.rows, forward.starts, forward.ends
         query_start_loc, hidden = forward.query_start_loc, forward.hidden
         sampling = forward.sampling
-        if forward.logits is not None:
+        if forward.logits is not None and forward.spec_lens is not None:
+            self._sample_verified(forward, grammar_bitmask)
+        elif forward.logits is not None:
             logits = forward.logits
             md: SamplingMetadata = batch.sampling_metadata(rows[sampling])
             if grammar_bitmask:  # structured outputs: this step's token bitmask rows
@@ -467,8 +493,51 @@ class ModelRunner:
             counts[ks] = 1
             out.num_sampled = counts.tolist()
         self._prompt_logprobs(out, req_ids, order, rows, starts, ends, query_start_loc, hidden)
-        batch.num_computed[rows] = ends
+        if forward.spec_lens is None:
+            batch.num_computed[rows] = ends
+        if self.spec_decoder is not None and len(sampling):
+            self._propose(out, rows[sampling])
         return out
+
+    def _sample_verified(self, forward: StepForward, grammar_bitmask: dict[str, bytes]) -> None:
+        """``sample_tokens`` for a step with drafts: verify them, append what is accepted
+        and one more token per sampling request, roll the computed count back past the
+        rejected drafts (their KV slots are rewritten by the next step)."""
+        assert self.spec_decoder is not None and forward.logits is not None
+        assert forward.spec_lens is not None
+        out, batch, req_ids = forward.out, self.input_batch, forward.out.req_ids
+        order, rows, sampling = forward.order, forward.rows, forward.sampling
+        ids = [req_ids[int(order[i])] for i in sampling.tolist()]
+        verified = self.spec_decoder.verify(
+            batch, forward.logits, rows[sampling], ids, forward.drafts, grammar_bitmask
+        )
+        counts = np.zeros(len(req_ids), dtype=np.int64)
+        by_request: dict[int, list[int]] = {}
+        computed = forward.ends - forward.spec_lens  # the rejected drafts come off below
+        for j, i in enumerate(sampling.tolist()):
+            tokens = verified.tokens[j]
+            k = int(order[i])
+            batch.append_tokens(int(rows[i]), tokens)
+            computed[i] += len(tokens) - 1
+            counts[k] = len(tokens)
+            by_request[k] = tokens
+            if j in verified.logprobs:
+                out.logprobs[ids[j]] = verified.logprobs[j]
+        batch.num_computed[rows] = computed
+        out.num_sampled = counts.tolist()
+        out.sampled_token_ids = [t for k in sorted(by_request) for t in by_request[k]]
+
+    def _propose(self, out: ModelRunnerOutput, rows: np.ndarray) -> None:
+        """Drafts for the next step of the requests at ``rows`` (those that sampled), up to
+        what fits before ``max_model_len``, into ``out.spec_token_ids``."""
+        assert self.spec_decoder is not None
+        batch = self.input_batch
+        for row in rows.tolist():
+            room = self.max_model_len - int(batch.num_tokens[row]) - 1
+            if room > 0:
+                drafts = self.spec_decoder.propose(batch, row, room)
+                if drafts:
+                    out.spec_token_ids[batch.state(row).req_id] = drafts
 
     def _admit(self, new: NewRequestData, params: RunnerSamplingParams) -> None:
         """Hold a new request's state (its adapter and pooling included)."""

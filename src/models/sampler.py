@@ -169,8 +169,12 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    """One token per row of ``logits`` ``[N, V]`` (any float dtype; fp32 is modified in place)."""
+def process_logits(
+    logits: torch.Tensor, md: SamplingMetadata
+) -> tuple[torch.Tensor, _PendingLogprobs | None]:
+    """Everything before the draw: the bitmask, the raw logprobs (top-k pending the
+    chosen tokens), allowed ids, min_tokens' bans, logit bias and penalties. Returns
+    the processed fp32 logits (``logits`` itself when it is fp32) and the logprobs."""
     logits = logits.float()
     if md.token_bitmask is not None and md.bitmask_rows is not None:
         apply_token_bitmask(logits, md.token_bitmask, md.bitmask_rows)
@@ -187,17 +191,29 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits.index_put_((md.bias_rows, md.bias_cols), md.bias_values, accumulate=True)
     if md.penalties is not None:
         apply_penalties(logits, md.penalties)
+    return logits, logprobs
 
+
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution a processed row is drawn from: temperature, min_p, top-k / top-p,
+    softmax (greedy rows come out at temperature 1; the caller takes their argmax).
+    Modifies ``logits``."""
+    logits = logits.div_(md.temperature[:, None])
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """One token per row of ``logits`` ``[N, V]`` (any float dtype; fp32 is modified in place)."""
+    logits, logprobs = process_logits(logits, md)
     greedy_tokens = greedy(logits) if md.greedy is not None or md.all_greedy else None
     if md.all_greedy:
         assert greedy_tokens is not None
         sampled = greedy_tokens
     else:
-        logits = logits.div_(md.temperature[:, None])
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)
+        probs = sampling_probs(logits, md)
         sampled = random_sample(probs, md.generators, md.engine_generator)
         if greedy_tokens is not None and md.greedy is not None:
             sampled = torch.where(md.greedy, greedy_tokens, sampled)

@@ -253,6 +253,32 @@ class OutputProcessor:
     def _update(
         self, completion: CompletionState, core: EngineCoreOutput, now: float, step: ProcessedStep
     ) -> None:
+        """Take one step's news for a completion. Several tokens in one step (speculative
+        decoding) under stop strings are taken one at a time, up to the one that completes
+        a stop string: the output ends where one token a step would have ended it."""
+        new_ids = core.new_token_ids
+        if len(new_ids) < 2 or not completion.parent.params.stop or completion.streams_text:
+            self._update_one(completion, core, now, step)
+            return
+        last = len(new_ids) - 1
+        logprobs = core.new_logprobs
+        for j, token_id in enumerate(new_ids):
+            one = EngineCoreOutput(
+                core.request_id,
+                [token_id],
+                logprobs[j : j + 1] if logprobs else None,
+                core.new_prompt_logprobs if j == 0 else None,
+                core.finish_reason if j == last else None,
+                core.stop_reason if j == last else None,
+                core.num_cached_tokens,
+            )
+            self._update_one(completion, one, now, step)
+            if completion.finish_reason is not None:
+                return
+
+    def _update_one(
+        self, completion: CompletionState, core: EngineCoreOutput, now: float, step: ProcessedStep
+    ) -> None:
         request = completion.parent
         params = request.params
         new_ids = core.new_token_ids

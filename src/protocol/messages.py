@@ -213,6 +213,11 @@ class SchedulerOutput(Message):
     # The sampling parameters of ``new_requests``, each once: NewRequestData.params_key
     # -> its parameters.
     sampling_params: dict[str, RunnerSamplingParams] = field(default_factory=dict)
+    # Speculative decoding: request id -> the draft tokens it verifies this step. They
+    # follow its known tokens and are part of its ``num_scheduled_tokens`` (a decode
+    # with k drafts computes k + 1 tokens); the runner's answer holds the drafts it
+    # accepted and one more token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -269,6 +274,9 @@ class ModelRunnerOutput(Message):
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     pooled: dict[str, list[float]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # requests not computed: why
+    # Speculative decoding: request id -> the drafts proposed for its next step
+    # (requests that sampled this step; none: nothing to propose).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.num_sampled) != len(self.req_ids):
@@ -305,6 +313,17 @@ class ModelRunnerOutput(Message):
 # ------------------------------------------------- scheduler -> detokenizer
 
 
+class SpecDecodingStats(Message):
+    """Speculative decoding since the previous stats, as vLLM's ``spec_decode`` series:
+    requests verified with drafts, their draft tokens, the drafts accepted, and the
+    drafts accepted at each draft position (index 0: the first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+
 class SchedulerStats(Message):
     """Per-step figures for metrics and the log line."""
 
@@ -322,6 +341,7 @@ class SchedulerStats(Message):
     # With enable_lora: requests per adapter name, as vLLM's (vllm:lora_requests_info).
     running_lora_adapters: dict[str, int] | None = None
     waiting_lora_adapters: dict[str, int] | None = None
+    spec_decoding: SpecDecodingStats | None = None  # with speculative_config
 
     # ---- vLLM's SchedulerStats names, for stat loggers written for vLLM
 

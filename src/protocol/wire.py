@@ -51,6 +51,7 @@ from .messages import (
     RunnerSamplingParams,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
     TokenLogprobs,
     UtilityCall,
     UtilityResult,
@@ -103,6 +104,7 @@ WIRE_TYPES: Final[Mapping[int, type]] = types.MappingProxyType(
         29: FinishReason,
         30: GrammarBitmask,
         31: RunnerSamplingParams,
+        32: SpecDecodingStats,
         # control
         # 40-47: retired (engine-core controls, which never cross a process)
         48: HealthPing,

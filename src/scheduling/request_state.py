@@ -41,6 +41,8 @@ class Request:
     tokens to compute, and the runner fills them in with its own samples.
     ``reset_step`` is the last step planned when a preemption restarted the
     request: answers of that step and earlier ones are stale for it.
+    ``spec_token_ids`` (speculative decoding) are the drafts the runner proposed with
+    its last sample, verified in the request's next step (if it is a plain decode).
 
     Figures fixed at admission that keep the per-step checks cheap:
     ``token_limit`` is the length of ``all_token_ids`` at which the request
@@ -90,6 +92,7 @@ class Request:
         "grammar",
         "runner_params",
         "seed",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -156,6 +159,7 @@ class Request:
         self.num_output_placeholders: int = 0
         self.reset_step: int = 0
         self.grammar = grammar
+        self.spec_token_ids: list[int] = []  # drafts the runner proposed for its next step
 
     @property
     def num_tokens(self) -> int:

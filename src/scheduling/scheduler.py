@@ -95,6 +95,26 @@ class Scheduler(RequestBook):
         self.chunked_prefill = config.enable_chunked_prefill
         self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
 
+    def has_drafts_to_verify(self) -> bool:
+        """Whether a running request holds drafts (speculative decoding) for its next step.
+        The engine core then plans no step ahead of the one in flight: a request with a
+        sample in flight verifies no drafts. O(running)."""
+        return any(req.spec_token_ids for req in self.running)
+
+    def _settle_drafts(self, req: Request, num_drafts: int, count: int) -> None:
+        """A verified request's answer: ``count - 1`` of its ``num_drafts`` drafts were
+        accepted; its computed tokens come back past the rejected ones (their KV slots
+        are rewritten by its next step), and the figures count them."""
+        if not num_drafts:
+            return
+        if not 1 <= count <= num_drafts + 1:
+            raise ValueError(
+                f"model runner returned {count} tokens for {req.request_id!r}, "
+                f"which verified {num_drafts} drafts"
+            )
+        req.num_computed_tokens -= num_drafts - (count - 1)
+        self.counters.verified(num_drafts, count - 1)
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix. Returns whether the cache was reset.
 
@@ -160,6 +180,14 @@ class Scheduler(RequestBook):
                 num_new = budget
             if num_new <= 0:
                 continue
+            drafts = req.spec_token_ids
+            num_drafts = 0
+            if drafts:  # speculative decoding: a plain decode verifies its drafts
+                req.spec_token_ids = []
+                if num_new == 1 and not placeholders and req.grammar is None:
+                    room = min(budget, req.token_limit - num_tokens) - 1
+                    num_drafts = max(0, min(len(drafts), room))
+                    num_new += num_drafts
             if computed + num_new > req.num_kv_slots:  # its blocks are full: it needs more
                 new_ids = kv.allocate_slots(req, num_new)
                 while new_ids is None:
@@ -179,6 +207,8 @@ class Scheduler(RequestBook):
                 if new_ids:
                     plan.new_block_ids[req.request_id] = new_ids
             planned.append(req)
+            if num_drafts:
+                plan.spec_tokens[req.request_id] = drafts[:num_drafts]
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             computed_at.append(computed)
@@ -190,8 +220,8 @@ class Scheduler(RequestBook):
             sampling = computed + num_new >= num_known
             if sampling:
                 req.num_output_placeholders = placeholders + 1
-                if num_new == 1 and (placeholders or req.output_token_ids):
-                    num_decode += 1
+                if num_new - num_drafts == 1 and (placeholders or req.output_token_ids):
+                    num_decode += num_new
             samples.append(sampling)
         plan.budget = budget
         plan.num_decode += num_decode  # less those dropped since
@@ -214,6 +244,7 @@ class Scheduler(RequestBook):
         req.num_computed_tokens = 0
         req.num_tokens_sent = 0
         req.num_output_placeholders = 0
+        req.spec_token_ids = []
         req.reset_step = self._step_id  # answers of steps planned up to now are stale
         req.num_preemptions += 1
         self.waiting.push_front(req)
@@ -281,7 +312,11 @@ class Scheduler(RequestBook):
         output = assemble_step(step_id, plan, self.kv, finished, preempted)
         self.counters.prefill_tokens += total - plan.num_decode
         self.counters.decode_tokens += plan.num_decode
-        self._in_flight[step_id] = InFlightStep(plan.running + plan.new, plan.samples)
+        self._in_flight[step_id] = InFlightStep(
+            plan.running + plan.new,
+            plan.samples,
+            {rid: len(d) for rid, d in plan.spec_tokens.items()},
+        )
         return output
 
     # ----------------------------------------------------------- results
@@ -319,6 +354,8 @@ class Scheduler(RequestBook):
             )
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
+        num_drafts_of = in_flight.num_drafts
+        proposed = runner_output.spec_token_ids
         kv = self.kv
         prefix_caching = kv.enable_prefix_caching
         block_size = kv.block_size
@@ -340,6 +377,10 @@ class Scheduler(RequestBook):
             request_id = req.request_id
             reason: FinishReason | None = None
             pooled: list[float] | None = None
+            if num_drafts_of:
+                self._settle_drafts(req, num_drafts_of.get(request_id, 0), count)
+            if proposed or req.spec_token_ids:  # the latest proposal replaces older ones
+                req.spec_token_ids = proposed.get(request_id, [])
             if count == 1 and sampling and req.pooling_params is None:  # the common case
                 token_id = sampled[start]
                 all_ids = req.all_token_ids

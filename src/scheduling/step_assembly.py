@@ -92,4 +92,5 @@ def assemble_step(
         finished_ids,
         preempted_ids,
         sampling_params=params_table,
+        scheduled_spec_decode_tokens=plan.spec_tokens,
     )

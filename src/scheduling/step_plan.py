@@ -32,6 +32,7 @@ class StepPlan:
         "num_scheduled",
         "new_block_ids",
         "new_token_ids",
+        "spec_tokens",
     )
 
     def __init__(self, budget: int) -> None:
@@ -45,6 +46,7 @@ class StepPlan:
         self.num_scheduled: dict[str, int] = {}
         self.new_block_ids: dict[str, list[int]] = {}
         self.new_token_ids: dict[str, list[int]] = {}
+        self.spec_tokens: dict[str, list[int]] = {}  # drafts verified (in num_scheduled)
 
     def drop(self, req: Request) -> int:
         """Take back a running request planned earlier this step (it is being preempted,
@@ -52,9 +54,14 @@ class StepPlan:
         request_id = req.request_id
         k = self.running.index(req)
         n = self.num_scheduled.pop(request_id)
+        drafts = self.spec_tokens.pop(request_id, ())
         # As counted when planned: a placeholder was added if it samples.
-        if n == 1 and self.samples[k] and (req.num_output_placeholders > 1 or req.output_token_ids):
-            self.num_decode -= 1
+        if (
+            n - len(drafts) == 1
+            and self.samples[k]
+            and (req.num_output_placeholders > 1 or req.output_token_ids)
+        ):
+            self.num_decode -= n
         del self.running[k], self.computed[k], self.samples[k]
         self.new_block_ids.pop(request_id, None)
         self.new_token_ids.pop(request_id, None)
@@ -63,10 +70,14 @@ class StepPlan:
 
 class InFlightStep:
     """A planned step the runner has not answered yet: its requests, in the runner's
-    order, and whether each one's scheduled tokens end in a sample."""
+    order, whether each one's scheduled tokens end in a sample, and how many drafts
+    each drafted request verifies (speculative decoding)."""
 
-    __slots__ = ("requests", "samples")
+    __slots__ = ("requests", "samples", "num_drafts")
 
-    def __init__(self, requests: list[Request], samples: list[bool]) -> None:
+    def __init__(
+        self, requests: list[Request], samples: list[bool], num_drafts: dict[str, int]
+    ) -> None:
         self.requests = requests
         self.samples = samples
+        self.num_drafts = num_drafts

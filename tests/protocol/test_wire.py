@@ -30,6 +30,7 @@ from legato.protocol.messages import (
     RunnerSamplingParams,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
     TokenLogprobs,
     UtilityCall,
     UtilityResult,
@@ -204,6 +205,13 @@ cached_request = st.lists(st.tuples(text, small), max_size=4).flatmap(
         new_token_ids=st.dictionaries(text, token_ids, max_size=2),
     )
 )
+spec_decoding_stats = st.builds(
+    SpecDecodingStats,
+    num_drafts=small,
+    num_draft_tokens=small,
+    num_accepted_tokens=small,
+    num_accepted_tokens_per_pos=st.lists(small, max_size=4),
+)
 scheduler_stats = st.builds(
     SchedulerStats,
     num_running=small,
@@ -217,6 +225,7 @@ scheduler_stats = st.builds(
     num_scheduled_tokens=small,
     num_prefill_tokens=small,
     num_decode_tokens=small,
+    spec_decoding=optional(spec_decoding_stats),
 )
 core_output = st.builds(
     EngineCoreOutput,
@@ -293,6 +302,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         grammar_bitmask=st.dictionaries(text, st.binary(max_size=16), max_size=2),
         grammar_bitmask_follows=st.booleans(),
         sampling_params=st.dictionaries(text, runner_params, max_size=2),
+        scheduled_spec_decode_tokens=st.dictionaries(text, token_ids, max_size=2),
     ),
     GrammarBitmask: st.builds(
         GrammarBitmask,
@@ -311,8 +321,10 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
             text, st.lists(optional(token_logprobs), max_size=2), max_size=2
         ),
         pooled=st.dictionaries(text, st.lists(floats, max_size=4), max_size=2),
+        spec_token_ids=st.dictionaries(text, token_ids, max_size=2),
     ),
     SchedulerStats: scheduler_stats,
+    SpecDecodingStats: spec_decoding_stats,
     EngineCoreOutput: core_output,
     EngineCoreOutputs: st.builds(
         EngineCoreOutputs,

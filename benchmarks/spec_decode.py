@@ -1,0 +1,192 @@
+"""Speculative decoding (n-gram drafts) against plain decoding, in one run, default model.
+
+Two workloads, each at 1 and at N concurrent streams, greedy:
+
+* ``edit``: the model is asked to repeat a given text with small corrections (a
+  repetitive workload: the answer copies the prompt, where prompt lookup shines);
+* ``chat``: free questions, whose answers copy little.
+
+Decode tok/s counts each stream's tokens after its first, over the time from the
+first stream's first token to the last stream's last token (prefill excluded).
+Acceptance is vLLM's: accepted draft tokens / draft tokens, and the mean accepted
+length (1 + accepted / verifications). The outputs with and without drafts are
+compared too. Prints a table; never asserted in tests.
+
+    python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import common  # noqa: F401  (the offline environment)
+
+EDIT_TEXT = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+    "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
+    "from 1887 to 1889. Locally nicknamed La dame de fer, it was constructed as the centrepiece "
+    "of the 1889 World's Fair, and to crown the centennial anniversary of the French "
+    "Revolution. Although initially criticised by some of France's leading artists and "
+    "intellectuals for its design, it has since become a global cultural icon of France."
+)
+EDIT_ASKS = [
+    "Repeat the following text exactly, word for word:\n\n",
+    "Copy this paragraph exactly as it is written:\n\n",
+    "Rewrite the following text, changing nothing:\n\n",
+    "Please repeat this text verbatim:\n\n",
+]
+CHAT_ASKS = [
+    "Tell me about the history of Rome.",
+    "What are some good habits for staying healthy?",
+    "Explain how a rainbow forms.",
+    "Write a short poem about the sea.",
+    "What should I pack for a weekend hiking trip?",
+    "Why is the sky blue?",
+    "Give me three ideas for a birthday party.",
+    "How do plants make their food?",
+]
+
+
+def prompts(workload: str, n: int, tokenizer: Any) -> list[str]:
+    asks = [a + EDIT_TEXT for a in EDIT_ASKS] if workload == "edit" else CHAT_ASKS
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": asks[i % len(asks)]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for i in range(n)
+    ]
+
+
+async def measure(engine: Any, texts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Decode tok/s over ``texts`` run concurrently, and each one's tokens."""
+    import trio
+
+    from legato import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, output_kind=RequestOutputKind.DELTA
+    )
+    firsts: list[float] = []
+    lasts: list[float] = []
+    outputs: list[list[int]] = [[] for _ in texts]
+
+    async def one(i: int) -> None:
+        async with engine.generate(texts[i], params, f"b{i}-{time.monotonic_ns()}") as stream:
+            async for out in stream:
+                now = time.perf_counter()
+                if not outputs[i]:
+                    firsts.append(now)
+                outputs[i] += out.outputs[0].token_ids
+        lasts.append(time.perf_counter())
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(texts)):
+            nursery.start_soon(one, i)
+    decoded = sum(len(o) - 1 for o in outputs)
+    return decoded / (max(lasts) - min(firsts)), outputs
+
+
+async def run(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from legato.default_model import default_model_dir
+    from legato.engine import open_engine
+    from legato.metrics.logger_base import StatLoggerBase
+    from legato.metrics.records import StepStats
+
+    class Acceptance(StatLoggerBase):
+        def __init__(self) -> None:
+            self.drafts = self.tokens = self.accepted = 0
+
+        def record(self, step: StepStats) -> None:
+            spec = step.scheduler.spec_decoding if step.scheduler is not None else None
+            if spec is not None:
+                self.drafts += spec.num_drafts
+                self.tokens += spec.num_draft_tokens
+                self.accepted += spec.num_accepted_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": args.lookup_max,
+        "prompt_lookup_min": args.lookup_min,
+    }
+    results: dict[tuple[str, int, bool], float] = {}
+    rates: dict[tuple[str, int], tuple[float, float]] = {}
+    same: dict[tuple[str, int], bool] = {}
+    outputs: dict[tuple[str, int, bool], list[list[int]]] = {}
+    for use_spec in (False, True):
+        acceptance = Acceptance()
+        async with open_engine(
+            None,
+            speculative_config=spec if use_spec else None,
+            max_num_seqs=max(args.streams, 1),
+            disable_log_stats=True,
+            stat_loggers=[acceptance],
+        ) as engine:
+            await measure(engine, prompts("chat", 1, tokenizer), 8)  # warm-up
+            for workload in ("edit", "chat"):
+                for n in (1, args.streams):
+                    before = (acceptance.drafts, acceptance.tokens, acceptance.accepted)
+                    best = 0.0
+                    for _ in range(args.repeats):
+                        tps, outs = await measure(
+                            engine, prompts(workload, n, tokenizer), args.max_tokens
+                        )
+                        best = max(best, tps)
+                    results[(workload, n, use_spec)] = best
+                    print(f"  {workload} x{n} spec={use_spec}: {best:.1f} tok/s", flush=True)
+                    outputs[(workload, n, use_spec)] = outs
+                    if use_spec:
+                        drafts = acceptance.drafts - before[0]
+                        tokens = acceptance.tokens - before[1]
+                        accepted = acceptance.accepted - before[2]
+                        rates[(workload, n)] = (
+                            accepted / tokens if tokens else 0.0,
+                            1 + accepted / drafts if drafts else 1.0,
+                        )
+                        same[(workload, n)] = outs == outputs[(workload, n, False)]
+    import torch
+
+    print(
+        f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}"
+    )
+    print(
+        f"default model, greedy, max_tokens={args.max_tokens}, best of {args.repeats}; "
+        f"n-gram k={args.k}, lookup {args.lookup_min}..{args.lookup_max}"
+    )
+    print(
+        f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} "
+        f"{'accept':>7} {'mean len':>9} {'same out':>9}"
+    )
+    for workload in ("edit", "chat"):
+        for n in (1, args.streams):
+            plain, fast = results[(workload, n, False)], results[(workload, n, True)]
+            rate, length = rates[(workload, n)]
+            print(
+                f"{workload:8} {n:>7} {plain:>12.1f} {fast:>11.1f} {fast / plain:>8.2f}x "
+                f"{100 * rate:>6.1f}% {length:>9.2f} {str(same[(workload, n)]):>9}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--lookup-max", type=int, default=4)
+    parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    import trio
+
+    trio.run(run, args)
+
+
+if __name__ == "__main__":
+    main()
