@@ -1,34 +1,5 @@
-"""legato.aio: the engine for asyncio code (FastAPI, aiohttp, Ray Serve ...).
-
-``open_engine`` here is an asyncio ``async with`` that yields ``AioEngine``, an
-``EngineClient`` with the trio engine's methods and contract, spelled for
-asyncio::
-
-    async with legato.aio.open_engine(model="toy") as engine:
-        async with engine.generate("Hello", SamplingParams(max_tokens=8), "r1") as stream:
-            async for out in stream:
-                ...
-
-How: the trio engine (``legato.engine.open_engine``) runs in a thread of its
-own, one ``trio.run`` per engine. Calls cross into it with
-``TrioToken.run_sync_soon``; answers and stream outputs cross back through one
-outbox that the event loop drains with a single ``call_soon_threadsafe`` per
-batch (one engine step's outputs for every stream arrive together). Each asyncio
-stream is served by one trio task that iterates the trio ``RequestStream``, so
-everything the trio engine promises holds: cancelling the asyncio task that
-waits on a stream cancels that trio task, which aborts the request within one
-engine step; a dead engine ends every stream with its ``EngineDeadError``.
-The app's event loop never runs engine work, and an app that blocks its loop
-for a while does not stall the engine (or trip its heartbeat).
-
-Shutdown: leaving ``open_engine`` (also by cancellation, as ``asyncio.run``
-does to tasks still open when its main coroutine returns) shuts the engine
-down, ends open streams with EngineDeadError and reaps the worker. If the event
-loop is closed while the engine is still open, the engine thread notices
-(within a second, or at once when it next has output) and shuts down by itself;
-an engine still open at interpreter exit is shut down by an ``atexit`` hook.
-
-The only module of legato that imports asyncio; never imports torch.
+"""``AioEngine`` (the asyncio ``EngineClient``) and ``open_engine``, its ``async with``.
+Never imports torch.
 """
 
 from __future__ import annotations
@@ -37,12 +8,9 @@ import asyncio
 import atexit
 import contextlib
 import functools
-import logging
 import uuid
 import weakref
-from collections import deque
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Callable,
@@ -51,167 +19,19 @@ from collections.abc import (
     Sequence,
 )
 from types import TracebackType
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, cast
 
 import trio
 
-from .engine import AsyncEngine, RequestStream
-from .engine.thread import SHUT_DOWN, Crossing, EngineThread
-from .outputs.delta_merge import merge_cumulative, merge_delta_outputs
-from .protocol.client import EngineClient, PauseModeName, SupportedTask
-from .protocol.errors import EngineDeadError
-from .protocol.outputs import PoolingRequestOutput, RequestOutput
-from .protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
-
-logger = logging.getLogger("legato.aio")
-
-T = TypeVar("T")
-OutputT = TypeVar("OutputT", bound=RequestOutput | PoolingRequestOutput)
-
-# How often an idle engine thread checks that its host event loop still exists.
-_HOST_LOOP_CHECK_SECONDS = 1.0
-# At interpreter exit, how long each engine still open may take to shut down.
-_EXIT_JOIN_SECONDS = 30.0
-
-
-class _EngineThread(EngineThread):
-    """The trio engine's thread (``legato.engine.thread``), with the way back to the loop.
-
-    Event loop -> engine: ``call_soon`` / ``spawn`` (``TrioToken.run_sync_soon``:
-    never blocks, any thread). Engine -> event loop: ``post`` queues a callback in
-    the outbox and, if no drain is pending, schedules one drain on the loop; the
-    loop runs every queued callback in order. A closed loop makes the engine shut
-    down.
-    """
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, model: str | None, engine_args: dict[str, Any]
-    ) -> None:
-        super().__init__(model, engine_args)
-        self.loop = loop
-        self._outbox: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
-        self._drain_pending = False
-        self.started: asyncio.Future[AsyncEngine] = loop.create_future()
-        self.finished: asyncio.Future[None] = loop.create_future()
-
-    # ------------------------------------------------------- engine -> loop
-
-    def post(self, callback: Callable[..., None], *args: Any) -> None:
-        """Run ``callback(*args)`` on the event loop, after everything posted before. Never blocks."""
-        self._outbox.append((callback, args))
-        if not self._drain_pending:
-            self._drain_pending = True
-            try:
-                self.loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:  # the loop is closed: nobody is left to read anything
-                self._outbox.clear()
-                if not self.done.is_set():
-                    self.request_stop()
-
-    def _drain(self) -> None:
-        self._drain_pending = False  # before draining: a later post schedules another drain
-        outbox = self._outbox
-        while outbox:
-            callback, args = outbox.popleft()
-            callback(*args)
-
-    # --------------------------------------------------------------- hooks
-
-    def on_started(self, engine: AsyncEngine) -> None:
-        self.post(_set_result, self.started, engine)
-
-    def on_start_failed(self, error: BaseException) -> None:
-        self.post(_set_exception, self.started, error)  # open_engine raises it
-
-    def on_ended(self) -> None:
-        self.post(_set_result, self.finished, None)
-
-    async def watch(self) -> None:
-        """Shut down once the event loop is closed (an app that never left ``open_engine``)."""
-        # asyncio has no hook for a loop's closing: polled (cheap, and only while idle
-        # matters: a closed loop with output pending is noticed by ``post`` at once).
-        while not self.loop.is_closed():  # noqa: ASYNC110 - no event to wait on
-            await trio.sleep(_HOST_LOOP_CHECK_SECONDS)
-        self.request_stop()
-
-
-def _set_result(future: asyncio.Future[T], value: T) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
-
-
-class _Mailbox(Generic[OutputT]):
-    """What the engine thread leaves for one stream's consumer (touched on the event
-    loop only, through posted callbacks). The engine-thread task holds this, never the
-    ``AioStream``, so a stream dropped unfinished is collected and aborts itself."""
-
-    def __init__(self, submitted: asyncio.Future[None]) -> None:
-        self.pending: list[OutputT] = []
-        self.error: BaseException | None = None
-        self.ended = False  # the engine side has nothing more to send
-        self.waiter: asyncio.Future[None] | None = None
-        self.submitted = submitted
-
-    def on_submitted(self) -> None:
-        _set_result(self.submitted, None)
-
-    def on_output(self, output: OutputT) -> None:
-        self.pending.append(output)
-        self.wake()
-
-    def on_end(self, error: BaseException | None) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        if error is not None and self.error is None:
-            self.error = error
-            self.pending.clear()
-        if not self.submitted.done():
-            if error is not None:
-                self.submitted.set_exception(error)
-                self.submitted.exception()  # retrieved, whether or not anyone entered
-            else:
-                self.submitted.set_result(None)
-        self.wake()
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-async def _serve_stream(
-    runner: _EngineThread,
-    engine: AsyncEngine,
-    open_stream: Callable[[AsyncEngine], AsyncIterator[OutputT]],
-    mailbox: _Mailbox[OutputT],
-) -> None:
-    """The trio task behind one stream: submit, forward every output, report the end.
-
-    Cancelled by the consumer (it left) or by shutdown; either way the mailbox ends
-    with the shutdown error (a consumer that left no longer reads it)."""
-    post = runner.post
-    error: BaseException | None = EngineDeadError(SHUT_DOWN)
-    try:
-        stream = open_stream(engine)
-        async with contextlib.AsyncExitStack() as stack:
-            if isinstance(stream, RequestStream):
-                await stack.enter_async_context(stream)
-            else:
-                stack.push_async_callback(cast(AsyncGenerator[OutputT, None], stream).aclose)
-            post(mailbox.on_submitted)
-            async for output in stream:
-                post(mailbox.on_output, output)
-        error = None
-    except Exception as exc:
-        error = exc
-    finally:
-        post(mailbox.on_end, error)
+from ..engine import AsyncEngine
+from ..engine.thread import SHUT_DOWN, Crossing
+from ..outputs.delta_merge import merge_cumulative, merge_delta_outputs
+from ..protocol.client import EngineClient, PauseModeName, SupportedTask
+from ..protocol.errors import EngineDeadError
+from ..protocol.outputs import PoolingRequestOutput, RequestOutput
+from ..protocol.params import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams
+from .mailbox import _Mailbox, _serve_stream
+from .thread import _EXIT_JOIN_SECONDS, OutputT, T, _EngineThread, _set_exception, _set_result
 
 
 class AioStream(Generic[OutputT]):
