@@ -98,11 +98,16 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
             messages, add_generation_prompt=add_generation_prompt
         )
 
-    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        await trio.lowlevel.checkpoint()
         return self.renderer.encode(text, add_special_tokens=add_special_tokens)
 
-    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        await trio.lowlevel.checkpoint()
         return self.renderer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.renderer.decode([token_id], skip_special_tokens=False)
 
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         return ("render",)

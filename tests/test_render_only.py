@@ -14,8 +14,9 @@ from legato.protocol.errors import ValidationError
 async def test_renders_tokenizes_and_refuses_inference(toy_model_dir: Any) -> None:
     client = RenderOnlyClient(str(toy_model_dir))
     assert await client.get_supported_tasks() == ("render",)
-    ids = client.tokenize("héllo 世界 🙂")
-    assert client.detokenize(ids) == "héllo 世界 🙂"
+    ids = await client.tokenize("héllo 世界 🙂")
+    assert await client.detokenize(ids) == "héllo 世界 🙂"
+    assert client.token_text(ids[0]) == await client.detokenize(ids[:1], skip_special_tokens=False)
     chat = client.render_chat([{"role": "user", "content": "hi"}])
     assert chat["prompt"].endswith("<|im_start|>assistant\n")
     assert chat["prompt_token_ids"].count(client.tokenizer.bos_token_id) == 1
@@ -60,4 +61,4 @@ async def test_vllm_config_surface(toy_model_dir: Any) -> None:
     args = legato.EngineArgs(model=str(toy_model_dir), max_model_len=200)
     again = RenderOnlyClient.from_vllm_config(args.create_engine_config())
     assert again.model_config.max_model_len == 200 == again.renderer.max_model_len
-    assert again.tokenize("hello") == client.tokenize("hello")
+    assert await again.tokenize("hello") == await client.tokenize("hello")

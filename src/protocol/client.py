@@ -341,6 +341,23 @@ class EngineClient(abc.ABC):
         """The served model's name, context limit and special tokens."""
         raise _unsupported(self, "model_info", "this client serves no model")
 
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text`` with the base model's tokenizer. A checkpoint."""
+        raise _unsupported(self, "tokenize", "this client has no tokenizer")
+
+    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``; ValidationError (field ``prompt_token_ids``) for ids
+        outside the vocabulary. A checkpoint."""
+        raise _unsupported(self, "detokenize", "this client has no tokenizer")
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included. Not a checkpoint; cheap."""
+        raise _unsupported(self, "token_text", "this client has no tokenizer")
+
+    async def embedding_size(self) -> int:
+        """The length of the model's embedding vectors. A checkpoint."""
+        raise _unsupported(self, "embedding_size", "this client serves no model")
+
     def metrics_text(self) -> bytes:
         """The engine's metrics in Prometheus' text format."""
         raise _unsupported(self, "metrics_text", "this client keeps no metrics")

@@ -237,7 +237,7 @@ class ServingState:
     @property
     def aliases(self) -> frozenset[str]:
         """Model names a request may ask for: the served name and the engine's own."""
-        return frozenset({self.model_name, self.engine.model_name})
+        return frozenset({self.model_name, self.engine.model_info().name})
 
     @property
     def num_live(self) -> int:
