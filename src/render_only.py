@@ -21,9 +21,9 @@ import trio
 from .config import EngineConfig
 from .config_views import VllmConfigViews
 from .frontend.renderer import PromptType, RenderedPrompt, Renderer
-from .protocol.client import EngineClient, PauseModeName, SupportedTask
+from .protocol.client import EngineClient, OutputStream, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
-from .protocol.outputs import PoolingRequestOutput, RequestOutput
+from .protocol.outputs import PoolingRequestOutput
 from .protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .tokenizer_loading import load_tokenizer
 from .vllm_config import VllmConfig
@@ -142,7 +142,7 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         **_: Any,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> OutputStream:
         raise _no_model("generate")
 
     def encode(

@@ -31,7 +31,8 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NotRequired, TypedDict
+from types import TracebackType
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from .errors import EngineDeadError
 from .outputs import PoolingRequestOutput, RequestOutput
@@ -56,6 +57,24 @@ class TokensPrompt(TypedDict):
 PromptType = str | TextPrompt | TokensPrompt
 PauseModeName = Literal["abort", "wait", "keep"]
 SupportedTask = Literal["generate", "embed", "classify", "score", "encode", "render"]
+
+
+class OutputStream(Protocol):
+    """What :meth:`EngineClient.generate` returns: an async iterator of RequestOutput that
+    is also an async context manager (leaving it aborts an unfinished request)."""
+
+    def __aiter__(self) -> OutputStream: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def __aenter__(self) -> OutputStream: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -113,7 +132,7 @@ class EngineClient(abc.ABC):
         data_parallel_rank: int | None = None,
         reasoning_ended: bool | None = None,
         reasoning_parser_kwargs: dict[str, Any] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> OutputStream:
         """Stream one request's outputs: an async iterator of RequestOutput.
 
         The request is submitted when iteration starts. Each ``__anext__`` is
