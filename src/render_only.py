@@ -22,9 +22,9 @@ from .config import EngineConfig
 from .config_views import VllmConfigViews
 from .frontend.input_processor import InputProcessor
 from .frontend.renderer import PromptType, RenderedPrompt, Renderer
-from .protocol.client import EngineClient, PauseModeName, SupportedTask
+from .protocol.client import EngineClient, OutputStream, PauseModeName, SupportedTask
 from .protocol.errors import EngineDeadError
-from .protocol.outputs import PoolingRequestOutput, RequestOutput
+from .protocol.outputs import PoolingRequestOutput
 from .protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .tokenizer_loading import load_tokenizer
 from .vllm_config import VllmConfig
@@ -111,11 +111,16 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
             messages, add_generation_prompt=add_generation_prompt
         )
 
-    def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        await trio.lowlevel.checkpoint()
         return self.renderer.encode(text, add_special_tokens=add_special_tokens)
 
-    def detokenize(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        await trio.lowlevel.checkpoint()
         return self.renderer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.renderer.decode([token_id], skip_special_tokens=False)
 
     async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
         return ("render",)
@@ -150,7 +155,7 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         **_: Any,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> OutputStream:
         raise _no_model("generate")
 
     def encode(

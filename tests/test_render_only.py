@@ -14,8 +14,9 @@ from legato.protocol.errors import ValidationError
 async def test_renders_tokenizes_and_refuses_inference(toy_model_dir: Any) -> None:
     client = RenderOnlyClient(str(toy_model_dir))
     assert await client.get_supported_tasks() == ("render",)
-    ids = client.tokenize("héllo 世界 🙂")
-    assert client.detokenize(ids) == "héllo 世界 🙂"
+    ids = await client.tokenize("héllo 世界 🙂")
+    assert await client.detokenize(ids) == "héllo 世界 🙂"
+    assert client.token_text(ids[0]) == await client.detokenize(ids[:1], skip_special_tokens=False)
     chat = client.render_chat([{"role": "user", "content": "hi"}])
     assert chat["prompt"].endswith("<|im_start|>assistant\n")
     assert chat["prompt_token_ids"].count(client.tokenizer.bos_token_id) == 1
@@ -60,9 +61,9 @@ async def test_vllm_config_surface(toy_model_dir: Any) -> None:
     args = legato.EngineArgs(model=str(toy_model_dir), max_model_len=200)
     again = RenderOnlyClient.from_vllm_config(args.create_engine_config())
     assert again.model_config.max_model_len == 200 == again.renderer.max_model_len
-    assert again.tokenize("hello") == client.tokenize("hello")
+    assert await again.tokenize("hello") == await client.tokenize("hello")
     direct = RenderOnlyClient(args.create_engine_config())  # vLLM's __init__(vllm_config)
-    assert direct.renderer.max_model_len == 200 and direct.tokenize("hi") == client.tokenize("hi")
+    assert direct.renderer.max_model_len == 200 and await direct.tokenize("hi") == await client.tokenize("hi")
 
 
 async def test_input_and_io_processors_as_vllms(toy_model_dir: Any) -> None:
@@ -70,5 +71,5 @@ async def test_input_and_io_processors_as_vllms(toy_model_dir: Any) -> None:
     None, what vLLM's ``get_io_processor`` gives a model with no IO plugin."""
     client = RenderOnlyClient(str(toy_model_dir))
     request = client.input_processor.process_inputs("r", "hello", legato.SamplingParams())
-    assert request.prompt_token_ids == client.tokenize("hello")
+    assert request.prompt_token_ids == await client.tokenize("hello")
     assert client.io_processor is None

@@ -31,7 +31,8 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NotRequired, TypedDict
+from types import TracebackType
+from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 from .errors import EngineDeadError
 from .outputs import PoolingRequestOutput, RequestOutput
@@ -68,6 +69,24 @@ class StreamingInput:
     sampling_params: SamplingParams | None = None
 PauseModeName = Literal["abort", "wait", "keep"]
 SupportedTask = Literal["generate", "embed", "classify", "score", "encode", "render"]
+
+
+class OutputStream(Protocol):
+    """What :meth:`EngineClient.generate` returns: an async iterator of RequestOutput that
+    is also an async context manager (leaving it aborts an unfinished request)."""
+
+    def __aiter__(self) -> OutputStream: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def __aenter__(self) -> OutputStream: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -125,7 +144,7 @@ class EngineClient(abc.ABC):
         data_parallel_rank: int | None = None,
         reasoning_ended: bool | None = None,
         reasoning_parser_kwargs: dict[str, Any] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> OutputStream:
         """Stream one request's outputs: an async iterator of RequestOutput.
 
         The request is submitted when iteration starts. Each ``__anext__`` is
@@ -352,6 +371,23 @@ class EngineClient(abc.ABC):
     def model_info(self) -> ModelInfo:
         """The served model's name, context limit and special tokens."""
         raise _unsupported(self, "model_info", "this client serves no model")
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text`` with the base model's tokenizer. A checkpoint."""
+        raise _unsupported(self, "tokenize", "this client has no tokenizer")
+
+    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``; ValidationError (field ``prompt_token_ids``) for ids
+        outside the vocabulary. A checkpoint."""
+        raise _unsupported(self, "detokenize", "this client has no tokenizer")
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included. Not a checkpoint; cheap."""
+        raise _unsupported(self, "token_text", "this client has no tokenizer")
+
+    async def embedding_size(self) -> int:
+        """The length of the model's embedding vectors. A checkpoint."""
+        raise _unsupported(self, "embedding_size", "this client serves no model")
 
     def metrics_text(self) -> bytes:
         """The engine's metrics in Prometheus' text format."""

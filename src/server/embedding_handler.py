@@ -13,9 +13,11 @@ Imports trio; never torch.
 from __future__ import annotations
 
 import uuid
+from typing import cast
 
 import trio
 
+from ..protocol.client import PromptType
 from ..protocol.errors import ValidationError
 from ..protocol.params import LoRARequest, PoolingParams
 from .asgi import Request, send_json
@@ -73,7 +75,7 @@ async def embed_inputs(
         kwargs = tokenization_kwargs if isinstance(inputs[i], str) else None
         try:
             async for out in engine.encode(
-                inputs[i], params, engine_ids[i], lora, priority=priority,
+                cast("PromptType", inputs[i]), params, engine_ids[i], lora, priority=priority,
                 tokenization_kwargs=kwargs,
             ):  # fmt: skip
                 vectors[i] = out.outputs.embedding

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, TypeVar
 
 import trio
 
-from ..engine import RequestStream
+from ..protocol.client import OutputStream
 from ..protocol.errors import EngineDeadError, ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob, RequestOutput
 from ..protocol.params import LoRARequest, SamplingParams
@@ -96,7 +96,7 @@ class Job:
     """One engine request of an HTTP request (one prompt; ``n`` choices)."""
 
     prompt_index: int
-    stream: RequestStream
+    stream: OutputStream
     first: RequestOutput
     prompt_text: str = ""
     choices: dict[int, schemas.ChoiceState] = field(default_factory=dict)

@@ -10,7 +10,8 @@ ended.
 It serves either one ``AsyncEngine`` or a ``SupervisedEngine``
 (``legato.supervise``): then ``engine`` is always the current engine, and a
 dead one that is being replaced makes requests ``Unavailable`` with
-``code="engine_restarting"`` rather than ``"engine_dead"``.
+``code="engine_restarting"`` rather than ``"engine_dead"``. The front ends
+talk to ``engine`` through the ``EngineClient`` protocol only (it is typed so).
 
 Imports trio; never torch, never hypercorn or trio-websocket.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import trio
 
 from ..engine import AsyncEngine
+from ..protocol.client import EngineClient
 from ..protocol.errors import ValidationError
 from ..protocol.params import LoRARequest
 from ..supervise import SupervisedEngine
@@ -223,7 +225,7 @@ class ServingState:
         self.site_guard: SiteGuard = settings.site_guard
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> EngineClient:
         """The engine to use now (under supervision: the current one, maybe dead and restarting)."""
         if isinstance(self._source, SupervisedEngine):
             return self._source.engine
@@ -237,7 +239,7 @@ class ServingState:
     @property
     def aliases(self) -> frozenset[str]:
         """Model names a request may ask for: the served name and the engine's own."""
-        return frozenset({self.model_name, self.engine.model_name})
+        return frozenset({self.model_name, self.engine.model_info().name})
 
     @property
     def num_live(self) -> int:

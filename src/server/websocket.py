@@ -29,13 +29,14 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgpack
 import pydantic
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
+from ..protocol.client import PromptType
 from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
 from ..protocol.outputs import CompletionOutput, RequestOutput
 from ..protocol.params import LoRARequest, SamplingParams
@@ -538,7 +539,7 @@ class Connection:
                     assert isinstance(prompt, dict)
                     prompt, abort_asked = await self._render_chat(rid, request.messages, prompt)
                 stream = self.state.engine.generate(
-                    prompt,
+                    cast("PromptType", prompt),  # a text or a TokensPrompt dict
                     request.params,
                     engine_id,
                     priority=request.priority,

@@ -169,6 +169,9 @@ async def test_minimal_subclass_streams() -> None:
         ("get_weight_version", ()),
         ("remove_lora", (1,)),
         ("list_loras", ()),
+        ("tokenize", ("hi",)),
+        ("detokenize", ([1],)),
+        ("embedding_size", ()),
         ("render_chat_prompt", ([{"role": "user", "content": "hi"}],)),
     ],
 )
