@@ -129,7 +129,8 @@ async def run(args: argparse.Namespace) -> None:
             disable_log_stats=True,
             stat_loggers=[acceptance],
         ) as engine:
-            await measure(engine, prompts("chat", 1, tokenizer), 8)  # warm-up
+            for workload in ("edit", "chat"):  # warm-up: both prompt shapes, both batch sizes
+                await measure(engine, prompts(workload, args.streams, tokenizer), 16)
             for workload in ("edit", "chat"):
                 for n in (1, args.streams):
                     before = (acceptance.drafts, acceptance.tokens, acceptance.accepted)
