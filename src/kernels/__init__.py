@@ -5,7 +5,8 @@ six hot-path functions through the returned :class:`KernelSet`, whose members
 keep the reference signatures. Importing this package is cheap: it imports
 neither torch nor triton; the Triton modules (``attention``, ``kv_write``,
 ``norm``, ``rotary``, ``activation``) are imported only when the "triton"
-path is asked for, so ``TRITON_INTERPRET`` must be set before that first call
+path is asked for (``fused_moe``, the mixture-of-experts kernel, is imported by
+the MoE block itself on the Triton backend), so ``TRITON_INTERPRET`` must be set before that first call
 when the interpreter is wanted.
 """
 
