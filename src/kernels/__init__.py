@@ -6,9 +6,11 @@ keep the reference signatures. Importing this package is cheap: it imports
 neither torch nor triton; the Triton modules (``attention``, ``kv_write``,
 ``norm``, ``rotary``, ``activation``) are imported only when the "triton"
 path is asked for, so ``TRITON_INTERPRET`` must be set before that first call
-when the interpreter is wanted. ``quantized_matmul`` (weight-only matmul over
+when the interpreter is wanted. Two kernels sit outside the set and are imported
+by their callers directly: ``quantized_matmul`` (weight-only matmul over
 GGUF-quantized weights in the layout ``legato.models.quantized`` repacks them
-into) is imported by its caller directly; it is not part of the kernel set.
+into) and ``fused_moe`` (the mixture-of-experts kernel, imported by the MoE
+block on the Triton backend).
 """
 
 from __future__ import annotations

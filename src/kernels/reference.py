@@ -155,6 +155,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
 
 
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: ``out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``.
+
+    ``x`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows, then up rows); ``w2`` ``[E, H, I]``;
+    ``topk_weights`` / ``topk_ids`` ``[T, k]``. Each (token, slot) pair gathers its own
+    expert's weights (clear, not fast); fp32 math, result in ``x``'s dtype.
+    """
+    xf = x.float()
+    gate_up = torch.einsum("tkoh,th->tko", w13[topk_ids].float(), xf)
+    hidden = silu_and_mul(gate_up)
+    down = torch.einsum("tkhi,tki->tkh", w2[topk_ids].float(), hidden)
+    return (down * topk_weights.float().unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,

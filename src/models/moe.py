@@ -71,8 +71,14 @@ def grouped_experts(
     pair of matmuls per expert that has tokens (its tokens gathered, in expert order).
 
     ``x`` ``[T, H]``, ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``.
-    Reads the per-expert counts back to the host (one sync on a GPU).
+    The Triton backend runs :func:`legato.kernels.fused_moe.fused_moe` (two grouped-GEMM
+    launches over the pairs sorted by expert, no host sync); the others group on the
+    host, reading the per-expert counts back (one sync on a GPU).
     """
+    if backend.name == "triton":
+        from ..kernels.fused_moe import fused_moe  # imports triton: only on this path
+
+        return fused_moe(x, w13, w2, weights, experts)
     top_k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
