@@ -34,7 +34,12 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
+from ..protocol.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineGenerateError,
+    ValidationError,
+)
 from . import lora_routes
 from . import openai_handlers as handlers
 from .api_docs import DOCS_ROUTES
@@ -194,6 +199,8 @@ class OpenAIApp:
             error = HTTPError(503, exc.message, code=exc.code)
         except EngineDeadError as exc:
             error = HTTPError(503, f"the engine is dead: {exc}", code="engine_dead")
+        except EngineBusyError as exc:  # the engine's own admission bound: retry later
+            error = HTTPError(503, str(exc), code="server_busy")
         except EngineGenerateError as exc:
             error = HTTPError(500, str(exc), code="internal_error")
         except Exception as exc:

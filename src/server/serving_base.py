@@ -35,7 +35,7 @@ from typing import Any, ClassVar, TypeVar
 import trio
 
 from ..protocol.client import OutputStream
-from ..protocol.errors import EngineDeadError, ValidationError
+from ..protocol.errors import EngineBusyError, EngineDeadError, ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob, RequestOutput
 from ..protocol.params import LoRARequest, SamplingParams
 from . import openai_schemas as schemas
@@ -80,6 +80,8 @@ def stream_error(exc: BaseException) -> HTTPError:
     """What a started stream reports when it fails (the detail of a bug stays in the log)."""
     if isinstance(exc, EngineDeadError):
         return HTTPError(503, f"the engine is dead: {exc}", code="engine_dead")
+    if isinstance(exc, EngineBusyError):  # the engine's admission bound: retry later
+        return HTTPError(503, str(exc), code="server_busy")
     if isinstance(exc, ValidationError):  # the request's own input, found while generating
         return HTTPError(400, str(exc), param=exc.field, code="invalid_value")
     logger.error("a stream failed", exc_info=exc)

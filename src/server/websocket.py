@@ -37,7 +37,12 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 
 from ..protocol.client import PromptType
-from ..protocol.errors import EngineDeadError, EngineGenerateError, ValidationError
+from ..protocol.errors import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineGenerateError,
+    ValidationError,
+)
 from ..protocol.outputs import CompletionOutput, RequestOutput
 from ..protocol.params import LoRARequest, SamplingParams
 from .asgi import LONE_SURROGATE, HTTPError, bearer_token_ok, dumps, has_lone_surrogate
@@ -260,6 +265,8 @@ def request_error(
         return FrameError.invalid(in_terms(exc))
     if isinstance(exc, EngineDeadError):
         return FrameError("engine_dead", f"the engine is dead: {exc}")
+    if isinstance(exc, EngineBusyError):  # the engine's admission bound: retry later
+        return FrameError("server_busy", str(exc))
     if isinstance(exc, EngineGenerateError | ValueError):
         return FrameError("invalid_request", str(exc))
     logger.exception("request %s failed", engine_id)  # the detail stays in the server log

@@ -249,3 +249,33 @@ async def test_the_api_description_follows_the_api_key(engine: AsyncEngine) -> N
         page = await anon.get("/docs", headers={"authorization": "Bearer s3cret"})
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
         assert (await anon.get("/health")).status_code == 200
+
+
+async def test_the_engines_admission_bound_is_a_503_server_busy(toy_model_dir: Any) -> None:
+    """An engine holding ``max_live_requests`` refuses one more with EngineBusyError; the
+    server answers that request 503 ``server_busy`` (HTTP) or a ``server_busy`` frame
+    (WebSocket), not a 500, and serves again once the first request is done."""
+    from legato.engine import open_engine
+
+    from .conftest import ENGINE_ARGS
+
+    args = {**ENGINE_ARGS, "max_live_requests": 1}
+    async with open_engine(str(toy_model_dir), executor="inproc", **args) as engine:
+        async with serving(engine) as server:
+            async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": True}
+                async with client.stream("POST", "/v1/completions", json=body) as first:
+                    assert first.status_code == 200
+                    async for line in first.aiter_lines():
+                        if line.startswith("data: {"):
+                            break  # the first request is live in the engine now
+                    second = await client.post(
+                        "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+                    )
+                    assert_error(second, 503, "server_busy")
+                    async with open_websocket_url(server.ws_url + "/") as ws:
+                        frame = {"type": "generate", "request_id": "w", "prompt": "x"}
+                        await ws.send_message(json.dumps(frame))
+                        reply = json.loads(await ws.get_message())
+                        assert reply["type"] == "error" and reply["code"] == "server_busy", reply
+                await assert_still_serving(client)
