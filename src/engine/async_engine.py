@@ -5,8 +5,10 @@ under a ``Supervisor`` (``AsyncEngine._start``: the executor first, then the
 parts ``build_engine_parts`` wires, then the core, delivery, stats and
 heartbeat actors), yields the engine, and on exit shuts everything down and
 reaps the worker. The control calls (pause, sleep, LoRA, profile,
-``collective_rpc``) are ``EngineControls``; the config views are
-``VllmConfigViews``; a request's stream is ``RequestStream``.
+``collective_rpc``) are ``EngineControls``; the tokenizer's calls (tokenize,
+render a chat, model info) ``EngineTokenizerCalls``; the stat loggers'
+``EngineStatCalls``; the config views are ``VllmConfigViews``; a request's
+stream is ``RequestStream``.
 
 Never imports models, the worker side or torch at import time (``encode``
 imports torch in a thread, the first time).
@@ -41,25 +43,28 @@ from ..exception_groups import unwrap_single_error
 from ..frontend.input_processor import InputProcessor
 from ..frontend.renderer import PromptType
 from ..metrics.collector import StatLoggerArg, StatsCollector
-from ..metrics.logger_base import StatLoggerBase
 from ..protocol import messages as m
-from ..protocol.client import EngineClient, ModelInfo, StreamingInput, SupportedTask
+from ..protocol.client import EngineClient, StreamingInput
 from ..protocol.errors import EngineBusyError, EngineDeadError, ValidationError
 from ..protocol.inputs import EngineCoreRequest
 from ..protocol.outputs import PoolingOutput, PoolingRequestOutput
-from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams, check_lora_request
+from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams
 from ..serving_gc import tune_gc_for_serving
 from ..tokenizer_loading import load_tokenizer
 from ..vllm_config import EngineArgs, VllmConfig
 from .controls import EngineControls
 from .request_checks import check_pooling_params, check_request
 from .request_stream import RequestStream
+from .stat_calls import EngineStatCalls
+from .tokenizer_calls import EngineTokenizerCalls
 from .wiring import make_executor, resolve_model
 
 logger = logging.getLogger("legato.engine")
 
 
-class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
+class AsyncEngine(
+    EngineControls, EngineTokenizerCalls, EngineStatCalls, VllmConfigViews, EngineClient
+):
     """The engine as a trio-native ``EngineClient``: a facade over the front end
     (``Frontend``: rendering, output processing, request slots) and the engine
     core's actors. Build it with ``open_engine``."""
@@ -135,51 +140,6 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
         (nor data parallelism here, which EngineArgs refuses by name)."""
         parallel = vllm_config.parallel_config
         return parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1
-
-    @property
-    def stat_loggers(self) -> dict[str, StatLoggerBase]:
-        """vLLM's AsyncLLM attribute: the loggers by name ("prometheus", "logging", then
-        each custom one by its class name). Change them with ``add_logger`` /
-        ``remove_logger``."""
-        named: dict[str, StatLoggerBase] = {}
-        for one in self.stats.loggers:
-            if one is self.stats.prometheus:
-                name = "prometheus"
-            elif one is self.stats.log_line_logger:
-                name = "logging"
-            else:
-                name = type(one).__name__
-                while name in named:
-                    name += "_"
-            named[name] = one
-        return named
-
-    @property
-    def model_name(self) -> str:
-        return self.config.served_model_name or self.config.model or ""
-
-    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """The token ids of ``text`` (the base model's tokenizer). A checkpoint; a large
-        text is tokenized in the front end's offload thread. Works on a dead engine too."""
-        return await self.frontend.encode(text, add_special_tokens=add_special_tokens)
-
-    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
-        """The text of ``token_ids``; ValidationError (field ``prompt_token_ids``) for ids
-        outside the vocabulary. A checkpoint; many ids decode in the offload thread."""
-        return await self.frontend.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-    def token_text(self, token_id: int) -> str:
-        """The text of one token, special tokens included. Synchronous and cheap (one
-        token): for building logprob entries."""
-        return self.renderer.decode([token_id], skip_special_tokens=False)
-
-    def model_info(self) -> ModelInfo:
-        tokens = self.renderer.tokenizer.special_tokens_map.items()
-        special = {name: value for name, value in tokens if isinstance(value, str)}
-        return ModelInfo(self.model_name, self.config.max_model_len, special)
-
-    def metrics_text(self) -> bytes:
-        return self.stats.exposition()
 
     async def _start(self) -> None:
         config = self.config
@@ -395,33 +355,6 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
                 f"{self.config.max_live_requests}: retry once some have finished"
             )
 
-    async def render_chat_prompt(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """Chat messages as a ready prompt ``{"prompt", "prompt_token_ids"}`` for
-        ``generate``, rendered with the chat template (``chat_template``, else the
-        tokenizer's); ``tools`` and ``template_kwargs`` reach the template.
-
-        A checkpoint. A large chat renders in a worker thread, so it never
-        stalls other streams; cancelling the caller then drops the render (see
-        ``Frontend.render_chat_prompt``). Bad messages or a failing template
-        raise ValidationError naming the field. Works on a dead engine too: it
-        is the tokenizer's work only.
-        """
-        return await self.frontend.render_chat_prompt(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            tools=tools,
-            template_kwargs=template_kwargs,
-        )
-
     def _release(self, request_id: str, engine_id: str) -> None:
         """Forget a request whose stream has ended (only this one: not a later namesake)."""
         self.frontend.release(request_id, engine_id)
@@ -502,49 +435,12 @@ class AsyncEngine(EngineControls, VllmConfigViews, EngineClient):
             await trio.lowlevel.checkpoint()
         return self._embedding_size
 
-    async def get_tokenizer(self, lora_request: LoRARequest | None = None) -> Any:
-        """The tokenizer requests are rendered with. A checkpoint.
-
-        ``lora_request`` (vLLM's parameter) is accepted: an adapter runs with
-        the base model's tokenizer here (adapters that add tokens are not
-        served), so the answer is the same tokenizer. Anything but a
-        LoRARequest or None raises ValidationError.
-        """
-        if lora_request is not None:
-            check_lora_request(lora_request)
-        await trio.lowlevel.checkpoint()
-        return self.tokenizer
-
-    async def get_supported_tasks(self) -> tuple[SupportedTask, ...]:
-        """Generation and embeddings (pooled final hidden states) from the one model."""
-        await trio.lowlevel.checkpoint()
-        return ("generate", "embed")
-
     # -------------------------------------------------------------- health
 
     def _on_death(self, error: EngineDeadError) -> None:
         frontend: Frontend | None = getattr(self, "frontend", None)  # None: died starting
         if frontend is not None:
             frontend.fail_all(error)
-
-    async def do_log_stats(self, scheduler_outputs: Any = None, model_output: Any = None) -> None:
-        """Every stat logger's ``log()``; silent when ``disable_log_stats``. A checkpoint.
-
-        ``scheduler_outputs`` and ``model_output`` are vLLM's older parameters,
-        accepted and unused (the figures come from the engine's own steps)."""
-        self.stats.log()
-        await trio.lowlevel.checkpoint()
-
-    def add_logger(self, stat_logger: StatLoggerBase) -> None:
-        """Feed ``stat_logger`` the engine's figures from the next step on."""
-        self.stats.add(stat_logger)
-
-    def remove_logger(self, stat_logger: StatLoggerBase) -> None:
-        """Stop feeding ``stat_logger`` (a built-in one too); ValueError if unknown."""
-        self.stats.remove(stat_logger)
-
-    async def is_tracing_enabled(self) -> bool:
-        return False
 
     # ------------------------------------------------------------ testing
 
