@@ -24,12 +24,18 @@ from .executor import (
     WorkerFrames,
 )
 
+_STOPPED = "the in-process worker has stopped"
+
 
 class InprocExecutor(WorkerFrames):
     """The Worker in this process: one task serves frames in order, each in a worker thread.
 
     A frame whose handling raises ends the worker: that caller and every later
-    one get the WorkerDiedError, and ``on_failure`` is told it once.
+    one get the WorkerDiedError, and ``on_failure`` is told it once. ``run`` owns
+    the frames channel: once it ends (cancelled, or failed), frames still queued
+    and any submitted later fail with WorkerDiedError instead of waiting forever.
+    The channel is unbounded in type, bounded in use: the core waits on each
+    step's answer, so at most a step and a few control calls are queued.
     """
 
     def __init__(
@@ -65,21 +71,35 @@ class InprocExecutor(WorkerFrames):
         self.ready = worker.ready()
         task_status.started(self.ready)
         failure: WorkerDiedError | None = None  # the worker is not used after a failure
-        async for message, answer in self._frames:
-            if failure is not None:
-                answer.fail(failure)
-                continue
-            try:
-                answer.set(await trio.to_thread.run_sync(worker.handle, message))
-            except Exception as exc:
-                failure = WorkerDiedError(f"model runner failed: {type(exc).__name__}: {exc}")
-                answer.fail(failure)
-                if self.on_failure is not None:
-                    self.on_failure(failure)
+        try:
+            async for message, answer in self._frames:
+                if failure is not None:
+                    answer.fail(failure)
+                    continue
+                try:
+                    answer.set(await trio.to_thread.run_sync(worker.handle, message))
+                except Exception as exc:
+                    failure = WorkerDiedError(f"model runner failed: {type(exc).__name__}: {exc}")
+                    answer.fail(failure)
+                    if self.on_failure is not None:
+                        self.on_failure(failure)
+        finally:
+            # This loop owns the frames: once it ends, nothing waits on an answer forever.
+            self._frames_send.close()
+            stopped = failure or WorkerDiedError(_STOPPED)
+            while True:
+                try:
+                    _, answer = self._frames.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                answer.fail(stopped)
 
     def _submit(self, message: object) -> FrameAnswer:
         answer = FrameAnswer()
-        self._frames_send.send_nowait((message, answer))
+        try:
+            self._frames_send.send_nowait((message, answer))
+        except trio.ClosedResourceError:  # run() has ended
+            raise WorkerDiedError(_STOPPED) from None
         return answer
 
     def _send_unanswered(self, message: object) -> None:
