@@ -148,7 +148,8 @@ def test_gguf_file_matches_transformers(
 ) -> None:  # fmt: skip
     """The checkpoint written as GGUF (experts stacked per layer, as llama.cpp stores them):
     from an F32 file legato gives transformers' tokens on the checkpoint; from a Q8_0 file
-    its 2-D matrices stay quantized and the tokens equal the dequantized path's."""
+    its 2-D matrices and every expert (2-D slices of the 3-D tensors) stay quantized and
+    the tokens equal the dequantized path's."""
     from legato.config import EngineConfig
     from legato.models.runner import ModelRunner
     from legato.testing.gguf_files import write_gguf
@@ -173,5 +174,7 @@ def test_gguf_file_matches_transformers(
     q8 = write_gguf(ck.path, tmp_path / f"{case}-q8.gguf", tensor_type="Q8_0")
     kept, runner = generate(q8)
     assert runner.model.quantized_bytes() > 0
+    blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.quantized is not None and not b.w13.numel() for b in blocks)
     assert kept == generate(q8, gguf_dequantize=True)[0]
     assert all(len(set(t)) > 2 for t in kept)
