@@ -18,7 +18,11 @@
 norms) and Qwen2-MoE (q/k/v bias, shared expert) with it, and Mixtral through
 :mod:`legato.models.mixtral`, which only renames its tensors. Checkpoints store
 one tensor per expert and projection (``mlp.experts.<e>.gate_proj.weight``);
-they are copied into their slice of the stacked weight as they stream in.
+they are copied into their slice of the stacked weight as they stream in. A GGUF
+file's experts of a kept type stay quantized instead (:class:`QuantizedExperts`,
+one 2-D weight per expert and projection). On the Triton backend the routed
+experts run as :func:`legato.kernels.fused_moe.fused_moe` (one grouped GEMM per
+projection, no host sync); the other backends group on the host.
 
 Tensor parallelism shards within each expert (each rank holds its slice of every
 expert's intermediate dimension, like the dense MLP; the router is whole): see
@@ -185,7 +189,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         filled_elsewhere: Collection[str] = (),
     ) -> None:
         """As :meth:`LlamaForCausalLM.load_weights`; each expert's tensors go into their
-        slice of the stacked weights (quantized ones dequantized)."""
+        slice of the stacked weights, or, quantized (a GGUF file on one CPU rank), are kept so
+        when every expert of the block came quantized (see :meth:`_keep_experts_quantized`)."""
         params = dict(self.named_parameters())
         expected: dict[str, int] = {}  # stacked parameter -> rows or slices to fill
         for name, param in params.items():
