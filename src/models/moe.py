@@ -193,9 +193,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         when every expert of the block came quantized (see :meth:`_keep_experts_quantized`)."""
         params = dict(self.named_parameters())
         expected: dict[str, int] = {}  # stacked parameter -> rows or slices to fill
-        for name, param in params.items():
+        for name in params:
             if name.endswith((".w13", ".w2")):
-                expected[name] = param.shape[0] * (2 if name.endswith(".w13") else 1)
+                experts = self._full_shapes[name][0]  # (its storage may be released)
+                expected[name] = experts * (2 if name.endswith(".w13") else 1)
             elif ".shared_expert.gate_up_proj." in name:
                 expected[name] = 2
         filled = dict.fromkeys(expected, 0)

@@ -149,7 +149,7 @@ def test_gguf_file_matches_transformers(
     """The checkpoint written as GGUF (experts stacked per layer, as llama.cpp stores them):
     from an F32 file legato gives transformers' tokens on the checkpoint; from a Q8_0 file
     its 2-D matrices and every expert (2-D slices of the 3-D tensors) stay quantized and
-    the tokens equal the dequantized path's."""
+    the tokens equal the dequantized path's, also after a level-2 sleep and wake-up."""
     from legato.config import EngineConfig
     from legato.models.runner import ModelRunner
     from legato.testing.gguf_files import write_gguf
@@ -158,10 +158,12 @@ def test_gguf_file_matches_transformers(
     ck = make_checkpoint(kind, **overrides)
     prompts = _prompts([6, 21], seed=63)
 
-    def generate(path: Any, **engine: Any) -> tuple[list[list[int]], ModelRunner]:
+    def generate(
+        path: Any, runner: ModelRunner | None = None, **engine: Any
+    ) -> tuple[list[list[int]], ModelRunner]:
         config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
                               **engine)  # fmt: skip
-        runner = ModelRunner(config)
+        runner = runner or ModelRunner(config)
         sched = mini_scheduler(runner)
         for i, prompt in enumerate(prompts):
             sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
@@ -177,4 +179,9 @@ def test_gguf_file_matches_transformers(
     blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(b.quantized is not None and not b.w13.numel() for b in blocks)
     assert kept == generate(q8, gguf_dequantize=True)[0]
+    runner.sleep(2)  # weights dropped, then read again from the file: the experts too
+    assert runner.model.quantized_bytes() == 0
+    runner.wake_up()
+    assert all(b.quantized is not None for b in blocks)
+    assert generate(q8, runner)[0] == kept
     assert all(len(set(t)) > 2 for t in kept)
