@@ -185,3 +185,38 @@ def test_gguf_file_matches_transformers(
     assert all(b.quantized is not None for b in blocks)
     assert generate(q8, runner)[0] == kept
     assert all(len(set(t)) > 2 for t in kept)
+
+
+def test_partly_quantized_experts_are_dequantized_into_place(
+    make_checkpoint: Callable[..., Any], tmp_path: Any
+) -> None:
+    """A block whose experts came partly dense (one expert's up_proj) computes from its
+    stacked weights, the quantized experts dequantized into them; a block whose experts
+    all came quantized keeps them so; both blocks give the same outputs."""
+    from legato.models.gguf_checkpoint import iter_gguf_quantized, open_gguf
+    from legato.models.quantized import QuantizedWeight
+    from legato.testing.gguf_files import write_gguf
+
+    kind, overrides = GGUF_CASES["qwen3_moe"]
+    ck = make_checkpoint(kind, **overrides)
+    q8 = write_gguf(ck.path, tmp_path / "q8.gguf", tensor_type="Q8_0")
+    model_class, cfg = resolve_architecture(load_model_config(ck.path))
+    weights = list(iter_gguf_quantized(open_gguf(q8)))
+    dense_name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    mixed_weights = [
+        (n, w.dequantize() if n == dense_name and isinstance(w, QuantizedWeight) else w)
+        for n, w in weights
+    ]
+    assert any(n == dense_name for n, _ in weights)
+    models = []
+    for source in (weights, mixed_weights):
+        model = model_class(cfg, select_backend("torch", torch.device("cpu")), torch.float32,
+                            torch.device("cpu"), 64)  # fmt: skip
+        model.load_weights(source)
+        models.append(model)
+    kept, mixed = (m.model.layers[1].mlp for m in models)
+    assert kept.quantized is not None and not kept.w13.numel()
+    assert mixed.quantized is None and mixed.w13.numel()
+    assert models[1].model.layers[0].mlp.quantized is not None  # the other block: all quantized
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(mixed(x), kept(x), rtol=1e-4, atol=1e-4)
