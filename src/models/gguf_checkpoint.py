@@ -23,7 +23,7 @@ llama.cpp stores no ``query_pre_attn_scalar``: like llama.cpp, the scale is
 ``hidden / heads``. A mixture of experts stores each layer's
 experts as one 3-D tensor per projection (``ffn_gate_exps`` ``[E, I, H]``);
 they come out one expert at a time under the Hugging Face per-expert names,
-dequantized (only 2-D matrices stay quantized). Tensor types: those in
+each a 2-D quantized slice when kept quantized (else dequantized). Tensor types: those in
 :data:`SUPPORTED_TYPES`. Anything else, and any unreadable, truncated or corrupt
 file, is a :class:`~legato.protocol.errors.ModelLoadError` whose one-line
 message names the file (and the tensor, where one is at fault).
@@ -410,6 +410,12 @@ def iter_gguf_quantized(
             continue
         kind = tensor.tensor_type.name
         if "{}" in name:  # every expert's projection in one [E, rows, cols] tensor
+            if keep_quantized and kind in KEPT_TYPES:  # one 2-D quantized slice per expert
+                cols, rows, count = (int(d) for d in tensor.shape.tolist())
+                raw = np.asarray(tensor.data).reshape(count, rows, -1)
+                for expert in range(count):
+                    yield name.format(expert), from_gguf(raw[expert], kind, rows, cols)
+                continue
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             for expert in range(array.shape[0]):
                 yield name.format(expert), torch.from_numpy(np.array(array[expert], copy=True))

@@ -148,7 +148,8 @@ def test_gguf_file_matches_transformers(
 ) -> None:  # fmt: skip
     """The checkpoint written as GGUF (experts stacked per layer, as llama.cpp stores them):
     from an F32 file legato gives transformers' tokens on the checkpoint; from a Q8_0 file
-    its 2-D matrices stay quantized and the tokens equal the dequantized path's."""
+    its 2-D matrices and every expert (2-D slices of the 3-D tensors) stay quantized and
+    the tokens equal the dequantized path's, also after a level-2 sleep and wake-up."""
     from legato.config import EngineConfig
     from legato.models.runner import ModelRunner
     from legato.testing.gguf_files import write_gguf
@@ -157,10 +158,12 @@ def test_gguf_file_matches_transformers(
     ck = make_checkpoint(kind, **overrides)
     prompts = _prompts([6, 21], seed=63)
 
-    def generate(path: Any, **engine: Any) -> tuple[list[list[int]], ModelRunner]:
+    def generate(
+        path: Any, runner: ModelRunner | None = None, **engine: Any
+    ) -> tuple[list[list[int]], ModelRunner]:
         config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
                               **engine)  # fmt: skip
-        runner = ModelRunner(config)
+        runner = runner or ModelRunner(config)
         sched = mini_scheduler(runner)
         for i, prompt in enumerate(prompts):
             sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
@@ -173,5 +176,47 @@ def test_gguf_file_matches_transformers(
     q8 = write_gguf(ck.path, tmp_path / f"{case}-q8.gguf", tensor_type="Q8_0")
     kept, runner = generate(q8)
     assert runner.model.quantized_bytes() > 0
+    blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks and all(b.quantized is not None and not b.w13.numel() for b in blocks)
     assert kept == generate(q8, gguf_dequantize=True)[0]
+    runner.sleep(2)  # weights dropped, then read again from the file: the experts too
+    assert runner.model.quantized_bytes() == 0
+    runner.wake_up()
+    assert all(b.quantized is not None for b in blocks)
+    assert generate(q8, runner)[0] == kept
     assert all(len(set(t)) > 2 for t in kept)
+
+
+def test_partly_quantized_experts_are_dequantized_into_place(
+    make_checkpoint: Callable[..., Any], tmp_path: Any
+) -> None:
+    """A block whose experts came partly dense (one expert's up_proj) computes from its
+    stacked weights, the quantized experts dequantized into them; a block whose experts
+    all came quantized keeps them so; both blocks give the same outputs."""
+    from legato.models.gguf_checkpoint import iter_gguf_quantized, open_gguf
+    from legato.models.quantized import QuantizedWeight
+    from legato.testing.gguf_files import write_gguf
+
+    kind, overrides = GGUF_CASES["qwen3_moe"]
+    ck = make_checkpoint(kind, **overrides)
+    q8 = write_gguf(ck.path, tmp_path / "q8.gguf", tensor_type="Q8_0")
+    model_class, cfg = resolve_architecture(load_model_config(ck.path))
+    weights = list(iter_gguf_quantized(open_gguf(q8)))
+    dense_name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    mixed_weights = [
+        (n, w.dequantize() if n == dense_name and isinstance(w, QuantizedWeight) else w)
+        for n, w in weights
+    ]
+    assert any(n == dense_name for n, _ in weights)
+    models = []
+    for source in (weights, mixed_weights):
+        model = model_class(cfg, select_backend("torch", torch.device("cpu")), torch.float32,
+                            torch.device("cpu"), 64)  # fmt: skip
+        model.load_weights(source)
+        models.append(model)
+    kept, mixed = (m.model.layers[1].mlp for m in models)
+    assert kept.quantized is not None and not kept.w13.numel()
+    assert mixed.quantized is None and mixed.w13.numel()
+    assert models[1].model.layers[0].mlp.quantized is not None  # the other block: all quantized
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(mixed(x), kept(x), rtol=1e-4, atol=1e-4)
