@@ -156,7 +156,11 @@ class DecodeStack:
         """Whether ``model`` with these caches can run its decode steps here."""
         cfg = model.config
         if not (
-            cpu_kernels.available()
+            # A model class opts in by its own declaration, never by inheritance: the
+            # subclasses of Llama (MoE blocks, Gemma's norms and GeGLU, Phi-3's partial
+            # rotary) compute what the native stack does not.
+            vars(type(model)).get("native_decode_stack", False)
+            and cpu_kernels.available()
             and model.dtype == torch.float32
             and getattr(model.backend, "native", False)
             and not (cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias or cfg.qk_norm)

@@ -127,6 +127,9 @@ class LlamaForCausalLM(nn.Module):
 
     layer_class: type[nn.Module] = DecoderLayer
     graph_capturable = True  # its forward may be captured in a CUDA graph
+    # Its decode steps may run as one native call (decode_stack). Read from this class's
+    # own namespace, never inherited: a family whose layers differ does not opt in.
+    native_decode_stack = True
 
     def __init__(
         self,

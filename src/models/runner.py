@@ -19,11 +19,7 @@ Never imports trio. Sets no global torch state (threads, default dtype, grad mod
 
 from __future__ import annotations
 
-import gc
 import logging
-import resource
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,74 +37,28 @@ from ..protocol.messages import (
 )
 from ..protocol.params import LoRARequest
 from ..structured.mask import step_bitmask
-from .attention_backend import AttentionMetadata, select_backend
+from .attention_backend import select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
-from .cpu_linear import pack_linears, unpack_linears
-from .cuda_graphs import CaptureMode, DecodeGraphRunner, capture_sizes, wants_decode_graphs
+from .cpu_linear import pack_linears
+from .cuda_graphs import CaptureMode, DecodeGraphRunner, wants_decode_graphs
 from .gguf_checkpoint import gguf_weights_file
 from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
-from .loader import fill_weights, load_model
+from .loader import load_model
 from .lora import RunnerLoRA
 from .pooling import Pooler
 from .registry import resolve_architecture
+from .runner_memory import RunnerMemory
 from .sampler import SamplingMetadata, sample, token_logprobs
 from .spec_decode import SpecDecoder, logits_rows, place_drafts
+from .step_metadata import build_metadata
 
 if TYPE_CHECKING:  # imported by the rank workers only: it needs torch.distributed
     from .tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_BUDGET = 1 << 30  # bytes for the KV cache on CPU when nothing says otherwise
-_CUDA_MEMORY_FRACTION = 0.9  # of the free GPU memory, after weights and activations
 _PROMPT_LOGPROBS_CHUNK = 512  # rows of prompt logits materialised at a time
-
-
-def build_metadata(
-    starts: np.ndarray,
-    q_lens: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    device: torch.device,
-) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
-    """Flat-batch metadata for sequences computing ``q_lens`` tokens from ``starts``.
-
-    ``block_table`` ``[S, >= needed]`` holds each sequence's blocks. Sequences
-    with ``q_len == 1`` must come first. Returns the metadata plus, per token,
-    its sequence index and position (host arrays).
-    """
-    num_seqs = len(q_lens)
-    cu = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    num_tokens = int(cu[-1])
-    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-    positions = np.arange(num_tokens, dtype=np.int64) + (starts - cu[:-1])[seq_of_token]
-    ends = starts + q_lens
-    max_seq_len = int(ends.max()) if num_seqs else 0
-    table = np.ascontiguousarray(block_table[:, : -(-max_seq_len // block_size)], dtype=np.int32)
-    slots = table[seq_of_token, positions // block_size].astype(np.int64) * block_size + (
-        positions % block_size
-    )
-    num_decodes = int(np.count_nonzero(q_lens == 1))
-
-    def t(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(x).to(device, non_blocking=True)
-
-    meta = AttentionMetadata(
-        positions=t(positions),
-        slot_mapping=t(slots),
-        block_tables=t(table),
-        seq_lens=t(ends.astype(np.int32)),
-        query_start_loc=t(cu.astype(np.int32)),
-        seq_lens_host=ends.tolist(),
-        query_start_loc_host=cu.tolist(),
-        num_decodes=num_decodes,
-        max_query_len=int(q_lens.max()) if num_seqs else 0,
-        max_seq_len=max_seq_len,
-        block_size=block_size,
-    )
-    return meta, seq_of_token, positions
 
 
 def _no_rows() -> np.ndarray:
@@ -135,7 +85,7 @@ class StepForward:
     drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
-class ModelRunner:
+class ModelRunner(RunnerMemory):
     """Loads ``config.model`` and runs scheduler steps on it.
 
     Attributes (fixed after construction): ``num_kv_blocks``, ``max_model_len``
@@ -275,74 +225,6 @@ class ModelRunner:
             logger.info("backend %r is not graph-safe: decode runs eagerly", self.backend.name)
 
     # ------------------------------------------------------------ sizing
-
-    def _count_kv_blocks(self, wanted_len: int) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-        elif self.device.type == "cuda":
-            activations = int(self.profile_run()["activation_bytes"])
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * _CUDA_MEMORY_FRACTION) - activations
-        else:
-            needed = -(-wanted_len // self.block_size) * cfg.max_num_seqs * self.kv_block_bytes
-            budget = min(_CPU_KV_BUDGET, needed)
-        blocks = budget // self.kv_block_bytes
-        if blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory: {budget} bytes cannot hold one KV block "
-                f"({self.kv_block_bytes} bytes)"
-            )
-        return int(blocks)
-
-    def _allocate_kv_cache(self) -> list[KVCache]:
-        mcfg = self.model_config
-        shape = (self.num_kv_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(mcfg.num_layers)
-        ]
-
-    # ------------------------------------------------------- decode graphs
-
-    def capture_decode_graphs(
-        self, sizes: Sequence[int] | None = None, *, mode: CaptureMode = "cuda"
-    ) -> None:
-        """Capture the decode forward at ``sizes`` (default :func:`capture_sizes` of
-        ``max_num_seqs``); from then on pure-decode steps that fit replay them.
-
-        ``mode="emulate"`` (tests, CPU) records the forward over the static
-        buffers and replays it eagerly. Raises ``ValueError`` for a backend that
-        is not graph-safe and ``RuntimeError`` when a CUDA capture fails.
-        Recaptured by :meth:`wake_up` after a :meth:`sleep`. Blocks while capturing.
-        """
-        chosen = list(sizes) if sizes is not None else capture_sizes(self.config.max_num_seqs)
-        self.decode_graphs = None
-        graphs = DecodeGraphRunner(
-            self.model,
-            self.kv_caches,
-            sizes=chosen,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            device=self.device,
-            mode=mode,
-        )
-        try:
-            graphs.capture()
-        except Exception as exc:
-            if mode != "cuda":
-                raise
-            raise RuntimeError(
-                f"capturing the decode CUDA graphs failed ({exc}); "
-                "enforce_eager=True runs without them"
-            ) from exc
-        self.decode_graphs = graphs
-        self._graph_settings = (mode, graphs.sizes)
 
     # ------------------------------------------------------------- steps
 
@@ -646,145 +528,6 @@ class ModelRunner:
     # ------------------------------------------------------ memory, sleep
 
     @torch.inference_mode()
-    def profile_run(self) -> dict[str, Any]:
-        """A dummy forward + sample at ``max_num_batched_tokens``; returns figures.
-
-        Uses a scratch KV cache, so the real cache is untouched. Keys:
-        ``num_tokens``, ``num_seqs``, ``seconds``, ``weights_bytes``,
-        ``kv_cache_bytes``, ``kv_block_bytes``, ``activation_bytes`` (CUDA:
-        measured peak above the baseline; CPU: estimate from the shapes),
-        ``peak_memory_bytes`` (CUDA: allocator peak; CPU: process peak RSS).
-        """
-        if getattr(self, "_weights_state", "loaded") != "loaded":
-            raise RuntimeError("the model runner is asleep: call wake_up() first")
-        cfg, mcfg = self.config, self.model_config
-        max_len = getattr(self, "max_model_len", None) or mcfg.max_position_embeddings
-        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-        per_seq = min(max_len, -(-cfg.max_num_batched_tokens // num_seqs))
-        q_lens = np.full(num_seqs, per_seq, dtype=np.int64)
-        blocks_per_seq = -(-per_seq // self.block_size)
-        table = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)
-        shape = (num_seqs * blocks_per_seq, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
-        is_cuda = self.device.type == "cuda"
-        if is_cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            baseline = torch.cuda.memory_allocated(self.device)
-        scratch = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(mcfg.num_layers)
-        ]
-        starts = np.zeros(num_seqs, dtype=np.int64)
-        order = np.argsort(q_lens != 1, kind="stable")
-        meta, seq_of_token, _ = build_metadata(
-            starts[order], q_lens[order], table[order], self.block_size, self.device
-        )
-        ids = torch.zeros(len(seq_of_token), dtype=torch.long, device=self.device)
-        began = time.perf_counter()
-        hidden = self.model(ids, scratch, meta)
-        last = torch.tensor(meta.query_start_loc_host[1:], device=self.device) - 1
-        logits = self.model.compute_logits(hidden.index_select(0, last))
-        torch.softmax(logits.float(), dim=-1).argmax(dim=-1).tolist()
-        seconds = time.perf_counter() - began
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        weights += getattr(self, "_packed_bytes", 0)
-        scratch_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in scratch)
-        if is_cuda:
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            activation = max(0, peak - baseline - scratch_bytes)
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            width = max(mcfg.hidden_size * 4, 2 * mcfg.intermediate_size)
-            activation = len(seq_of_token) * width * 4 + num_seqs * mcfg.vocab_size * 4 * 3
-        del scratch, hidden, logits
-        return {
-            "num_tokens": len(seq_of_token),
-            "num_seqs": num_seqs,
-            "seconds": seconds,
-            "weights_bytes": weights,
-            "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
-            if getattr(self, "kv_caches", None)
-            else 0,
-            "kv_block_bytes": self.kv_block_bytes,
-            "activation_bytes": int(activation),
-            "peak_memory_bytes": int(peak),
-        }
-
-    @property
-    def sleeping(self) -> bool:
-        """True while the KV cache or the weights are not in place."""
-        return not self.kv_caches or self._weights_state != "loaded"
-
-    @torch.inference_mode()
-    def sleep(self, level: int = 1) -> None:
-        """Free memory: level 1 drops the KV cache (and offloads weights to CPU on CUDA);
-        level 2 also drops the weights (reloaded from disk by :meth:`wake_up`).
-
-        The KV contents are lost either way; held request state is kept (the
-        scheduler decides what to do with running requests).
-        """
-        if level not in (1, 2):
-            raise ValueError(f"level: must be 1 or 2, got {level!r}")
-        self.decode_graphs = None  # they hold the cache and weight addresses
-        self.kv_caches = []
-        if level == 2:
-            unpack_linears(self.model)
-            self.model.drop_quantized()
-            self._packed_bytes = 0
-            for param in self.model.parameters():
-                param.data = torch.empty(0, dtype=self.dtype, device=self.device)
-            self._weights_state = "dropped"
-        elif self.device.type != "cpu" and self._weights_state == "loaded":
-            for param in self.model.parameters():
-                param.data = param.data.to("cpu")
-            self._weights_state = "offloaded"
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    @torch.inference_mode()
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what :meth:`sleep` freed: ``tags`` None = everything, else a
-        subset of ``"weights"`` and ``"kv_cache"``. The KV cache comes back zeroed.
-        """
-        wanted = set(tags) if tags is not None else {"weights", "kv_cache"}
-        unknown = wanted - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"tags: unknown tag(s) {sorted(unknown)}; expected weights, kv_cache")
-        if "weights" in wanted and self._weights_state == "dropped":
-            params = dict(self.model.named_parameters())
-            for name, param in params.items():
-                param.data = torch.empty(
-                    self._param_shapes[name], dtype=self.dtype, device=self.device
-                )
-            if self.parallel is None:
-                fill_weights(self.model, self.model_dir, keep_quantized=self._keep_quantized)
-                self.model.set_int8_max_rows(1 if self.config.gguf_activations == "int8" else 0)
-            else:
-                self.parallel.fill_weights(self.model, self.model_dir, self._checkpoint_config)
-            self._packed_bytes = pack_linears(self.model)
-            self._weights_state = "loaded"
-        elif "weights" in wanted and self._weights_state == "offloaded":
-            for param in self.model.parameters():
-                param.data = param.data.to(self.device)
-            self._weights_state = "loaded"
-        if "kv_cache" in wanted and not self.kv_caches:
-            self.kv_caches = self._allocate_kv_cache()
-        if not self.sleeping and self.decode_graphs is None and self._graph_settings is not None:
-            mode, sizes = self._graph_settings
-            self.capture_decode_graphs(sizes, mode=mode)
-
-    @torch.inference_mode()
-    def reset_kv_cache(self) -> None:
-        """Zero every KV block (the contents of the prefix cache are gone)."""
-        for key_cache, value_cache in self.kv_caches:
-            key_cache.zero_()
-            value_cache.zero_()
-
     # ------------------------------------------------------------- LoRA
 
     def _lora(self) -> RunnerLoRA:

@@ -14,7 +14,7 @@ from legato.kernels import get_kernels, triton_available
 from legato.models.attention_backend import KernelBackend, select_backend
 from legato.models.config import load_model_config
 from legato.models.loader import build_model, fill_weights
-from legato.models.runner import build_metadata
+from legato.models.step_metadata import build_metadata
 
 HOT_PATHS = (
     "write_kv",

@@ -15,7 +15,7 @@ from legato.models.attention_backend import select_backend
 from legato.models.config import load_model_config, resolve_dtype
 from legato.models.loader import load_model, safetensors_files
 from legato.models.registry import resolve_architecture, supported_architectures
-from legato.models.runner import build_metadata
+from legato.models.step_metadata import build_metadata
 
 CPU = torch.device("cpu")
 
