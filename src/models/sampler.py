@@ -159,7 +159,10 @@ def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # Keep the target strictly below the row's mass, so that a token of positive mass
     # always lies above it (u = 1, or u * total rounded up).
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).view(-1)
+    # A row of NaN mass (logits a hostile temperature overflowed) finds no place and would
+    # come back as V, an id past the vocabulary that kills the next step's embedding:
+    # clamp, as the exponential race's argmax stayed in range on such a row.
+    return torch.searchsorted(cdf, target, right=True).view(-1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

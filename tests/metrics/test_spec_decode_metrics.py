@@ -15,9 +15,9 @@ def step(t: float, drafts: int, tokens: int, accepted: int, per_pos: list[int]) 
 
 def test_prometheus_has_vllms_spec_decode_series() -> None:
     logger = PrometheusStatLogger("m", vllm_names=True)
-    logger.record(step(1.0, 2, 6, 4, [2, 1, 1]))
-    logger.record(step(2.0, 1, 3, 1, [1, 0, 0]))
-    logger.record(StepStats(timestamp=3.0, scheduler=SchedulerStats()))  # nothing verified
+    logger.record_step(step(1.0, 2, 6, 4, [2, 1, 1]))
+    logger.record_step(step(2.0, 1, 3, 1, [1, 0, 0]))
+    logger.record_step(StepStats(timestamp=3.0, scheduler=SchedulerStats()))  # nothing verified
     text = logger.exposition().decode()
     for prefix in ("vllm:", "legato:"):
         assert f'{prefix}spec_decode_num_drafts_total{{model_name="m"}} 3.0' in text
@@ -33,8 +33,8 @@ def test_prometheus_has_vllms_spec_decode_series() -> None:
 def test_log_line_reports_acceptance_over_the_interval() -> None:
     logger = LoggingStatLogger(interval=10.0)
     assert logger.spec_line(now=0.0) is None
-    logger.record(step(1.0, 2, 6, 3, [2, 1, 0]))
-    logger.record(step(2.0, 2, 6, 3, [2, 1, 0]))
+    logger.record_step(step(1.0, 2, 6, 3, [2, 1, 0]))
+    logger.record_step(step(2.0, 2, 6, 3, [2, 1, 0]))
     line = logger.spec_line(now=3.0)
     assert line == (
         "SpecDecoding metrics: Mean acceptance length: 2.50, Accepted: 6 tokens, "

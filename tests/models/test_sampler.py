@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from legato.models.input_batch import InputBatch
-from legato.models.sampler import apply_penalties, inverse_transform, sample
+from legato.models.sampler import apply_penalties, inverse_transform, random_sample, sample
 from legato.protocol.messages import CachedRequestData, NewRequestData, RunnerSamplingParams
 from legato.protocol.params import SamplingParams
 
@@ -270,3 +270,11 @@ def test_top_k_rows_beside_rows_without_it() -> None:
             seen[i].add(t)
     assert seen[0] == {0, 1}
     assert len(seen[1]) >= 5 and len(seen[2]) >= 5
+
+
+def test_a_row_of_nan_mass_still_draws_a_token_inside_the_vocabulary() -> None:
+    """A hostile temperature can overflow a row's logits into NaN; the draw must stay a
+    token id the next step can embed (it once came back as V and killed the worker)."""
+    probs = torch.tensor([[float("nan")] * 5, [0.1, 0.2, 0.3, 0.2, 0.2]])
+    drawn = random_sample(probs, {}, torch.Generator().manual_seed(0))
+    assert 0 <= int(drawn[0]) < 5 and 0 <= int(drawn[1]) < 5

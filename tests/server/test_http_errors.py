@@ -278,4 +278,7 @@ async def test_the_engines_admission_bound_is_a_503_server_busy(toy_model_dir: A
                         await ws.send_message(json.dumps(frame))
                         reply = json.loads(await ws.get_message())
                         assert reply["type"] == "error" and reply["code"] == "server_busy", reply
+                # The first stream's end reaches the core through its one-slot inbox:
+                # once the engine is idle, a request is admitted again.
+                await engine.wait_until_idle()
                 await assert_still_serving(client)

@@ -58,13 +58,16 @@ async def engine(toy_model_dir: Path) -> AsyncIterator[AsyncEngine]:
 
 
 async def texts(engine: AsyncEngine, prompt: str, params: SamplingParams, rid: str) -> list[str]:
-    """The final text of each of the request's choices."""
+    """The final text of each of the request's choices. With n>1 a CUMULATIVE output
+    carries the choices that advanced in its step (vLLM's way), so they are folded by index."""
     final = None
+    by_index: dict[int, str] = {}
     async with engine.generate(prompt, params, rid) as stream:
         async for out in stream:
             final = out
+            by_index.update((c.index, c.text) for c in out.outputs)
     assert final is not None and final.finished
-    return [c.text for c in sorted(final.outputs, key=lambda c: c.index)]
+    return [by_index[i] for i in sorted(by_index)]
 
 
 def count_preemptions(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
