@@ -139,7 +139,7 @@ class EngineConfig:
     vllm_metric_names: bool = False
     profile_dir: str | None = None
     max_logprobs: int = 20
-    # Tensor parallelism (legato.distributed): one worker process per rank in a
+    # Tensor parallelism (legato.workers.rank_worker): one worker process per rank in a
     # torch.distributed group (gloo on CPU, NCCL on CUDA), ranks split evenly over
     # ``nnodes`` hosts; the engine runs on node 0, other nodes run ``legato worker``.
     tensor_parallel_size: int = 1
