@@ -27,15 +27,15 @@ from typing import Any
 from ..protocol.errors import ValidationError
 from ..protocol.outputs import CompletionOutput
 from ..protocol.params import LoRARequest, SamplingParams
+from .agent_prompt import plan_and_render
 from .asgi import Request, send_json
 from .chat_outputs import ChoiceReader
 from .lora_routes import select_model
 from .messages_protocol import RENAMES, MessagesRequest, tool_input
 from .openai_protocol import parse_request
-from .openai_schemas import in_request_terms
 from .serving_base import Job, SSEEvent, StreamingGeneration, stream_error
 from .state import ServingState
-from .tool_choice import ToolPlan, plan_tools
+from .tool_choice import ToolPlan
 
 
 class ContentBlocks:
@@ -240,29 +240,15 @@ async def _prepare(
     tools_in, choice, parallel = typed.chat_tools()
     if count_only:  # the tools reach the template; no output is read
         choice = "none"
-    try:
-        tools = plan_tools(
-            tools_in, choice, parallel_tool_calls=parallel, auto_parser=settings.auto_tool_parser
-        )
-    except ValidationError as exc:
-        raise exc.renamed(exc.field.replace("tool_choice.function.", "tool_choice.")) from None
-    constraint = typed.output_constraint()
-    if tools.constraint is not None:
-        if constraint is not None:
-            raise ValidationError("tool_choice", "cannot be combined with output_config.format")
-        constraint = tools.constraint
-    renames = dict(RENAMES)
-    for index in range(len(typed.tools or ())):  # the chat shape's paths, back in this API's
-        renames[f"tools[{index}].function.parameters"] = f"tools[{index}].input_schema"
-    try:  # the range checks, before rendering anything
-        params = typed.to_sampling_params(constraint)
-    except ValidationError as exc:
-        raise in_request_terms(exc, renames) from None
-    rendered = await state.engine.render_chat_prompt(
-        typed.chat_messages(),
-        add_generation_prompt=True,
-        chat_template=settings.chat_template,
-        tools=tools.template_tools,
+    tools, rendered, params, renames = await plan_and_render(
+        state,
+        typed,
+        tools_in,
+        choice,
+        parallel,
+        renames=RENAMES,
+        format_field="output_config.format",
+        parameters_field="input_schema",
     )
     return typed, tools, rendered, params, renames, lora
 

@@ -27,18 +27,17 @@ import time
 import uuid
 from typing import Any
 
-from ..protocol.errors import ValidationError
 from ..protocol.outputs import CompletionOutput
 from ..protocol.params import LoRARequest, SamplingParams
+from .agent_prompt import plan_and_render
 from .asgi import Request
 from .chat_outputs import ChoiceReader
 from .lora_routes import select_model
 from .openai_protocol import parse_request
-from .openai_schemas import in_request_terms
 from .responses_protocol import RENAMES, ResponsesRequest
 from .serving_base import Job, SSEEvent, StreamingGeneration, stream_error
 from .state import ServingState
-from .tool_choice import ToolPlan, plan_tools
+from .tool_choice import ToolPlan
 
 
 def _id(prefix: str) -> str:
@@ -365,31 +364,14 @@ async def create_response(request: Request, state: ServingState) -> None:
     typed.refuse_unsupported()
     lora = select_model(state, typed.model)
     tools_in, choice = typed.chat_tools()
-    try:
-        tools = plan_tools(
-            tools_in,
-            choice,
-            parallel_tool_calls=typed.parallel_tool_calls,
-            auto_parser=settings.auto_tool_parser,
-        )
-    except ValidationError as exc:
-        raise exc.renamed(exc.field.replace("tool_choice.function.", "tool_choice.")) from None
-    constraint = typed.output_constraint()
-    if tools.constraint is not None:
-        if constraint is not None:
-            raise ValidationError("tool_choice", "cannot be combined with text.format")
-        constraint = tools.constraint
-    renames = dict(RENAMES)
-    for index in range(len(typed.tools or ())):  # the chat shape's paths, back in this API's
-        renames[f"tools[{index}].function.parameters"] = f"tools[{index}].parameters"
-    try:  # the range checks, before rendering anything
-        params = typed.to_sampling_params(constraint)
-    except ValidationError as exc:
-        raise in_request_terms(exc, renames) from None
-    rendered = await state.engine.render_chat_prompt(
-        typed.chat_messages(),
-        add_generation_prompt=True,
-        chat_template=settings.chat_template,
-        tools=tools.template_tools,
+    tools, rendered, params, renames = await plan_and_render(
+        state,
+        typed,
+        tools_in,
+        choice,
+        typed.parallel_tool_calls,
+        renames=RENAMES,
+        format_field="text.format",
+        parameters_field="parameters",
     )
     await ResponsesServing(state, request, typed, tools, rendered, params, lora, renames).run()
