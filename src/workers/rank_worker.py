@@ -23,7 +23,8 @@ broadcasts the frame's bytes to every rank (msgpack, on the gloo control
 group), then every rank handles it: every rank runs the same step, only rank
 0's answer goes back to the engine. A health ping is also a barrier, so rank
 0's pong means that every rank is alive. When the engine closes rank 0's
-stdin, rank 0 broadcasts an empty frame and every rank exits 0. A rank whose
+stdin, rank 0 broadcasts an empty frame and every rank exits 0 (at once, see
+:func:`leave`). A rank whose
 step fails exits non-zero; the others then fail in their next collective
 (a peer gone, or the group's timeout), so a dead or stopped rank always
 ends the engine: the engine also watches its local ranks' processes, and its
@@ -35,6 +36,7 @@ Never imports trio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import os
@@ -261,6 +263,21 @@ def parse_args(argv: list[str] | None = None) -> RankAddress:
     )
 
 
+def leave(code: int) -> None:
+    """Exit with ``code`` without running torch's C++ teardown.
+
+    Once every rank has agreed to stop, the ranks leave at the same moment: rank
+    0 takes the rendezvous store with it while another rank's destructors still
+    talk to it, and gloo's threads die with ``std::terminate`` (exit -6 instead of
+    the 0 just decided). Nothing is left to tidy: flush the streams and go.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     address = parse_args(argv)
     logging.basicConfig(
@@ -274,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(int(threads))
     if address.rank != 0:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-        sys.exit(serve_other_rank(address))
+        leave(serve_other_rank(address))
     inp = sys.stdin.buffer
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt frames
@@ -283,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     except wire.WireError as exc:
         print(f"legato rank 0: bad frame from the engine: {exc}", file=sys.stderr)
         code = 2
-    sys.exit(code)
+    with contextlib.suppress(OSError, ValueError):  # the engine may be gone
+        out.flush()
+    leave(code)
 
 
 if __name__ == "__main__":
