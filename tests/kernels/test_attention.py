@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from legato.kernels import attention, reference
+from legato.kernels import attention, attention_decode, reference
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -55,7 +55,7 @@ def test_decode_split_planner_uses_several_splits(
 ) -> None:
     """One long sequence: the automatic plan splits the context and the reduce pass merges it."""
     b = paged_batch([290], [1], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, dtype=f32)
-    num_splits, split_tokens = attention._plan_splits(1, 1, 290, b.query.device)
+    num_splits, split_tokens = attention_decode.plan_splits(1, 1, 290, b.query.device)
     assert num_splits > 1 and split_tokens % 64 == 0
     expected = reference.paged_attention(*b.args(), b.scale)
     out = attention.paged_attention_decode(*b.args(), b.scale, max_seq_len=290)
