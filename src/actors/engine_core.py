@@ -22,13 +22,15 @@ has then accepted the tokens before the one this step samples): at once
 without overlap, else right after step N-1's answer, while step N's forward
 runs. So constrained requests are planned ahead like any other.
 
-The inbox is bounded. Requests enter it only past the front end's admission
-check (``has_room``: at most ``max_live_requests`` queued; ``AsyncEngine``
-refuses more with EngineBusyError), so ``submit`` never finds it full for
-them. A control call waits for room (a checkpoint) in the rare case it finds
-none. Finishes the front end passes on never wait and are never lost: when
-the inbox is full they are merged into a set by reason (as many ids as there
-are requests), applied right after the inbox's messages.
+The inbox is bounded: ``max_live_requests`` places for requests and
+``CONTROL_ROOM`` beside them. Requests enter it only past the front end's
+admission check (``has_room``: fewer than ``max_live_requests`` requests
+queued; ``AsyncEngine`` refuses more with EngineBusyError), so ``submit`` never
+finds it full for them; finishes and aborts queued beside them never count
+against that bound. A control call waits for room (a checkpoint) in the rare
+case it finds none. Finishes and aborts never wait and are never lost: once
+they fill the control room they are kept aside, in order (at most one entry
+per request), and applied right after the inbox's messages.
 
 Speculative decoding: a request with a sample in flight (a placeholder) verifies
 no drafts, since they were proposed before that sample. So while some running
@@ -141,7 +143,9 @@ class EngineCore:
         self._inbox_send, self._inbox = trio.open_memory_channel[CoreMessage](
             self.max_live_requests + CONTROL_ROOM
         )
-        self._overflow: dict[m.FinishReason, list[str]] = {}  # finishes that found it full
+        # Finishes and aborts that found the control room full, oldest first.
+        self._overflow: list[FinishRequests | AbortRequests] = []
+        self._queued_adds = 0  # AddRequests in the inbox: what ``has_room`` bounds
         self.steps = CoreSteps(self.scheduler, self.record_stats, self.grammars)
         # Steps sent to the executor and not applied yet, oldest first.
         self._sent: collections.deque[tuple[PlannedStep, StepAnswer]] = collections.deque()
@@ -176,27 +180,40 @@ class EngineCore:
             self._idle = trio.Event()
 
     def has_room(self) -> bool:
-        """Whether the inbox has room for one more request (the admission check's part)."""
-        return self._inbox_send.statistics().current_buffer_used < self.max_live_requests
+        """Whether the inbox has room for one more request (the admission check's part):
+        fewer than ``max_live_requests`` requests queued, whatever else is queued."""
+        stats = self._inbox_send.statistics()
+        return (
+            self._queued_adds < self.max_live_requests
+            and stats.current_buffer_used < stats.max_buffer_size
+        )
 
     def submit(self, message: AddRequests | FinishRequests | AbortRequests) -> None:
         """Queue a front-end message for the loop. Never blocks; safe from any trio task.
 
         Requests must have passed the admission check (``has_room``); one that finds
-        the inbox full anyway raises ``trio.WouldBlock``. Finishes never fail: past a
-        full inbox they wait, merged, for the loop (in order after what it holds).
-        Once the loop has stopped (the engine died or shut down) this does nothing.
+        the inbox full anyway raises ``trio.WouldBlock``. Finishes and aborts never
+        fail: past a full control room they wait aside for the loop, in order after
+        what it holds. Once the loop has stopped (the engine died or shut down) this
+        does nothing.
         """
         sender = self._inbox_send
-        if isinstance(message, FinishRequests) and (
-            self._overflow
-            or sender.statistics().current_buffer_used >= sender.statistics().max_buffer_size
-        ):
-            self._overflow.setdefault(message.reason, []).extend(message.request_ids)
+        if self._stopped:
+            return
+        if isinstance(message, AddRequests):
+            try:
+                sender.send_nowait(message)
+            except trio.ClosedResourceError:  # the loop has stopped: nobody is left to tell
+                return
+            self._queued_adds += 1
+            return
+        used = sender.statistics().current_buffer_used
+        if self._overflow or used - self._queued_adds >= CONTROL_ROOM:
+            self._overflow.append(message)
             return
         try:
             sender.send_nowait(message)
-        except trio.ClosedResourceError:  # the loop has stopped: nobody is left to tell
+        except trio.ClosedResourceError:
             pass
 
     async def pause(self, mode: PauseMode, clear_cache: bool = False) -> None:
@@ -282,10 +299,10 @@ class EngineCore:
                 except trio.WouldBlock:
                     break
                 await self._handle(message)
-            if self._overflow:  # finishes that found the inbox full: after what it held
-                overflow, self._overflow = self._overflow, {}
-                for reason, request_ids in overflow.items():
-                    await self._handle(FinishRequests(request_ids, reason))
+            if self._overflow:  # finishes and aborts that found it full: after what it held
+                overflow, self._overflow = self._overflow, []
+                for message in overflow:
+                    await self._handle(message)
             if self._stats_dirty:
                 self._record(self.scheduler.make_stats())
             sent = False
@@ -365,6 +382,7 @@ class EngineCore:
     async def _handle(self, message: CoreMessage) -> None:
         self._stats_dirty = True  # queues or blocks may have changed: publish before sleeping
         if isinstance(message, AddRequests):
+            self._queued_adds -= 1
             self.steps.add_requests(message.requests, message.grammars)
         elif isinstance(message, FinishRequests):
             self.steps.finish(message.request_ids, message.reason)

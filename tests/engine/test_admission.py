@@ -82,3 +82,30 @@ async def test_a_flood_of_submissions_never_grows_the_inbox_past_its_bound(
         async with engine.generate("after", greedy(3), refused[0]) as again:
             outputs = [out async for out in again]
         assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) <= 3
+
+
+async def test_aborts_queued_beside_requests_never_refuse_one(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    """With the core stuck, BOUND - 1 requests are queued and then aborted: the inbox
+    holds their adds and their aborts (more messages than BOUND), yet only one request
+    is live, so one more is admitted (the bound counts requests, not messages)."""
+    gate = gate_steps(engine)
+    async with engine.generate("first", greedy(50), "r0") as first:
+        gate.close()
+        with trio.fail_after(10):
+            await gate.wait_held()
+        for i in range(1, BOUND):
+            async with engine.generate(f"prompt {i}", greedy(50), f"r{i}"):
+                pass  # leaving the block aborts it: an abort queued behind its add
+        inbox = engine.core._inbox_send.statistics()
+        assert inbox.current_buffer_used >= BOUND  # adds and aborts, all still queued
+        assert engine.frontend.num_live == 1
+        engine.check_admission()  # was: EngineBusyError, counting the aborts
+        async with engine.generate("one more", greedy(3), "late") as late:
+            gate.open()
+            outputs = [out async for out in late]
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+        await first.aclose()
+    with trio.fail_after(10):
+        await engine.core.wait_idle()
