@@ -22,9 +22,10 @@ every key is then rotated with the long factors; legato keeps the keys it has
 generation that crosses the original window departs from transformers there.
 Prompts already past it, and sequences that stay within it, match.
 
-Tensor parallelism is not offered: the fused tensors would have to be sliced per
-rank in three (q/k/v) or two (gate/up) places; building a rank's share fails with
-that reason.
+Tensor parallelism: the sharding plan (:mod:`legato.models.sharding`) hands each
+rank its own query, key and value rows of ``qkv_proj`` (its gate and up rows of
+``gate_up_proj``), joined in that order, so the split below, at the rank's sizes,
+gives the rank's own heads and columns.
 
 Never imports trio or transformers.
 """
@@ -35,8 +36,6 @@ from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
-from .attention_backend import Backend
-from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .quantized import QuantizedWeight
 from .rotary import partial_rotary_order
@@ -48,31 +47,17 @@ _GATE_UP = "mlp.gate_up_proj.weight"
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 / Phi-4 causal LM on the paged KV cache (the Llama forward, fused weights).
 
-    Built with one tensor-parallel rank's share of the heads, it raises ``ValueError``
-    at once: the fused tensors are not sliced per rank.
+    Its config may be one tensor-parallel rank's (its heads, its intermediate size):
+    the fused tensors it is given are then that rank's (see the module docstring).
     """
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        backend: Backend,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-    ) -> None:
-        if cfg.num_heads != int(cfg.raw.get("num_attention_heads", cfg.num_heads)):
-            raise ValueError(
-                f"tensor_parallel_size: {cfg.architecture} is not supported with tensor "
-                "parallelism (its qkv_proj and gate_up_proj are stored fused)"
-            )
-        super().__init__(cfg, backend, dtype, device, max_positions)
 
     def load_weights(
         self,
         weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
         filled_elsewhere: Collection[str] = (),
     ) -> None:
-        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors."""
+        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors
+        (rows checked against this model's own, possibly one rank's, sizes)."""
         super().load_weights(self._split_fused(weights), filled_elsewhere)
 
     def _split_fused(

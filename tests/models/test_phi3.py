@@ -5,7 +5,7 @@ Phi-3-128k-like config (LongRoPE over an original window of 64, a sliding window
 of 48 on every layer) driven to 4x its original window, with a sequence that stays
 within the original window beside it in the batch (transformers' Phi-3 recomputes
 its cache when a sequence crosses that window, which legato does not: see
-``legato.models.phi3``).
+``legato.models.phi3``). TP=2 is in ``test_tensor_parallel.py``.
 """
 
 from __future__ import annotations
@@ -146,19 +146,6 @@ def test_partial_rotary_refused_for_other_architectures(tmp_path: Path, llama: A
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="partial_rotary_factor: 0.5 is not supported"):
         resolve_architecture(load_model_config(tmp_path))
-
-
-def test_tensor_parallel_load_fails_with_the_reason(phi3: Any) -> None:
-    """A rank's share of Phi-3 is refused when it is built, naming the reason."""
-    from legato.models.attention_backend import select_backend
-    from legato.models.loader import build_model
-    from legato.models.sharding import TensorParallelPlan
-
-    cfg = load_model_config(phi3.path)
-    rank_cfg = TensorParallelPlan.for_model(cfg, 2, 0).rank_config(cfg)
-    cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="Phi3ForCausalLM is not supported with tensor paral"):
-        build_model(rank_cfg, select_backend("torch", cpu), torch.float32, cpu, 64)
 
 
 def test_unsupported_architecture_fails_at_start_naming_it(tmp_path: Path, phi3: Any) -> None:
