@@ -5,7 +5,8 @@ config, none in the forward pass:
 
 - ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` are single tensors (query, key,
   value rows; gate rows, then up rows), split here into the q/k/v and gate/up
-  pieces the Llama loader takes;
+  pieces the Llama loader takes; a GGUF file's (``attn_qkv``, ``ffn_up``) kept
+  quantized are split by rows likewise and stay quantized;
 - LongRoPE scaling (``rope_scaling`` type "longrope", Phi-3's 128k models) and a
   sliding window on every layer (Phi-3-mini-4k), both read by the shared config
   code (:mod:`legato.models.rotary`, :mod:`legato.models.config`);
@@ -64,34 +65,41 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         cfg = self.config
-        qkv_rows = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         rotary_dim = cfg.rope.rotary_dim(cfg.head_dim)
-        order = partial_rotary_order(cfg.head_dim, rotary_dim)
+        head_order = partial_rotary_order(cfg.head_dim, rotary_dim)
         for name, tensor in weights:
-            if isinstance(tensor, QuantizedWeight):  # GGUF knows no Phi-3: never fused here
-                yield name, tensor
-            elif name.endswith(_QKV):
+            if name.endswith(_QKV):
                 prefix = name[: -len(_QKV)]
-                self._check_rows(name, tensor, sum(qkv_rows))
-                q, k, v = torch.split(tensor, qkv_rows)
+                self._check_rows(name, tensor, cfg.q_size + 2 * cfg.kv_size)
+                q_rows = torch.arange(cfg.q_size)
+                k_rows = torch.arange(cfg.q_size, cfg.q_size + cfg.kv_size)
                 if rotary_dim != cfg.head_dim:  # partial rotary (Phi-4-mini): see rotary.py
-                    q, k = (x.view(-1, cfg.head_dim, x.shape[-1])[:, order].flatten(0, 1)
-                            for x in (q, k))  # fmt: skip
-                yield f"{prefix}self_attn.q_proj.weight", q
-                yield f"{prefix}self_attn.k_proj.weight", k
-                yield f"{prefix}self_attn.v_proj.weight", v
+                    q_rows, k_rows = (rows.view(-1, cfg.head_dim)[:, head_order].flatten()
+                                      for rows in (q_rows, k_rows))  # fmt: skip
+                v_rows = torch.arange(cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
+                yield f"{prefix}self_attn.q_proj.weight", _take_rows(tensor, q_rows)
+                yield f"{prefix}self_attn.k_proj.weight", _take_rows(tensor, k_rows)
+                yield f"{prefix}self_attn.v_proj.weight", _take_rows(tensor, v_rows)
             elif name.endswith(_GATE_UP):
                 prefix = name[: -len(_GATE_UP)]
                 self._check_rows(name, tensor, 2 * cfg.intermediate_size)
-                gate, up = tensor.chunk(2)
-                yield f"{prefix}mlp.gate_proj.weight", gate
-                yield f"{prefix}mlp.up_proj.weight", up
+                gate_rows, up_rows = torch.arange(2 * cfg.intermediate_size).chunk(2)
+                yield f"{prefix}mlp.gate_proj.weight", _take_rows(tensor, gate_rows)
+                yield f"{prefix}mlp.up_proj.weight", _take_rows(tensor, up_rows)
             else:
                 yield name, tensor
 
     @staticmethod
-    def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
-        if tensor.shape[0] != rows:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected {rows}"
-            )
+    def _check_rows(name: str, tensor: torch.Tensor | QuantizedWeight, rows: int) -> None:
+        got = tensor.out_features if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+        if got != rows:
+            raise ValueError(f"checkpoint tensor {name!r} has {got} rows, expected {rows}")
+
+
+def _take_rows(
+    tensor: torch.Tensor | QuantizedWeight, rows: torch.Tensor
+) -> torch.Tensor | QuantizedWeight:
+    """Rows ``rows`` (int64) of a dense or a quantized (GGUF) weight, in that order."""
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.take_rows(rows)
+    return tensor.index_select(0, rows)

@@ -22,6 +22,7 @@ from legato.config import EngineConfig
 from legato.models.config import load_model_config
 from legato.models.phi3 import Phi3ForCausalLM
 from legato.models.registry import resolve_architecture
+from legato.models.rotary import longrope_attention_factor
 from legato.models.runner import ModelRunner
 
 NEW_TOKENS = 48
@@ -154,3 +155,68 @@ def test_unsupported_architecture_fails_at_start_naming_it(tmp_path: Path, phi3:
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="unsupported model architecture FalconForCausalLM"):
         ModelRunner(EngineConfig(model=str(tmp_path), device="cpu", num_kv_blocks=8))
+
+
+GGUF_CASES: dict[str, dict[str, Any]] = {
+    "sliding": dict(sliding_window=24),  # prompts past the window
+    "longrope_partial": dict(  # Phi-4-mini-like: LongRoPE over half of each head
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.5,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.2, 1.4],
+            "long_factor": [1.0, 2.0, 4.0, 8.0],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_gguf_file_matches_transformers(
+    case: str,
+    make_checkpoint: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+    tmp_path: Path,
+) -> None:
+    """The checkpoint written as llama.cpp's converter writes Phi-3 (``attn_qkv`` and
+    ``ffn_up`` fused, LongRoPE's factors as tensors, the rotary dims and window in the
+    metadata): from an F32 file legato gives transformers' tokens on the checkpoint (one
+    prompt past LongRoPE's original window, one that stays within it); from a Q8_0 file
+    the fused matrices stay quantized and the tokens equal the dequantized path's."""
+    from legato.testing.gguf_files import write_gguf
+
+    ck = make_checkpoint("phi3", **GGUF_CASES[case])
+    prompts = _prompts([9, 100], seed=45)
+
+    def generate(path: Path, **engine: Any) -> tuple[list[list[int]], ModelRunner]:
+        config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+                              max_model_len=256, **engine)  # fmt: skip
+        runner = ModelRunner(config)
+        sched = mini_scheduler(runner)
+        for i, prompt in enumerate(prompts):
+            sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
+        out = sched.run()
+        return [out[f"r{i}"] for i in range(len(prompts))], runner
+
+    f32 = write_gguf(ck.path, tmp_path / f"phi3-{case}-f32.gguf", tensor_type="F32")
+    from_file, source = load_model_config(f32), load_model_config(ck.path)
+    assert from_file.architecture == "Phi3ForCausalLM"
+    got, want = from_file.rope, source.rope
+    assert from_file.sliding_window == source.sliding_window
+    assert (got.rope_type, got.partial_rotary_factor, got.original_max_position_embeddings) == (
+        want.rope_type, want.partial_rotary_factor, want.original_max_position_embeddings,
+    )  # fmt: skip
+    assert got.long_factor == pytest.approx(want.long_factor)  # stored as F32
+    assert got.short_factor == pytest.approx(want.short_factor)
+    assert longrope_attention_factor(got) == pytest.approx(longrope_attention_factor(want))
+    tokens, _ = generate(f32)
+    assert tokens == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in prompts]
+    q8 = write_gguf(ck.path, tmp_path / f"phi3-{case}-q8.gguf", tensor_type="Q8_0")
+    kept, runner = generate(q8)
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quantized is not None
+    assert layer.mlp.gate_up_proj.quantized is not None
+    assert kept == generate(q8, gguf_dequantize=True)[0]
+    assert all(len(set(t)) > 2 for t in kept)

@@ -144,6 +144,20 @@ def test_phi3_longrope_two_ranks_match_transformers(
     assert rank0 == want and rank1 == want
 
 
+def test_phi3_gguf_two_ranks_match_transformers(
+    make_checkpoint: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any, tmp_path: Any
+) -> None:
+    """A Phi-3 GGUF file (fused ``attn_qkv`` / ``ffn_up``, dequantized, then each part sliced
+    in memory rather than read slice by slice from safetensors) on two ranks."""
+    from legato.testing.gguf_files import write_gguf
+
+    ck = make_checkpoint("phi3")
+    gguf_file = write_gguf(ck.path, tmp_path / "phi3.gguf", tensor_type="F32")
+    rank0, rank1, *_ = _tensor_parallel_outputs(str(gguf_file), 2, mini_scheduler)
+    want = {rid: hf_greedy(ck, prompt, NEW_TOKENS)[0] for rid, prompt in PROMPTS.items()}
+    assert rank0 == want and rank1 == want
+
+
 def test_fused_projections_are_split_per_part() -> None:
     """Rank 1's rows of Phi-3's fused tensors: its query head rows, then its KV head rows
     of the keys and of the values (its gate rows, then its up rows)."""
