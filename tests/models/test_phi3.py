@@ -1,6 +1,7 @@
 """Phi-3 (``Phi3ForCausalLM``): greedy tokens identical to transformers in fp32.
 
-Whole prefill of a batch, chunked prefill, a start from a cached prefix; and a
+Whole prefill of a batch, chunked prefill, a start from a cached prefix (on a
+sliding window of 24 on every layer, as Phi-3-mini-4k has one); and a
 Phi-3-128k-like config (LongRoPE over an original window of 64, a sliding window
 of 48 on every layer) driven to 4x its original window, with a sequence that stays
 within the original window beside it in the batch (transformers' Phi-3 recomputes
@@ -45,7 +46,8 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def phi3(make_checkpoint: Callable[..., Any]) -> Any:
-    return make_checkpoint("phi3")
+    """Phi-3-mini-4k-like: every layer windowed (here 24), prompts and generations past it."""
+    return make_checkpoint("phi3", sliding_window=24)
 
 
 def test_registered_by_architecture(phi3: Any) -> None:

@@ -3,10 +3,11 @@
 Both ranks run in threads of this process, each with a ModelRunner on its
 share of the model, joined by a real gloo group over loopback (the engine
 runs them as processes; that path is tested in tests/distributed). The
-greedy tokens of every rank must equal a single-device runner's, and those
-transformers', for each architecture, with KV heads split (2 of them on 2 ranks)
-and replicated (1 KV head on 2 ranks), and with a vocabulary the ranks cannot
-split evenly; Phi-3's fused projections are split per part.
+greedy tokens of every rank must equal a single-device runner's, and
+transformers', for each architecture, in prefill chunks and from a cached
+prefix, with KV heads split (2 of them on 2 ranks) and replicated (1 KV head
+on 2 ranks), and with a vocabulary the ranks cannot split evenly; Phi-3's
+fused projections are split per part.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ from legato.models.sharding import TensorParallelPlan
 from legato.models.tensor_parallel import TensorParallel
 from legato.protocol.params import SamplingParams
 
-PROMPTS = {"a": [5, 17, 99, 3, 250, 8, 41], "b": [300, 2, 2, 77, 160, 19, 7, 201, 33, 90, 12]}
+_DONOR = [int(t) for t in torch.randint(0, 383, (20,), generator=torch.Generator().manual_seed(9))]
+PROMPTS = {
+    "a": [5, 17, 99, 3, 250, 8, 41],
+    "b": [300, 2, 2, 77, 160, 19, 7, 201, 33, 90, 12],
+    "donor": _DONOR,  # a whole first block of 16 tokens
+}
+HIT = _DONOR[:16] + [61, 4, 200, 18, 93]  # starts from the donor's first block, cached
 NEW_TOKENS = 10
 
 
@@ -38,10 +45,23 @@ def _run(
     prompts: dict[str, list[int]] = PROMPTS,
     chunk: int | None = 8,  # chunked prefill: partial steps too
 ) -> dict[str, list[int]]:
+    """Greedy outputs of ``prompts``; with the default prompts, then also of :data:`HIT`
+    started from the donor's cached first block (``"hit"``)."""
     sched = mini_scheduler(runner, chunk=chunk)
     for rid, prompt in prompts.items():
         sched.add(rid, prompt, SamplingParams(temperature=0.0), max_tokens=NEW_TOKENS)
-    return dict(sched.run())
+    outputs = dict(sched.run())
+    if prompts is PROMPTS:
+        sched.add("hit", HIT, max_tokens=NEW_TOKENS, prefix_of="donor", prefix_blocks=1)
+        assert sched.running["hit"].num_computed == 16
+        outputs.update(sched.run())
+    return outputs
+
+
+def _transformers(ck: Any, hf_greedy: Any) -> dict[str, list[int]]:
+    """transformers' greedy outputs for :data:`PROMPTS` and :data:`HIT`, as :func:`_run`'s."""
+    prompts = {**PROMPTS, "hit": HIT}
+    return {rid: hf_greedy(ck, prompt, NEW_TOKENS)[0] for rid, prompt in prompts.items()}
 
 
 def _tensor_parallel_outputs(
@@ -107,7 +127,7 @@ def test_two_ranks_match_one_device(
         EngineConfig(model=str(ck.path), device="cpu", dtype="float32", num_kv_blocks=64)
     )
     want = _run(single, mini_scheduler)
-    assert want == {rid: hf_greedy(ck, prompt, NEW_TOKENS)[0] for rid, prompt in PROMPTS.items()}
+    assert want == _transformers(ck, hf_greedy)
     rank0, rank1, runner0, runner1 = _tensor_parallel_outputs(str(ck.path), 2, mini_scheduler)
     assert rank0 == want
     assert rank1 == want  # every rank samples the same tokens from the gathered logits
@@ -154,7 +174,7 @@ def test_phi3_gguf_two_ranks_match_transformers(
     ck = make_checkpoint("phi3")
     gguf_file = write_gguf(ck.path, tmp_path / "phi3.gguf", tensor_type="F32")
     rank0, rank1, *_ = _tensor_parallel_outputs(str(gguf_file), 2, mini_scheduler)
-    want = {rid: hf_greedy(ck, prompt, NEW_TOKENS)[0] for rid, prompt in PROMPTS.items()}
+    want = _transformers(ck, hf_greedy)
     assert rank0 == want and rank1 == want
 
 
