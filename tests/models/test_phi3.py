@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from legato.config import EngineConfig
 from legato.models.config import load_model_config
@@ -37,11 +36,6 @@ LONG: dict[str, Any] = dict(
         "long_factor": [1.0 + 0.7 * i for i in range(8)],
     },
 )
-
-
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 384, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -65,49 +59,29 @@ def test_batch_matches_transformers(
     chunk: int | None,
     phi3: Any,
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
-    prompts = _prompts([5, 23, 40], seed=41)
-    sched = mini_scheduler(make_runner(phi3), chunk=chunk)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        expected = hf_greedy(phi3, prompt, NEW_TOKENS)[0]
-        assert len(set(expected)) > 2, "a degenerate reference proves little"
-        assert outputs[f"r{i}"] == expected, f"chunk={chunk} prompt {i}"
+    prompts = greedy.prompts([5, 23, 40], seed=41)
+    greedy.assert_matches_transformers(phi3, make_runner(phi3), prompts, NEW_TOKENS, chunk=chunk)
 
 
 def test_prefix_cache_hit_matches_transformers(
-    phi3: Any, make_runner: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any
+    phi3: Any, make_runner: Callable[..., Any], greedy: Any
 ) -> None:
-    donor, tail = _prompts([37, 9], seed=42)
-    prompt = donor[:32] + tail
-    sched = mini_scheduler(make_runner(phi3))
-    sched.add("donor", donor, max_tokens=4)
-    sched.run()
-    sched.add("hit", prompt, max_tokens=NEW_TOKENS, prefix_of="donor", prefix_blocks=2)
-    assert sched.running["hit"].num_computed == 32
-    assert sched.run()["hit"] == hf_greedy(phi3, prompt, NEW_TOKENS)[0]
+    donor, tail = greedy.prompts([37, 9], seed=42)
+    greedy.assert_prefix_hit_matches_transformers(
+        phi3, make_runner(phi3), donor, donor[:32] + tail, 2, NEW_TOKENS
+    )
 
 
 def test_longrope_and_sliding_window_past_the_original_window(
-    make_checkpoint: Callable[..., Any],
-    make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    make_checkpoint: Callable[..., Any], make_runner: Callable[..., Any], greedy: Any
 ) -> None:
     ck = make_checkpoint("phi3", **LONG)
     cfg = load_model_config(ck.path)
     assert cfg.rope.rope_type == "longrope" and cfg.window_of(0) == 48
-    prompts = _prompts([16, 200], seed=43)  # 16 + 48 stays within the 64 of the original
-    sched = mini_scheduler(make_runner(ck, max_model_len=256))
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"prompt {i}"
+    prompts = greedy.prompts([16, 200], seed=43)  # 16 + 48 stays within the 64 of the original
+    greedy.assert_matches_transformers(ck, make_runner(ck, max_model_len=256), prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("longrope", [False, True])
@@ -115,8 +89,7 @@ def test_partial_rotary_matches_transformers(
     longrope: bool,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """Phi-4-mini rotates part of each head (here half: 8 of 16 dims), with and without
     LongRoPE; without it in chunks, so that cached keys are read back too."""
@@ -133,14 +106,12 @@ def test_partial_rotary_matches_transformers(
         )
     ck = make_checkpoint("phi3", **overrides)
     assert load_model_config(ck.path).rope.rotary_dim(16) == 8
-    prompts = _prompts([9, 150 if longrope else 40], seed=44)
+    prompts = greedy.prompts([9, 150 if longrope else 40], seed=44)
     # chunks would cross LongRoPE's original window mid-prompt (see legato.models.rotary)
-    sched = mini_scheduler(make_runner(ck, max_model_len=256), chunk=None if longrope else 16)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"prompt {i}"
+    runner = make_runner(ck, max_model_len=256)
+    greedy.assert_matches_transformers(
+        ck, runner, prompts, NEW_TOKENS, chunk=None if longrope else 16
+    )
 
 
 def test_partial_rotary_refused_for_other_architectures(tmp_path: Path, llama: Any) -> None:
@@ -176,11 +147,7 @@ GGUF_CASES: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("case", list(GGUF_CASES))
 def test_gguf_file_matches_transformers(
-    case: str,
-    make_checkpoint: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
-    tmp_path: Path,
+    case: str, make_checkpoint: Callable[..., Any], greedy: Any, tmp_path: Path
 ) -> None:
     """The checkpoint written as llama.cpp's converter writes Phi-3 (``attn_qkv`` and
     ``ffn_up`` fused, LongRoPE's factors as tensors, the rotary dims and window in the
@@ -190,18 +157,7 @@ def test_gguf_file_matches_transformers(
     from legato.testing.gguf_files import write_gguf
 
     ck = make_checkpoint("phi3", **GGUF_CASES[case])
-    prompts = _prompts([9, 100], seed=45)
-
-    def generate(path: Path, **engine: Any) -> tuple[list[list[int]], ModelRunner]:
-        config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
-                              max_model_len=256, **engine)  # fmt: skip
-        runner = ModelRunner(config)
-        sched = mini_scheduler(runner)
-        for i, prompt in enumerate(prompts):
-            sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-        out = sched.run()
-        return [out[f"r{i}"] for i in range(len(prompts))], runner
-
+    prompts = greedy.prompts([9, 100], seed=45)
     f32 = write_gguf(ck.path, tmp_path / f"phi3-{case}-f32.gguf", tensor_type="F32")
     from_file, source = load_model_config(f32), load_model_config(ck.path)
     assert from_file.architecture == "Phi3ForCausalLM"
@@ -213,12 +169,13 @@ def test_gguf_file_matches_transformers(
     assert got.long_factor == pytest.approx(want.long_factor)  # stored as F32
     assert got.short_factor == pytest.approx(want.short_factor)
     assert longrope_attention_factor(got) == pytest.approx(longrope_attention_factor(want))
-    tokens, _ = generate(f32)
-    assert tokens == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in prompts]
+    tokens, _ = greedy.run_file(f32, prompts, NEW_TOKENS, max_model_len=256)
+    assert tokens == greedy.transformers(ck, prompts, NEW_TOKENS)
     q8 = write_gguf(ck.path, tmp_path / f"phi3-{case}-q8.gguf", tensor_type="Q8_0")
-    kept, runner = generate(q8)
+    kept, runner = greedy.run_file(q8, prompts, NEW_TOKENS, max_model_len=256)
     layer = runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.quantized is not None
     assert layer.mlp.gate_up_proj.quantized is not None
-    assert kept == generate(q8, gguf_dequantize=True)[0]
+    dequantized = greedy.run_file(q8, prompts, NEW_TOKENS, max_model_len=256, gguf_dequantize=True)
+    assert kept == dequantized[0]
     assert all(len(set(t)) > 2 for t in kept)
