@@ -15,8 +15,11 @@ this module maps it onto what the rest of legato reads from a directory:
 
 Architectures (``general.architecture``): ``llama`` (llama.cpp writes Llama,
 Mistral and SmolLM2 under it, and Mixtral with an ``expert_count``), ``qwen2``,
-``qwen3``, ``qwen2moe``, ``qwen3moe``, ``gemma2``, ``gemma3`` (text). Gemma
-files hold every norm weight as llama.cpp's converter writes it, ``1 + w``; it is
+``qwen3``, ``qwen2moe``, ``qwen3moe``, ``gemma2``, ``gemma3`` (text), ``phi3``
+(Phi-3 and Phi-4: fused ``attn_qkv`` and ``ffn_up`` kept fused under their Hugging
+Face names, LongRoPE's factors from the ``rope_factors_short`` / ``_long`` tensors,
+a partial rotary from ``rope.dimension_count``, a ``sliding_window`` of 0 meaning
+none). Gemma files hold every norm weight as llama.cpp's converter writes it, ``1 + w``; it is
 read back as ``w`` (as transformers does), which the Gemma model shifts again.
 llama.cpp stores no ``query_pre_attn_scalar``: like llama.cpp, the scale is
 ``head_dim`` except for the 27B models (46 or 62 layers), where it is
@@ -70,6 +73,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp's test for the 27B scale
@@ -110,12 +114,21 @@ _GEMMA_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 """Gemma's sandwich norms: ``ffn_norm`` is the MLP's input norm there."""
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+"""Phi-3's fused projections: ``attn_qkv`` (query, key, value rows) and ``ffn_up`` (gate
+rows, then up rows), split by :class:`~legato.models.phi3.Phi3ForCausalLM`."""
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
-_IGNORED_TENSORS = {"rope_freqs.weight"}
+_LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+_IGNORED_TENSORS = {"rope_freqs.weight", *_LONGROPE_TENSORS}
 """Not weights: Llama 3.1+ files' per-frequency rotary divisors (llama.cpp's way of storing
-llama3 rope scaling), read into the config as ``rope_parameters.freq_factors`` instead."""
+llama3 rope scaling), read into the config as ``rope_parameters.freq_factors`` instead;
+Phi-3-128k's LongRoPE factors, read as ``short_factor`` / ``long_factor``."""
 
 _YARN_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
 _YARN_UNSUPPORTED = ("attn_factor", "yarn_log_multiplier", "yarn_ext_factor", "yarn_attn_factor")
@@ -221,7 +234,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     experts tensor's name keeps a ``{}`` for the expert index."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
+    names = (
+        _GEMMA_LAYER_NAMES if arch in _GEMMA else _PHI3_LAYER_NAMES if arch == "phi3"
+        else _LAYER_NAMES
+    )  # fmt: skip
     match = _LAYER_RE.match(gguf_name)
     if match is None or match.group(2) not in names:
         return None
@@ -262,14 +278,15 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
         kv_heads = kv_heads[0]
     head_dim = int(meta("attention.key_length", 0)) or hidden // heads
     rotary_dims = meta("rope.dimension_count")
-    if rotary_dims is not None and int(rotary_dims) != head_dim:
-        raise ModelLoadError(
-            f"model: {path}: partial rotary ({rotary_dims} of {head_dim} dims) is not supported"
-        )
     rope: dict[str, Any] = {
         "rope_type": "default",
         "rope_theta": float(meta("rope.freq_base", 1e4)),
     }
+    if rotary_dims is not None and int(rotary_dims) != head_dim:
+        if arch != "phi3":  # Phi-4-mini rotates part of each head, as transformers does
+            partial = f"partial rotary ({rotary_dims} of {head_dim} dims)"
+            raise ModelLoadError(f"model: {path}: {partial} is not supported")
+        rope["partial_rotary_factor"] = int(rotary_dims) / head_dim
     scaling = meta("rope.scaling.type", "none")
     if scaling == "linear":
         rope.update(rope_type="linear", factor=float(meta("rope.scaling.factor", 1.0)))
@@ -295,7 +312,12 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
     elif scaling != "none":
         raise ModelLoadError(f"model: {path}: rotary scaling {scaling!r} is not supported")
     if "rope_freqs.weight" in shapes:
-        rope["freq_factors"] = _rope_freqs(reader)
+        rope["freq_factors"] = _tensor_values(reader, "rope_freqs.weight")
+    if all(name in shapes for name in _LONGROPE_TENSORS):  # Phi-3-128k, as llama.cpp writes it
+        short, long = (_tensor_values(reader, name) for name in _LONGROPE_TENSORS)
+        rope.update(rope_type="longrope", short_factor=short, long_factor=long)
+        if (attn_factor := meta("rope.scaling.attn_factor")) is not None:
+            rope["attention_factor"] = float(attn_factor)
     vocab = meta("vocab_size") or shapes["token_embd.weight"][0]
     eos_ids = [
         int(v)
@@ -362,14 +384,19 @@ def gguf_hf_config(reader: Any) -> dict[str, Any]:
                 config["sliding_window_pattern"] = int(pattern)
         if arch == "gemma3":
             config["rope_local_base_freq"] = 10_000.0  # llama.cpp's fixed local base
+    if arch == "phi3":
+        config["sliding_window"] = meta("attention.sliding_window") or None  # 0: none (Phi-4)
+        if (original := meta("rope.scaling.original_context_length")) is not None:
+            config["original_max_position_embeddings"] = int(original)
     return config
 
 
-def _rope_freqs(reader: Any) -> list[float]:
-    """The ``rope_freqs`` tensor's values: llama.cpp divides each inverse frequency by one."""
+def _tensor_values(reader: Any, name: str) -> list[float]:
+    """The values of the 1-D tensor ``name`` that is not a weight: ``rope_freqs`` (llama.cpp
+    divides each inverse frequency by one), ``rope_factors_short`` / ``_long`` (LongRoPE's)."""
     from gguf.quants import dequantize
 
-    (tensor,) = (t for t in reader.tensors if t.name == "rope_freqs.weight")
+    (tensor,) = (t for t in reader.tensors if t.name == name)
     values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     return [float(v) for v in values.reshape(-1)]
 

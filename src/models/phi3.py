@@ -5,7 +5,8 @@ config, none in the forward pass:
 
 - ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` are single tensors (query, key,
   value rows; gate rows, then up rows), split here into the q/k/v and gate/up
-  pieces the Llama loader takes;
+  pieces the Llama loader takes; a GGUF file's (``attn_qkv``, ``ffn_up``) kept
+  quantized are split by rows likewise and stay quantized;
 - LongRoPE scaling (``rope_scaling`` type "longrope", Phi-3's 128k models) and a
   sliding window on every layer (Phi-3-mini-4k), both read by the shared config
   code (:mod:`legato.models.rotary`, :mod:`legato.models.config`);
@@ -22,9 +23,10 @@ every key is then rotated with the long factors; legato keeps the keys it has
 generation that crosses the original window departs from transformers there.
 Prompts already past it, and sequences that stay within it, match.
 
-Tensor parallelism is not offered: the fused tensors would have to be sliced per
-rank in three (q/k/v) or two (gate/up) places; building a rank's share fails with
-that reason.
+Tensor parallelism: the sharding plan (:mod:`legato.models.sharding`) hands each
+rank its own query, key and value rows of ``qkv_proj`` (its gate and up rows of
+``gate_up_proj``), joined in that order, so the split below, at the rank's sizes,
+gives the rank's own heads and columns.
 
 Never imports trio or transformers.
 """
@@ -35,8 +37,6 @@ from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
-from .attention_backend import Backend
-from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .quantized import QuantizedWeight
 from .rotary import partial_rotary_order
@@ -48,65 +48,58 @@ _GATE_UP = "mlp.gate_up_proj.weight"
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 / Phi-4 causal LM on the paged KV cache (the Llama forward, fused weights).
 
-    Built with one tensor-parallel rank's share of the heads, it raises ``ValueError``
-    at once: the fused tensors are not sliced per rank.
+    Its config may be one tensor-parallel rank's (its heads, its intermediate size):
+    the fused tensors it is given are then that rank's (see the module docstring).
     """
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        backend: Backend,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_positions: int,
-    ) -> None:
-        if cfg.num_heads != int(cfg.raw.get("num_attention_heads", cfg.num_heads)):
-            raise ValueError(
-                f"tensor_parallel_size: {cfg.architecture} is not supported with tensor "
-                "parallelism (its qkv_proj and gate_up_proj are stored fused)"
-            )
-        super().__init__(cfg, backend, dtype, device, max_positions)
 
     def load_weights(
         self,
         weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
         filled_elsewhere: Collection[str] = (),
     ) -> None:
-        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors."""
+        """As :meth:`LlamaForCausalLM.load_weights`, after splitting the fused tensors
+        (rows checked against this model's own, possibly one rank's, sizes)."""
         super().load_weights(self._split_fused(weights), filled_elsewhere)
 
     def _split_fused(
         self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         cfg = self.config
-        qkv_rows = [cfg.q_size, cfg.kv_size, cfg.kv_size]
         rotary_dim = cfg.rope.rotary_dim(cfg.head_dim)
-        order = partial_rotary_order(cfg.head_dim, rotary_dim)
+        head_order = partial_rotary_order(cfg.head_dim, rotary_dim)
         for name, tensor in weights:
-            if isinstance(tensor, QuantizedWeight):  # GGUF knows no Phi-3: never fused here
-                yield name, tensor
-            elif name.endswith(_QKV):
+            if name.endswith(_QKV):
                 prefix = name[: -len(_QKV)]
-                self._check_rows(name, tensor, sum(qkv_rows))
-                q, k, v = torch.split(tensor, qkv_rows)
+                self._check_rows(name, tensor, cfg.q_size + 2 * cfg.kv_size)
+                q_rows = torch.arange(cfg.q_size)
+                k_rows = torch.arange(cfg.q_size, cfg.q_size + cfg.kv_size)
                 if rotary_dim != cfg.head_dim:  # partial rotary (Phi-4-mini): see rotary.py
-                    q, k = (x.view(-1, cfg.head_dim, x.shape[-1])[:, order].flatten(0, 1)
-                            for x in (q, k))  # fmt: skip
-                yield f"{prefix}self_attn.q_proj.weight", q
-                yield f"{prefix}self_attn.k_proj.weight", k
-                yield f"{prefix}self_attn.v_proj.weight", v
+                    q_rows, k_rows = (rows.view(-1, cfg.head_dim)[:, head_order].flatten()
+                                      for rows in (q_rows, k_rows))  # fmt: skip
+                v_rows = torch.arange(cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
+                yield f"{prefix}self_attn.q_proj.weight", _take_rows(tensor, q_rows)
+                yield f"{prefix}self_attn.k_proj.weight", _take_rows(tensor, k_rows)
+                yield f"{prefix}self_attn.v_proj.weight", _take_rows(tensor, v_rows)
             elif name.endswith(_GATE_UP):
                 prefix = name[: -len(_GATE_UP)]
                 self._check_rows(name, tensor, 2 * cfg.intermediate_size)
-                gate, up = tensor.chunk(2)
-                yield f"{prefix}mlp.gate_proj.weight", gate
-                yield f"{prefix}mlp.up_proj.weight", up
+                gate_rows, up_rows = torch.arange(2 * cfg.intermediate_size).chunk(2)
+                yield f"{prefix}mlp.gate_proj.weight", _take_rows(tensor, gate_rows)
+                yield f"{prefix}mlp.up_proj.weight", _take_rows(tensor, up_rows)
             else:
                 yield name, tensor
 
     @staticmethod
-    def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
-        if tensor.shape[0] != rows:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, expected {rows}"
-            )
+    def _check_rows(name: str, tensor: torch.Tensor | QuantizedWeight, rows: int) -> None:
+        got = tensor.out_features if isinstance(tensor, QuantizedWeight) else tensor.shape[0]
+        if got != rows:
+            raise ValueError(f"checkpoint tensor {name!r} has {got} rows, expected {rows}")
+
+
+def _take_rows(
+    tensor: torch.Tensor | QuantizedWeight, rows: torch.Tensor
+) -> torch.Tensor | QuantizedWeight:
+    """Rows ``rows`` (int64) of a dense or a quantized (GGUF) weight, in that order."""
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.take_rows(rows)
+    return tensor.index_select(0, rows)

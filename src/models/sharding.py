@@ -6,7 +6,12 @@ For ``world_size`` ranks, rank ``r`` holds:
   bias): its query heads of ``q_proj``, its KV heads of ``k_proj`` and
   ``v_proj``, its rows of ``gate_proj`` and ``up_proj``. Each checkpoint
   tensor is sliced on its own, so fusing q/k/v and gate/up after sharding
-  gives the rank's own fused projection;
+  gives the rank's own fused projection. A checkpoint that stores them fused
+  (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is sliced in each of its parts:
+  the rank reads its query rows, its key rows and its value rows (its gate
+  rows and its up rows) and joins them in that order, which is the rank's own
+  fused tensor; a contiguous split of the fused rows would hand rank 0 every
+  query head and rank 1 the keys and values;
 - **row-parallel** slices (columns of the weight) of ``o_proj`` and
   ``down_proj``, whose partial products the ranks add with an all-reduce.
   Their bias is added once: rank 0 holds it, the others hold zeros;
@@ -54,22 +59,30 @@ _EXPERT_RE = re.compile(
 )
 _SHARED_EXPERT_RE = re.compile(_LAYER + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight$")
 _VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+# projections a checkpoint stores fused (Phi-3): each part is split as its unfused tensor is
+_FUSED_RE = re.compile(_LAYER + r"(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
 @dataclass(frozen=True)
 class Shard:
     """What one rank holds of one checkpoint tensor.
 
-    ``dim`` 0 (rows) or 1 (columns): the rank reads ``[start, stop)`` along it
-    and pads with zeros to ``length``. ``dim`` None with ``zeros`` True: the
-    rank holds zeros of the tensor's shape (a row-parallel bias off rank 0).
+    ``dim`` 0 (rows) or 1 (columns): the rank reads each ``[start, stop)`` of
+    ``ranges`` along it, joins them in order (one range, except for the parts
+    of a fused tensor) and pads with zeros to ``length``. ``dim`` None with
+    ``zeros`` True: the rank holds zeros of the tensor's shape (a row-parallel
+    bias off rank 0).
     """
 
     dim: Literal[0, 1] | None
-    start: int = 0
-    stop: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
     length: int = 0
     zeros: bool = False
+
+    @classmethod
+    def span(cls, dim: Literal[0, 1], start: int, stop: int, length: int) -> Shard:
+        """``[start, stop)`` along ``dim``, padded with zeros to ``length``."""
+        return cls(dim, ((start, stop),), length)
 
 
 @dataclass(frozen=True)
@@ -181,7 +194,7 @@ class TensorParallelPlan:
         """This rank's part of checkpoint tensor ``name`` (HF naming); None: the whole tensor."""
         if name in _VOCAB_NAMES:
             per = self.vocab_per_rank
-            return Shard(0, self.vocab_start, self.vocab_stop, per)
+            return Shard.span(0, self.vocab_start, self.vocab_stop, per)
         expert = _EXPERT_RE.match(name) or _SHARED_EXPERT_RE.match(name)
         if expert:
             per = (
@@ -191,20 +204,14 @@ class TensorParallelPlan:
             ) // self.world_size
             start = self.rank * per
             column = name.endswith(("down_proj.weight", "w2.weight"))
-            return Shard(1 if column else 0, start, start + per, per)
+            return Shard.span(1 if column else 0, start, start + per, per)
         match = _COLUMN_RE.match(name)
         if match:
-            proj = match.group(1).rsplit(".", 1)[1]
-            if proj in ("k_proj", "v_proj"):
-                rows = self.kv_heads_per_rank * self.head_dim
-                start = self.kv_head_start * self.head_dim
-            elif proj == "q_proj":
-                rows = self.heads_per_rank * self.head_dim
-                start = self.rank * rows
-            else:
-                rows = self.intermediate_per_rank
-                start = self.rank * rows
-            return Shard(0, start, start + rows, rows)
+            start, stop = self._column_rows(match.group(1).rsplit(".", 1)[1])
+            return Shard.span(0, start, stop, stop - start)
+        match = _FUSED_RE.match(name)
+        if match:
+            return self._fused_shard(match.group(1).rsplit(".", 1)[1])
         match = _ROW_RE.match(name)
         if match:
             if match.group(2) == "bias":
@@ -214,5 +221,33 @@ class TensorParallelPlan:
             else:
                 cols = self.intermediate_per_rank
             start = self.rank * cols
-            return Shard(1, start, start + cols, cols)
+            return Shard.span(1, start, start + cols, cols)
         return None
+
+    def _column_rows(self, proj: str) -> tuple[int, int]:
+        """This rank's rows ``[start, stop)`` of the column-parallel projection ``proj``."""
+        if proj in ("k_proj", "v_proj"):
+            rows = self.kv_heads_per_rank * self.head_dim
+            start = self.kv_head_start * self.head_dim
+        elif proj == "q_proj":
+            rows = self.heads_per_rank * self.head_dim
+            start = self.rank * rows
+        else:
+            rows = self.intermediate_per_rank
+            start = self.rank * rows
+        return start, start + rows
+
+    def _fused_shard(self, fused: str) -> Shard:
+        """This rank's rows of each part of a fused projection (``qkv_proj``: query, key,
+        value; ``gate_up_proj``: gate, up), in the fused tensor's own row numbers."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = (
+            (("q_proj", 0), ("k_proj", q_rows), ("v_proj", q_rows + kv_rows))
+            if fused == "qkv_proj"
+            else (("gate_proj", 0), ("up_proj", self.intermediate_size))
+        )
+        ranges = []
+        for proj, offset in parts:
+            start, stop = self._column_rows(proj)
+            ranges.append((offset + start, offset + stop))
+        return Shard(0, tuple(ranges), sum(stop - start for start, stop in ranges))

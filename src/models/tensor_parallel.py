@@ -225,8 +225,9 @@ def shard_tensor(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
         return tensor
     if shard.zeros:
         return torch.zeros_like(tensor)
-    part = tensor.narrow(shard.dim or 0, shard.start, shard.stop - shard.start)
-    return _pad(part, shard)
+    dim = shard.dim or 0
+    parts = [tensor.narrow(dim, start, stop - start) for start, stop in shard.ranges]
+    return _pad(parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim), shard)
 
 
 def _pad(part: torch.Tensor, shard: Shard) -> torch.Tensor:
@@ -263,9 +264,11 @@ def iter_sharded_safetensors(
                     continue
                 piece = f.get_slice(name)
                 if shard.dim == 0:
-                    yield name, _pad(piece[shard.start : shard.stop], shard)
+                    parts = [piece[start:stop] for start, stop in shard.ranges]
                 else:
-                    yield name, _pad(piece[:, shard.start : shard.stop], shard)
+                    parts = [piece[:, start:stop] for start, stop in shard.ranges]
+                joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim or 0)
+                yield name, _pad(joined, shard)
 
 
 def random_checkpoint(

@@ -1,7 +1,8 @@
 """Write small GGUF files with the ``gguf`` package's writer, for tests and benchmarks.
 
-:func:`write_gguf` turns a Hugging Face Llama / Qwen2 / Qwen3 checkpoint
-directory into a GGUF file the way llama.cpp's converter lays it out:
+:func:`write_gguf` turns a Hugging Face checkpoint directory (Llama, Mistral,
+Qwen2, Qwen3, their MoE kin, Gemma 2 / 3, Phi-3) into a GGUF file the way
+llama.cpp's converter lays it out:
 standard tensor names, the ``llama`` architecture's Q/K rows permuted per
 head, norms in F32 and every matrix in the one requested type. Types the
 writer can quantize (F32 ... Q5_1) are quantized from the checkpoint; the
@@ -36,6 +37,7 @@ _GGUF_ARCH = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 _GEMMA_NAMES = {  # Gemma's sandwich norms, as llama.cpp names them
     "post_attention_layernorm": "post_attention_norm",
@@ -78,6 +80,8 @@ _HF_TO_GGUF = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, kept fused
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -111,6 +115,8 @@ def write_gguf(
     kv_heads = config.get("num_key_value_heads") or heads
     if (rope_freqs := _llama3_rope_freqs(config)) is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for factors_name, factors in _longrope_factors(config):
+        writer.add_tensor(factors_name, factors)
     for gguf_name, array in _stack_experts(iter_weights(root), arch):
         if arch.startswith("gemma") and gguf_name.endswith("norm.weight"):
             array = array + 1.0  # llama.cpp's converter stores Gemma's norms as 1 + w
@@ -230,11 +236,49 @@ def _write_config(writer: Any, arch: str, config: dict[str, Any]) -> None:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    if arch == "llama":
+    if arch == "phi3":  # as llama.cpp's converter: rotary dims, no key length
+        _write_phi3_config(writer, config, head_dim)
+    elif arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+
+
+def _phi3_rope(config: dict[str, Any]) -> dict[str, Any]:
+    rope: dict[str, Any] = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope
+
+
+def _write_phi3_config(writer: Any, config: dict[str, Any], head_dim: int) -> None:
+    """Phi-3's keys as llama.cpp's converter (``Phi3MiniModel``) writes them: the rotary
+    dims of a partial rotary, the original window, a sliding window (0: none) and, with
+    LongRoPE, the attention factor transformers derives from the two windows."""
+    import math
+
+    rope = _phi3_rope(config)
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor")) or 1.0
+    writer.add_rope_dimension_count(int(partial * head_dim))
+    original = int(
+        config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+    )
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = config["max_position_embeddings"] / original
+        attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        writer.add_rope_scaling_attn_factors(attn)
+
+
+def _longrope_factors(config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """LongRoPE's factors as llama.cpp stores them: two F32 tensors, else nothing."""
+    rope = _phi3_rope(config)
+    if not rope.get("long_factor"):
+        return []
+    return [
+        (f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
+        for kind in ("long", "short")
+    ]
 
 
 def _llama3_rope_freqs(config: dict[str, Any]) -> Any:

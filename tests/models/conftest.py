@@ -12,6 +12,10 @@ in ``chunk``-token pieces when set), and a request finishes after
 the first blocks of an earlier request and is admitted with
 ``num_computed_tokens > 0``) and may be preempted and recomputed.
 
+:class:`Greedy` (fixture ``greedy``) holds the comparisons the model-family tests
+share: random prompts, legato's greedy tokens for a batch (whole or chunked
+prefill, from a cached prefix, from a model file), transformers' for the same.
+
 Helpers are served as fixtures because pytest runs with
 ``--import-mode=importlib``, where test modules cannot import from beside them.
 """
@@ -356,6 +360,101 @@ def hf_greedy() -> Callable[..., tuple[list[int], list[float]]]:
         return cache[key]
 
     return run
+
+
+class Greedy:
+    """Greedy generations to compare, legato's (each call drives a fresh
+    :class:`MiniScheduler`) against transformers' (``hf_greedy``), shared by the
+    model-family tests. The assertions fail on a degenerate reference too: a
+    repeated token proves little."""
+
+    def __init__(self, hf_greedy: Callable[..., tuple[list[int], list[float]]]) -> None:
+        self.hf_greedy = hf_greedy
+
+    @staticmethod
+    def prompts(lengths: list[int], seed: int, vocab: int = 384) -> list[list[int]]:
+        """Random prompts of ``lengths`` tokens (ids below ``vocab``), drawn from ``seed``."""
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+    @staticmethod
+    def run(
+        runner: ModelRunner, prompts: list[list[int]], max_tokens: int, chunk: int | None = None
+    ) -> list[list[int]]:
+        """legato's greedy tokens for ``prompts`` in one batch (prefill in ``chunk``s)."""
+        sched = MiniScheduler(runner, chunk=chunk)
+        for i, prompt in enumerate(prompts):
+            sched.add(f"r{i}", prompt, max_tokens=max_tokens)
+        outputs = sched.run()
+        return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+    def run_file(
+        self, model: str | Path, prompts: list[list[int]], max_tokens: int, **engine: Any
+    ) -> tuple[list[list[int]], ModelRunner]:
+        """:meth:`run` on a fresh fp32 CPU runner of ``model`` (a directory or a GGUF file;
+        ``engine``: more EngineConfig fields); the tokens and the runner."""
+        from legato.config import EngineConfig
+
+        engine = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 64, **engine}
+        runner = ModelRunner(EngineConfig(model=str(model), **engine))
+        return self.run(runner, prompts, max_tokens), runner
+
+    def transformers(
+        self, ck: Checkpoint, prompts: list[list[int]], max_tokens: int
+    ) -> list[list[int]]:
+        """transformers' greedy tokens for each prompt, on the checkpoint's fp32 model."""
+        return [self.hf_greedy(ck, prompt, max_tokens)[0] for prompt in prompts]
+
+    def assert_matches_transformers(
+        self,
+        ck: Checkpoint,
+        runner: ModelRunner,
+        prompts: list[list[int]],
+        max_tokens: int,
+        *,
+        chunk: int | None = None,
+        logprobs_abs: float | None = None,
+    ) -> None:
+        """legato's greedy tokens for ``prompts`` (one batch, prefill in ``chunk``s) are
+        transformers'; with ``logprobs_abs`` the sampled tokens' logprobs are too, within it."""
+        params = SamplingParams(temperature=0.0, logprobs=0 if logprobs_abs else None)
+        sched = MiniScheduler(runner, chunk=chunk)
+        for i, prompt in enumerate(prompts):
+            sched.add(f"r{i}", prompt, params, max_tokens)
+        outputs = sched.run()
+        for i, prompt in enumerate(prompts):
+            expected, expected_lp = self.hf_greedy(ck, prompt, max_tokens)
+            assert len(set(expected)) > 2, f"prompt {i}: a degenerate reference proves little"
+            assert outputs[f"r{i}"] == expected, f"{ck.kind} chunk={chunk} prompt {i}"
+            if logprobs_abs is not None:
+                got_lp = [entry.logprobs[0] for entry in sched.done[f"r{i}"].logprobs]
+                assert got_lp == pytest.approx(expected_lp, abs=logprobs_abs), f"prompt {i}"
+
+    def assert_prefix_hit_matches_transformers(
+        self,
+        ck: Checkpoint,
+        runner: ModelRunner,
+        donor: list[int],
+        prompt: list[int],
+        blocks: int,
+        max_tokens: int,
+    ) -> None:
+        """``prompt``, started from the first ``blocks`` blocks ``donor`` wrote (admitted
+        with those tokens computed), gives transformers' greedy tokens."""
+        sched = MiniScheduler(runner)
+        sched.add("donor", donor, max_tokens=2)
+        sched.run()
+        sched.add("hit", prompt, max_tokens=max_tokens, prefix_of="donor", prefix_blocks=blocks)
+        assert sched.running["hit"].num_computed == blocks * runner.block_size
+        expected = self.hf_greedy(ck, prompt, max_tokens)[0]
+        assert len(set(expected)) > 2, "a degenerate reference proves little"
+        assert sched.run()["hit"] == expected
+
+
+@pytest.fixture(scope="session")
+def greedy(hf_greedy: Callable[..., tuple[list[int], list[float]]]) -> Greedy:
+    """The :class:`Greedy` comparisons."""
+    return Greedy(hf_greedy)
 
 
 @pytest.fixture(scope="session")

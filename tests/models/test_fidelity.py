@@ -20,16 +20,15 @@ from legato.protocol.params import SamplingParams
 NEW_TOKENS = 64
 
 
-def _prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, n, (length,), generator=g).tolist() for length in lengths]
-
-
 def test_greedy_batch_matches_transformers(
-    checkpoint: Any, make_runner: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any
+    checkpoint: Any,
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
+    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """Prompts of different lengths in one batch; sampled-token logprobs agree within 1e-4."""
-    prompts = _prompts(384, [5, 23, 40])
+    prompts = greedy.prompts([5, 23, 40], seed=0)
     sched = mini_scheduler(make_runner(checkpoint))
     params = SamplingParams(temperature=0.0, logprobs=2)
     for i, prompt in enumerate(prompts):
@@ -51,18 +50,12 @@ def test_chunked_prefill_matches_transformers(
     kind: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """Prefills in 7-token chunks, interleaved with another request's decodes."""
     ck = make_checkpoint(kind)
-    prompts = _prompts(384, [3, 30, 19], seed=1)
-    sched = mini_scheduler(make_runner(ck), chunk=7)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, NEW_TOKENS)[0]
+    prompts = greedy.prompts([3, 30, 19], seed=1)
+    greedy.assert_matches_transformers(ck, make_runner(ck), prompts, NEW_TOKENS, chunk=7)
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
@@ -72,9 +65,10 @@ def test_prefix_cache_hit_matches_transformers(
     make_runner: Callable[..., Any],
     mini_scheduler: Any,
     hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """A request admitted with its first two blocks already written by an earlier one."""
-    donor, tail = _prompts(384, [37, 9], seed=2)
+    donor, tail = greedy.prompts([37, 9], seed=2)
     prompt = donor[:32] + tail
     sched = mini_scheduler(make_runner(llama), chunk=chunk)
     sched.add("donor", donor, max_tokens=4)
@@ -88,18 +82,13 @@ def test_prefix_cache_hit_matches_transformers(
 def test_reference_backend_agrees(
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """The reference kernels through the same model code give the same tokens."""
     ck = make_checkpoint("qwen2")
-    prompts = _prompts(384, [6, 21], seed=3)
-    sched = mini_scheduler(make_runner(ck, attention_backend="reference"), chunk=7)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=24)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, 24)[0]
+    prompts = greedy.prompts([6, 21], seed=3)
+    runner = make_runner(ck, attention_backend="reference")
+    greedy.assert_matches_transformers(ck, runner, prompts, 24, chunk=7)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -108,11 +97,12 @@ def test_bf16_agreement_rate(
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
     mini_scheduler: Any,
+    greedy: Any,
 ) -> None:
     """bf16 vs transformers in bf16: the first 16 greedy tokens agree for most prompts."""
     ck = make_checkpoint(kind)
     hf = copy.deepcopy(ck.hf_model).to(torch.bfloat16)
-    prompts = _prompts(384, [4, 7, 11, 16, 20, 25, 31, 40], seed=4)
+    prompts = greedy.prompts([4, 7, 11, 16, 20, 25, 31, 40], seed=4)
     sched = mini_scheduler(make_runner(ck, dtype="bfloat16"))
     for i, prompt in enumerate(prompts):
         sched.add(f"r{i}", prompt, max_tokens=16)
@@ -130,8 +120,7 @@ def test_bf16_agreement_rate(
 def test_triton_backend_agrees(
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
     triton_device: str,
 ) -> None:
     """The same model code on the Triton kernels (the interpreter on CPU-only machines)."""
@@ -140,15 +129,10 @@ def test_triton_backend_agrees(
     if not triton_available():
         pytest.skip("triton cannot run here (no CUDA device and no TRITON_INTERPRET)")
     ck = make_checkpoint("qwen3")
-    prompts = _prompts(384, [5, 11], seed=5)
+    prompts = greedy.prompts([5, 11], seed=5)
     runner = make_runner(ck, attention_backend="triton", device=triton_device)
     assert runner.backend.name == "triton"
-    sched = mini_scheduler(runner, chunk=7)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=6)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, 6)[0]
+    greedy.assert_matches_transformers(ck, runner, prompts, 6, chunk=7)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -159,12 +143,13 @@ def test_cuda_triton_engine_matches_torch_path_and_transformers(
     make_runner: Callable[..., Any],
     mini_scheduler: Any,
     hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """fp32 on the GPU: the Triton engine (decode steps replaying the CUDA graphs it
     captured at start-up) and the torch path on the same GPU give transformers' greedy
     tokens, with sampled-token logprobs within 1e-4 of each other; chunked prefill
     mixes prefill chunks with decodes."""
-    prompts = _prompts(384, [5, 23, 40, 17], seed=6)
+    prompts = greedy.prompts([5, 23, 40, 17], seed=6)
     params = SamplingParams(temperature=0.0, logprobs=1)
     runs: dict[str, Any] = {}
     for backend in ("triton", "torch"):
@@ -192,13 +177,14 @@ def test_bf16_teacher_forced_agreement(
     make_runner: Callable[..., Any],
     mini_scheduler: Any,
     hf_greedy: Any,
+    greedy: Any,
     triton_device: str,
 ) -> None:
     """bf16 on the device's default path (the Triton kernels on a GPU, torch on CPU), fed
     each prompt followed by transformers' fp32 greedy continuation: its argmax equals the
     next continuation token at >= 95% of the positions (ranks from prompt logprobs)."""
     n = 32
-    prompts = _prompts(384, [4, 9, 16, 25, 40, 7], seed=7)
+    prompts = greedy.prompts([4, 9, 16, 25, 40, 7], seed=7)
     runner = make_runner(checkpoint, dtype="bfloat16", device=triton_device)
     assert runner.dtype == torch.bfloat16
     sched = mini_scheduler(runner)

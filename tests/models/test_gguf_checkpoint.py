@@ -16,10 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from legato.config import EngineConfig
 from legato.models.config import load_model_config
 from legato.models.gguf_checkpoint import SUPPORTED_TYPES, open_gguf
-from legato.models.runner import ModelRunner
 from legato.protocol.errors import ModelLoadError
 from legato.testing.gguf_files import write_gguf
 
@@ -51,58 +49,47 @@ def _transformers_greedy(gguf_file: Path) -> list[list[int]]:
     return outputs
 
 
-def _legato_greedy(model: Path, mini_scheduler: Any) -> list[list[int]]:
-    config = EngineConfig(
-        model=str(model), dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4
-    )
-    sched = mini_scheduler(ModelRunner(config))
-    for i, prompt in enumerate(PROMPTS):
-        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-    outputs = sched.run()
-    return [outputs[f"r{i}"] for i in range(len(PROMPTS))]
-
-
 @pytest.mark.parametrize("tensor_type", SUPPORTED_TYPES)
 def test_every_tensor_type_matches_transformers(
     tensor_type: str,
     make_checkpoint: Callable[..., Any],
-    mini_scheduler: Any,
+    greedy: Any,
     tmp_path: Path,
 ) -> None:
     ck = make_checkpoint("llama", **K_QUANT_SIZES)
     gguf_file = _gguf(ck, tmp_path, tensor_type)
     kinds = {t.tensor_type.name for t in open_gguf(gguf_file).tensors if len(t.shape) == 2}
     assert kinds == {tensor_type}
-    ours = _legato_greedy(gguf_file, mini_scheduler)
+    ours, _ = greedy.run_file(gguf_file, PROMPTS, NEW_TOKENS, max_num_seqs=4)
     assert ours == _transformers_greedy(gguf_file)
     assert all(len(set(tokens)) > 3 for tokens in ours)  # not a degenerate repetition
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3"])
 def test_other_architectures_match_transformers(
-    kind: str, make_checkpoint: Callable[..., Any], mini_scheduler: Any, tmp_path: Path
+    kind: str, make_checkpoint: Callable[..., Any], greedy: Any, tmp_path: Path
 ) -> None:
     # transformers reads no head_dim from a qwen3 file (attention.key_length) and takes
     # Qwen3Config's default, 128: only a checkpoint with that head_dim loads right there.
     ck = make_checkpoint(kind, **({"head_dim": 128} if kind == "qwen3" else {}))
     gguf_file = _gguf(ck, tmp_path, "Q8_0")
-    assert _legato_greedy(gguf_file, mini_scheduler) == _transformers_greedy(gguf_file)
+    ours, _ = greedy.run_file(gguf_file, PROMPTS, NEW_TOKENS, max_num_seqs=4)
+    assert ours == _transformers_greedy(gguf_file)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_f32_file_is_the_checkpoint_it_came_from(
     kind: str,
     make_checkpoint: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
     tmp_path: Path,
 ) -> None:
     """Independent of transformers' GGUF code: written with llama.cpp's Q/K permutation,
     read back un-permuted, the F32 file generates what the original checkpoint does."""
     ck = make_checkpoint(kind)
     gguf_file = _gguf(ck, tmp_path, "F32")
-    ours = _legato_greedy(gguf_file, mini_scheduler)
-    assert ours == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in PROMPTS]
+    ours, _ = greedy.run_file(gguf_file, PROMPTS, NEW_TOKENS, max_num_seqs=4)
+    assert ours == greedy.transformers(ck, PROMPTS, NEW_TOKENS)
 
 
 SCALED_ROPE: dict[str, dict[str, Any]] = {
@@ -118,8 +105,7 @@ SCALED_ROPE: dict[str, dict[str, Any]] = {
 def test_scaled_rope_file_matches_its_checkpoint_past_the_window(
     scaling: str,
     make_checkpoint: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
     tmp_path: Path,
 ) -> None:
     """Llama 3.1's ``rope_freqs`` tensor and YaRN's metadata, written as llama.cpp's converter
@@ -135,16 +121,9 @@ def test_scaled_rope_file_matches_its_checkpoint_past_the_window(
         assert (rope.rope_type, rope.factor, rope.original_max_position_embeddings) == (
             "yarn", 4.0, 64,
         )  # fmt: skip
-    g = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (30, 200)]
-    config = EngineConfig(model=str(gguf_file), dtype="float32", device="cpu",
-                          num_kv_blocks=64, max_num_seqs=4, max_model_len=256)  # fmt: skip
-    sched = mini_scheduler(ModelRunner(config))
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=56)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(ck, prompt, 56)[0], f"{scaling} prompt {i}"
+    prompts = greedy.prompts([30, 200], seed=21)
+    tokens, _ = greedy.run_file(gguf_file, prompts, 56, max_num_seqs=4, max_model_len=256)
+    assert tokens == greedy.transformers(ck, prompts, 56)
 
 
 def test_config_from_metadata(make_checkpoint: Callable[..., Any], tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ from legato.models.attention_backend import select_backend
 from legato.models.config import load_model_config
 from legato.models.moe import SparseMoeBlock, grouped_experts, route
 from legato.models.registry import resolve_architecture
-from legato.protocol.params import SamplingParams
 
 NEW_TOKENS = 32
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -37,11 +36,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 def _checkpoint(make_checkpoint: Callable[..., Any], case: str) -> Any:
     kind, overrides = CASES[case]
     return make_checkpoint(kind, **overrides)
-
-
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 384, (n,), generator=g).tolist() for n in lengths]
 
 
 def test_route_renormalises_only_when_asked() -> None:
@@ -94,21 +88,13 @@ def test_batch_matches_transformers(
     chunk: int | None,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     ck = _checkpoint(make_checkpoint, case)
-    prompts = _prompts([4, 19, 37], seed=61)
-    sched = mini_scheduler(make_runner(ck), chunk=chunk)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, SamplingParams(temperature=0.0, logprobs=0), NEW_TOKENS)
-    outputs = sched.run()
-    for i, prompt in enumerate(prompts):
-        expected, expected_lp = hf_greedy(ck, prompt, NEW_TOKENS)
-        assert len(set(expected)) > 2, "a degenerate reference proves little"
-        assert outputs[f"r{i}"] == expected, f"{case} chunk={chunk} prompt {i}"
-        got_lp = [entry.logprobs[0] for entry in sched.done[f"r{i}"].logprobs]
-        assert got_lp == pytest.approx(expected_lp, abs=1e-4)
+    prompts = greedy.prompts([4, 19, 37], seed=61)
+    greedy.assert_matches_transformers(
+        ck, make_runner(ck), prompts, NEW_TOKENS, chunk=chunk, logprobs_abs=1e-4
+    )
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "qwen3_moe"])
@@ -116,18 +102,13 @@ def test_prefix_cache_hit_matches_transformers(
     case: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     ck = _checkpoint(make_checkpoint, case)
-    donor, tail = _prompts([40, 11], seed=62)
-    prompt = donor[:32] + tail
-    sched = mini_scheduler(make_runner(ck))
-    sched.add("donor", donor, max_tokens=2)
-    sched.run()
-    sched.add("hit", prompt, max_tokens=NEW_TOKENS, prefix_of="donor", prefix_blocks=2)
-    assert sched.running["hit"].num_computed == 32
-    assert sched.run()["hit"] == hf_greedy(ck, prompt, NEW_TOKENS)[0]
+    donor, tail = greedy.prompts([40, 11], seed=62)
+    greedy.assert_prefix_hit_matches_transformers(
+        ck, make_runner(ck), donor, donor[:32] + tail, 2, NEW_TOKENS
+    )
 
 
 GGUF_CASES = {
@@ -143,47 +124,31 @@ GGUF_CASES = {
 
 @pytest.mark.parametrize("case", list(GGUF_CASES))
 def test_gguf_file_matches_transformers(
-    case: str, make_checkpoint: Callable[..., Any], mini_scheduler: Any, hf_greedy: Any,
-    tmp_path: Any,
-) -> None:  # fmt: skip
+    case: str, make_checkpoint: Callable[..., Any], greedy: Any, tmp_path: Any
+) -> None:
     """The checkpoint written as GGUF (experts stacked per layer, as llama.cpp stores them):
     from an F32 file legato gives transformers' tokens on the checkpoint; from a Q8_0 file
     its 2-D matrices and every expert (2-D slices of the 3-D tensors) stay quantized and
     the tokens equal the dequantized path's, also after a level-2 sleep and wake-up."""
-    from legato.config import EngineConfig
-    from legato.models.runner import ModelRunner
     from legato.testing.gguf_files import write_gguf
 
     kind, overrides = GGUF_CASES[case]
     ck = make_checkpoint(kind, **overrides)
-    prompts = _prompts([6, 21], seed=63)
-
-    def generate(
-        path: Any, runner: ModelRunner | None = None, **engine: Any
-    ) -> tuple[list[list[int]], ModelRunner]:
-        config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64,
-                              **engine)  # fmt: skip
-        runner = runner or ModelRunner(config)
-        sched = mini_scheduler(runner)
-        for i, prompt in enumerate(prompts):
-            sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-        out = sched.run()
-        return [out[f"r{i}"] for i in range(len(prompts))], runner
-
+    prompts = greedy.prompts([6, 21], seed=63)
     f32 = write_gguf(ck.path, tmp_path / f"{case}-f32.gguf", tensor_type="F32")
-    tokens, _ = generate(f32)
-    assert tokens == [hf_greedy(ck, prompt, NEW_TOKENS)[0] for prompt in prompts]
+    tokens, _ = greedy.run_file(f32, prompts, NEW_TOKENS)
+    assert tokens == greedy.transformers(ck, prompts, NEW_TOKENS)
     q8 = write_gguf(ck.path, tmp_path / f"{case}-q8.gguf", tensor_type="Q8_0")
-    kept, runner = generate(q8)
+    kept, runner = greedy.run_file(q8, prompts, NEW_TOKENS)
     assert runner.model.quantized_bytes() > 0
     blocks = [m for m in runner.model.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(b.quantized is not None and not b.w13.numel() for b in blocks)
-    assert kept == generate(q8, gguf_dequantize=True)[0]
+    assert kept == greedy.run_file(q8, prompts, NEW_TOKENS, gguf_dequantize=True)[0]
     runner.sleep(2)  # weights dropped, then read again from the file: the experts too
     assert runner.model.quantized_bytes() == 0
     runner.wake_up()
     assert all(b.quantized is not None for b in blocks)
-    assert generate(q8, runner)[0] == kept
+    assert greedy.run(runner, prompts, NEW_TOKENS) == kept
     assert all(len(set(t)) > 2 for t in kept)
 
 

@@ -64,40 +64,19 @@ SCALINGS: dict[str, dict[str, Any]] = {
 POSITIONAL = ("linear", "llama3", "yarn")
 
 
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 384, (n,), generator=g).tolist() for n in lengths]
-
-
-def _run(
-    ck: Any, make_runner: Callable[..., Any], mini_scheduler: Any, prompts: list[list[int]],
-    chunk: int | None = None,
-) -> dict[str, list[int]]:  # fmt: skip
-    runner = make_runner(ck, max_model_len=MAX_LEN)
-    sched = mini_scheduler(runner, chunk=chunk)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-    outputs: dict[str, list[int]] = sched.run()
-    return outputs
-
-
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 def test_past_the_original_window_matches_transformers(
     scaling: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     ck = make_checkpoint("llama", **SCALINGS[scaling])
     assert load_model_config(ck.path).rope.rope_type == scaling
     # 30 + 56 crosses the window while decoding; 200 + 56 ends at 4x the window
-    prompts = _prompts([30, 200], seed=11)
-    outputs = _run(ck, make_runner, mini_scheduler, prompts)
-    for i, prompt in enumerate(prompts):
-        expected = hf_greedy(ck, prompt, NEW_TOKENS)[0]
-        assert len(set(expected)) > 2, "a degenerate reference proves little"
-        assert outputs[f"r{i}"] == expected, f"{scaling} prompt {i}"
+    prompts = greedy.prompts([30, 200], seed=11)
+    runner = make_runner(ck, max_model_len=MAX_LEN)
+    greedy.assert_matches_transformers(ck, runner, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("scaling", POSITIONAL)
@@ -105,22 +84,17 @@ def test_chunked_prefill_and_prefix_hit_past_the_window(
     scaling: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """Prefill in 48-token chunks; then a request whose first 160 tokens (ten blocks,
     well past the window) come from the cache."""
     ck = make_checkpoint("llama", **SCALINGS[scaling])
-    (donor,) = _prompts([190], seed=12)
-    outputs = _run(ck, make_runner, mini_scheduler, [donor], chunk=48)
-    assert outputs["r0"] == hf_greedy(ck, donor, NEW_TOKENS)[0]
-    hit = donor[:160] + _prompts([20], seed=13)[0]
-    sched = mini_scheduler(make_runner(ck, max_model_len=MAX_LEN))
-    sched.add("donor", donor, max_tokens=1)
-    sched.run()
-    sched.add("hit", hit, max_tokens=NEW_TOKENS, prefix_of="donor", prefix_blocks=10)
-    assert sched.running["hit"].num_computed == 160
-    assert sched.run()["hit"] == hf_greedy(ck, hit, NEW_TOKENS)[0]
+    (donor,) = greedy.prompts([190], seed=12)
+    runner = make_runner(ck, max_model_len=MAX_LEN)
+    greedy.assert_matches_transformers(ck, runner, [donor], NEW_TOKENS, chunk=48)
+    hit = donor[:160] + greedy.prompts([20], seed=13)[0]
+    runner = make_runner(ck, max_model_len=MAX_LEN)
+    greedy.assert_prefix_hit_matches_transformers(ck, runner, donor, hit, 10, NEW_TOKENS)
 
 
 def test_inverse_frequencies_equal_transformers() -> None:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from legato.models.config import load_model_config
 
@@ -23,21 +22,6 @@ WINDOWED: dict[str, dict[str, Any]] = {
     "mistral": dict(sliding_window=WINDOW),
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
 }
-
-
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 384, (n,), generator=g).tolist() for n in lengths]
-
-
-def _generate(
-    runner: Any, mini_scheduler: Any, prompts: list[list[int]], chunk: int | None = None
-) -> list[list[int]]:
-    sched = mini_scheduler(runner, chunk=chunk)
-    for i, prompt in enumerate(prompts):
-        sched.add(f"r{i}", prompt, max_tokens=NEW_TOKENS)
-    outputs = sched.run()
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
 def test_config_layers(make_checkpoint: Callable[..., Any]) -> None:
@@ -56,18 +40,14 @@ def test_longer_than_the_window_matches_transformers(
     chunk: int | None,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """A prompt shorter than the window that decodes past it, and prompts of 3x and 5x it."""
     ck = make_checkpoint(kind, **WINDOWED[kind])
-    prompts = _prompts([10, 3 * WINDOW, 5 * WINDOW], seed=31)
+    prompts = greedy.prompts([10, 3 * WINDOW, 5 * WINDOW], seed=31)
     runner = make_runner(ck)
     assert runner.max_model_len == 512  # the window no longer caps the length
-    outputs = _generate(runner, mini_scheduler, prompts, chunk)
-    for i, prompt in enumerate(prompts):
-        expected = hf_greedy(ck, prompt, NEW_TOKENS)[0]
-        assert outputs[i] == expected, f"{kind} chunk={chunk} prompt {i}"
+    greedy.assert_matches_transformers(ck, runner, prompts, NEW_TOKENS, chunk=chunk)
 
 
 @pytest.mark.parametrize("kind", list(WINDOWED))
@@ -75,19 +55,14 @@ def test_prefix_cache_hit_past_the_window_matches_transformers(
     kind: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
 ) -> None:
     """The first 64 tokens (four blocks, past the window) come from an earlier request."""
     ck = make_checkpoint(kind, **WINDOWED[kind])
-    donor, tail = _prompts([70, 15], seed=32)
-    prompt = donor[:64] + tail
-    sched = mini_scheduler(make_runner(ck))
-    sched.add("donor", donor, max_tokens=2)
-    sched.run()
-    sched.add("hit", prompt, max_tokens=NEW_TOKENS, prefix_of="donor", prefix_blocks=4)
-    assert sched.running["hit"].num_computed == 64
-    assert sched.run()["hit"] == hf_greedy(ck, prompt, NEW_TOKENS)[0]
+    donor, tail = greedy.prompts([70, 15], seed=32)
+    greedy.assert_prefix_hit_matches_transformers(
+        ck, make_runner(ck), donor, donor[:64] + tail, 4, NEW_TOKENS
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -95,8 +70,7 @@ def test_kernel_backends_match_transformers(
     backend: str,
     make_checkpoint: Callable[..., Any],
     make_runner: Callable[..., Any],
-    mini_scheduler: Any,
-    hf_greedy: Any,
+    greedy: Any,
     triton_device: str,
 ) -> None:
     from legato.kernels import triton_available
@@ -106,10 +80,8 @@ def test_kernel_backends_match_transformers(
     ck = make_checkpoint("qwen2", **WINDOWED["qwen2"])
     device = triton_device if backend == "triton" else "cpu"
     runner = make_runner(ck, attention_backend=backend, device=device)
-    prompts = _prompts([2 * WINDOW + 5, 9], seed=33)
-    outputs = _generate(runner, mini_scheduler, prompts, chunk=16)
-    for i, prompt in enumerate(prompts):
-        assert outputs[i] == hf_greedy(ck, prompt, NEW_TOKENS)[0], f"{backend} prompt {i}"
+    prompts = greedy.prompts([2 * WINDOW + 5, 9], seed=33)
+    greedy.assert_matches_transformers(ck, runner, prompts, NEW_TOKENS, chunk=16)
 
 
 def _serve(
@@ -151,21 +123,21 @@ def _serve(
 
 
 def test_blocks_out_of_the_window_are_released(
-    make_checkpoint: Callable[..., Any], make_runner: Callable[..., Any], hf_greedy: Any
+    make_checkpoint: Callable[..., Any], make_runner: Callable[..., Any], greedy: Any
 ) -> None:
     """A 200-token generation on a window of 24 (every layer) holds at most three 16-token
     blocks at once, against fifteen without the release; the tokens equal transformers'.
     A second request that shares the first one's first 48 tokens still hits them in the
     prefix cache (released blocks stay cached until evicted) and matches too."""
     ck = make_checkpoint("mistral", **WINDOWED["mistral"])
-    first = _prompts([40], seed=34)[0]
-    second = first + _prompts([30], seed=35)[0]  # all of "long"'s prompt, and more
+    (first,) = greedy.prompts([40], seed=34)
+    second = first + greedy.prompts([30], seed=35)[0]  # all of "long"'s prompt, and more
     requests = [("long", first, 200), ("hit", second, 24)]
     runner = make_runner(ck, num_kv_blocks=64, enable_prefix_caching=True)
     assert runner.kv_sliding_window == WINDOW
     tokens, held, peak, cached = _serve(runner, WINDOW, requests)
     for rid, prompt, n in requests:
-        assert tokens[rid] == hf_greedy(ck, prompt, n)[0], rid
+        assert tokens[rid] == greedy.transformers(ck, [prompt], n)[0], rid
     assert held["long"] <= 3, held  # tokens p-23..p span at most 2 blocks, plus the next
     assert cached["hit"] >= 32  # blocks released by "long" came back as a prefix hit
     runner = make_runner(ck, num_kv_blocks=64, enable_prefix_caching=True)
