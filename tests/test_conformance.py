@@ -164,8 +164,9 @@ ROWS: list[Row] = [
     r("001", 29, "scale_elastic_ep", "eng.scale_elastic_ep", "async",
       "(new_data_parallel_size, drain_timeout=300)", NIE),
     r("001", 30, "collective_rpc", "eng.collective_rpc", "async",
-      "(method, timeout=None, args=(), kwargs=None)", DIFFER,
-      "rank 0's result only under TP; no callables; msgpack arguments"),
+      "(method, timeout=None, args=(), kwargs=None)", SAME,
+      "every rank's result in rank order, vLLM's RuntimeError / TimeoutError (tests/actors/"
+      "test_tensor_parallel_executor.py); the method is a name, as the protocol types it"),
     r("001", 31, "get_supported_tasks", "eng.get_supported_tasks", "async", "()", SAME),
     r("001", 32, "init_weight_transfer_engine", "eng.init_weight_transfer_engine", "async",
       "(init_request)", NIE),

@@ -100,6 +100,8 @@ class _FaultPlan:
         self.short_reply_on_step = (
             int(short_reply_on_step) if short_reply_on_step is not None else None
         )
+        # a utility method that raises on this worker (a tensor-parallel rank's failure)
+        self.fail_utility: str | None = spec.get("fail_utility")
         self.steps = 0
 
     def before_step(self) -> None:
@@ -251,6 +253,8 @@ class Worker:
         if call.method.startswith("_") or not callable(getattr(target, call.method, None)):
             return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
         try:
+            if call.method == self._faults.fail_utility:
+                raise RuntimeError(f"injected fault: {call.method} failed on this worker")
             answer = m.UtilityResult(
                 call.call_id, result=getattr(target, call.method)(*call.args, **call.kwargs)
             )
