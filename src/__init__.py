@@ -21,6 +21,7 @@ from .protocol import (
     RequestOutputKind,
     SamplingParams,
 )
+from .protocol.client import WeightTransferInitRequest, WeightTransferUpdateRequest
 from .protocol.errors import ValidationError
 from .render_only import RenderOnlyClient
 from .supervise import open_supervised_engine
@@ -59,6 +60,8 @@ __all__ = [
     "SamplingParams",
     "ValidationError",
     "VllmConfig",
+    "WeightTransferInitRequest",
+    "WeightTransferUpdateRequest",
     "__version__",
     "open_engine",
     "open_supervised_engine",

@@ -93,6 +93,10 @@ GENERATE_V0 = (
 )
 PAUSE = "(*, mode='abort', wait_for_inflight_requests=None, clear_cache=True)"
 RESET_PREFIX = "(reset_running_requests=False, reset_connector=False)"
+WEIGHTS = (
+    "vLLM's disk backend (a local checkpoint, every rank, between steps: "
+    "tests/engine/test_weight_updates.py); its NCCL / IPC transports are refused by name"
+)
 
 ROWS: list[Row] = [
     # ---- 000 vLLM LaunchEngineClient -> RenderOnlyClient
@@ -169,10 +173,12 @@ ROWS: list[Row] = [
       "test_tensor_parallel_executor.py); the method is a name, as the protocol types it"),
     r("001", 31, "get_supported_tasks", "eng.get_supported_tasks", "async", "()", SAME),
     r("001", 32, "init_weight_transfer_engine", "eng.init_weight_transfer_engine", "async",
-      "(init_request)", NIE),
-    r("001", 33, "start_weight_update", "eng.start_weight_update", "async", None, NIE),
-    r("001", 34, "update_weights", "eng.update_weights", "async", "(request)", NIE),
-    r("001", 35, "finish_weight_update", "eng.finish_weight_update", "async", "()", NIE),
+      "(init_request)", SAME, WEIGHTS),
+    r("001", 33, "start_weight_update", "eng.start_weight_update", "async",
+      "(is_checkpoint_format=True)", SAME, WEIGHTS),
+    r("001", 34, "update_weights", "eng.update_weights", "async", "(request)", SAME, WEIGHTS),
+    r("001", 35, "finish_weight_update", "eng.finish_weight_update", "async", "()", SAME,
+      WEIGHTS),
     r("001", 36, "StreamingInput", "mod:legato.protocol.client:StreamingInput", "type", None,
       SAME),
     # ---- 002 vLLM LLMEngine (v1) -> legato LLMEngine

@@ -48,6 +48,7 @@ from ..protocol import wire
 from ..protocol.errors import ValidationError
 from ..protocol.runner import Runner
 from ..serving_gc import tune_gc_for_serving
+from .weight_transfer import DiskWeightTransfer
 
 
 class UnexpectedFrame(Exception):
@@ -174,6 +175,7 @@ class Worker:
         self.runner = runner
         self._faults = faults
         self._profiler = _Profiler()
+        self._weights = DiskWeightTransfer(runner)
         # A step whose forward ran and whose GrammarBitmask has not come yet.
         self._awaiting_bitmask: tuple[int, Any] | None = None
 
@@ -244,12 +246,16 @@ class Worker:
         """Run ``runner.<method>(*args, **kwargs)``; public methods only.
 
         ``start_profile`` / ``stop_profile`` are the worker's own (torch
-        profiler). A method that raises, or returns something that is not
+        profiler), as are vLLM's weight-update calls (``init_weight_transfer_engine``,
+        ``start_weight_update``, ``update_weights``, ``finish_weight_update``: see
+        :mod:`legato.workers.weight_transfer`). A method that raises, or returns something that is not
         plain msgpack data, answers with the error; the worker stays healthy.
         """
         target: Any = self.runner
         if call.method in ("start_profile", "stop_profile"):
             target = self._profiler
+        elif call.method in DiskWeightTransfer.METHODS:
+            target = self._weights
         if call.method.startswith("_") or not callable(getattr(target, call.method, None)):
             return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
         try:
