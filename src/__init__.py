@@ -5,6 +5,7 @@ Public names are re-exported here; internals are free to move.
 
 from .config import EngineConfig
 from .engine import AsyncEngine, RequestStream, open_engine
+from .frontend.vllm_renderer import ChatParams, TokenizeParams
 from .llm import LLM, LLMEngine
 from .protocol import (
     CompletionOutput,
@@ -40,6 +41,7 @@ __all__ = [
     "AsyncEngineArgs",
     "AsyncLLM",
     "AsyncLLMEngine",
+    "ChatParams",
     "CompletionOutput",
     "EngineClient",
     "EngineArgs",
@@ -58,6 +60,7 @@ __all__ = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "TokenizeParams",
     "ValidationError",
     "VllmConfig",
     "WeightTransferInitRequest",

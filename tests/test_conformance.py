@@ -93,6 +93,12 @@ GENERATE_V0 = (
 )
 PAUSE = "(*, mode='abort', wait_for_inflight_requests=None, clear_cache=True)"
 RESET_PREFIX = "(reset_running_requests=False, reset_connector=False)"
+RENDERER = (
+    "vLLM's BaseRenderer calls: get_tokenizer, render_cmpl, render_chat(conversations,"
+    " ChatParams, TokenizeParams) -> engine prompts generate takes, the mm cache as null"
+    " objects (tests/frontend/test_vllm_renderer.py); render_prompt stays legato's"
+    " (vLLM's is an internal step); embeds / padding refused"
+)
 WEIGHTS = (
     "vLLM's disk backend (a local checkpoint, every rank, between steps: "
     "tests/engine/test_weight_updates.py); its NCCL / IPC transports are refused by name"
@@ -103,8 +109,8 @@ ROWS: list[Row] = [
     r("000", 1, "__init__", "RO.__init__", "method", "(vllm_config)", SAME),
     r("000", 2, "vllm_config", "ro.vllm_config", "attr", None, SAME),
     r("000", 3, "model_config", "ro.model_config", "attr", None, SAME),
-    r("000", 4, "renderer", "ro.renderer", "attr", None, DIFFER,
-      "legato's Renderer (render_prompt, render_chat_prompt), not vLLM's BaseRenderer"),
+    r("000", 4, "renderer", "ro.renderer.render_cmpl", "method",
+      "(prompts, tok_params=None, *, prompt_extras=None)", SAME, RENDERER),
     r("000", 5, "io_processor", "ro.io_processor", "attr", None, SAME),
     r("000", 6, "input_processor", "ro.input_processor", "attr", None, SAME),
     r("000", 7, "from_vllm_config", "RO.from_vllm_config", "cls", "(vllm_config)", SAME),
@@ -135,7 +141,8 @@ ROWS: list[Row] = [
     # ---- 001 vLLM EngineClient protocol -> EngineClient ABC + AsyncEngine
     r("001", 1, "vllm_config", "eng.vllm_config", "attr", None, SAME),
     r("001", 2, "model_config", "eng.model_config", "attr", None, SAME),
-    r("001", 3, "renderer", "eng.renderer", "attr", None, DIFFER, "legato's Renderer API"),
+    r("001", 3, "renderer", "eng.renderer.render_chat", "method",
+      "(conversations, chat_params, tok_params=None, *, prompt_extras=None)", SAME, RENDERER),
     r("001", 4, "input_processor", "eng.input_processor", "attr", None, SAME),
     r("001", 5, "is_running", "ENG.is_running", "prop", None, SAME),
     r("001", 6, "is_stopped", "ENG.is_stopped", "prop", None, SAME),
@@ -188,7 +195,7 @@ ROWS: list[Row] = [
       None, SAME),
     r("002", 3, "log_stats", "llm.log_stats", "attr", None, SAME),
     r("002", 4, "dp_group / external_launcher_dp", "llm.dp_group", "attr", None, SAME),
-    r("002", 5, "renderer", "llm.renderer", "attr", None, DIFFER, "legato's Renderer API"),
+    r("002", 5, "renderer", "llm.renderer.get_tokenizer", "method", "()", SAME, RENDERER),
     r("002", 6, "input_processor", "llm.input_processor", "attr", None, SAME),
     r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER, "named processor"),
     r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER, "named core (CoreSteps)"),
@@ -448,7 +455,11 @@ def resolve(target: str, owners: dict[str, Any]) -> Any:
             return inspect.getattr_static(obj, name)
         except AttributeError:
             return MISSING_VALUE
-    return getattr(obj, name, MISSING_VALUE)
+    for part in name.split("."):  # "renderer.render_cmpl": a member of a member
+        obj = getattr(obj, part, MISSING_VALUE)
+        if obj is MISSING_VALUE:
+            break
+    return obj
 
 
 def kind_problem(row: Row, found: Any) -> str | None:
