@@ -24,13 +24,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..protocol.errors import PromptTooLongError, ValidationError
-
-if TYPE_CHECKING:
-    from ..protocol.inputs import EngineCoreRequest
-    from .renderer import PromptType, RenderedPrompt
 
 Conversation = list[dict[str, Any]]
 
@@ -78,33 +74,18 @@ class TokenizeParams:
 
 
 class VllmRendererCalls:
-    """Mixin of ``Renderer``: vLLM's ``BaseRenderer`` calls (see the module docstring)."""
+    """Mixin of ``Renderer``: vLLM's ``BaseRenderer`` calls (see the module docstring).
+
+    Built on ``Renderer``'s own ``render_prompt``, ``render_chat_text`` and
+    ``_check_ids`` (reached through ``_own``: this module cannot import that one)."""
 
     tokenizer: Any
     max_model_len: int
+
+    @property
+    def _own(self) -> Any:
+        return self
     mm_processor: None = None  # text-only: no multimodal processor
-
-    if TYPE_CHECKING:  # Renderer's own
-
-        def render_prompt(
-            self,
-            prompt: PromptType | EngineCoreRequest,
-            *,
-            tokenization_kwargs: Mapping[str, Any] | None = None,
-            prompt_text: str | None = None,
-        ) -> RenderedPrompt: ...
-
-        def _check_ids(self, ids: object, *, allow_empty: bool = False) -> list[int]: ...
-
-        def render_chat_text(
-            self,
-            messages: Sequence[Mapping[str, Any]],
-            *,
-            add_generation_prompt: bool = True,
-            chat_template: str | None = None,
-            tools: list[dict[str, Any]] | None = None,
-            template_kwargs: Mapping[str, Any] | None = None,
-        ) -> str: ...
 
     # ---------------------------------------------------------- the tokenizer
 
@@ -190,7 +171,7 @@ class VllmRendererCalls:
         out: list[Conversation] = []
         engine_prompts = []
         for conversation in conversations:
-            text = self.render_chat_text(
+            text = self._own.render_chat_text(
                 conversation,
                 add_generation_prompt=generation,
                 chat_template=chat_params.chat_template,
@@ -226,7 +207,7 @@ class VllmRendererCalls:
         if not isinstance(prompt, Mapping):
             raise ValidationError("prompt", "render_cmpl takes dict prompts (TextPrompt, TokensPrompt)")
         if "prompt_token_ids" in prompt:
-            ids = self._check_ids(prompt["prompt_token_ids"])
+            ids: list[int] = self._own._check_ids(prompt["prompt_token_ids"])
             text = prompt.get("prompt")
         else:
             text = prompt.get("prompt")
@@ -235,7 +216,7 @@ class VllmRendererCalls:
             if params.do_lower_case:
                 text = text.lower()
             kwargs = {"add_special_tokens": params.add_special_tokens}
-            ids = self.render_prompt({"prompt": text}, tokenization_kwargs=kwargs).token_ids
+            ids = self._own.render_prompt({"prompt": text}, tokenization_kwargs=kwargs).token_ids
         ids = self._fit(ids, params)
         if text is None and params.needs_detokenization:
             text = str(self.tokenizer.decode(ids))
