@@ -313,14 +313,18 @@ ROWS: list[Row] = [
     r("004", 20, "close", "eng.close", "method", "()", SAME),
     r("004", 21, "_set_errored", "eng.supervisor", "attr", None, SAME),
     r("004", 22, "_send_get_data_rpc_request", "eng.executor", "attr", None, DIFFER,
-      "no RPC timeout"),
+      "no per-call VLLM_RPC_TIMEOUT: a worker that stops answering is found by the heartbeat "
+      "(the engine dies: EngineDeadError), not a TimeoutError per call; collective_rpc takes "
+      "vLLM's timeout"),
     r("004", 23, "_send_one_way_rpc_request", None, "async", None, NA,
       "private ZMQ plumbing (fire and forget); every control here is request/response"),
     r("004", 24, "_await_ack", None, "async", None, NA,
       "private ZMQ plumbing (polling acks); the heartbeat covers hangs"),
     r("004", 25, "_check_success", "eng.executor", "attr", None, SAME),
-    r("004", 26, "_wait_for_server_rpc", "eng.executor", "attr", None, DIFFER,
-      "no start-up timeout for the worker"),
+    r("004", 26, "_wait_for_server_rpc", "eng.config.engine_ready_timeout", "attr", None, SAME,
+      "start-up waits engine_ready_timeout (600 s, vLLM's VLLM_ENGINE_READY_TIMEOUT_S), then "
+      "TimeoutError (tests/engine/test_async_engine.py::test_startup_failures_are_clear_and_"
+      "reap_the_worker); is_tracing_enabled answers the tracing flag (False)"),
     r("004", 27, "get_input_preprocessor", "eng.get_input_preprocessor", "async", "()", SAME),
     r("004", 28, "get_tokenizer", "eng.get_tokenizer", "async", "(lora_request=None)", SAME),
     r("004", 29, "get_vllm_config", "eng.get_vllm_config", "async", "()", SAME),
@@ -331,8 +335,9 @@ ROWS: list[Row] = [
     r("004", 34, "do_log_stats", "eng.do_log_stats", "async",
       "(scheduler_outputs=None, model_output=None)", SAME),
     r("004", 35, "check_health", "eng.check_health", "async", "()", DIFFER,
-      "raises EngineDeadError (a RuntimeError, as v1 AsyncLLM) with the cause chained, "
-      "not the raw cause"),
+      "raises EngineDeadError (a RuntimeError, v1 AsyncLLM's type) whose message names the "
+      "cause and whose __cause__ is the raw error; this client raised the raw error itself, "
+      "so an except clause for the cause's own type would miss it"),
     r("004", 36, "is_running", "ENG.is_running", "prop", None, SAME),
     r("004", 37, "is_stopped", "ENG.is_stopped", "prop", None, SAME),
     r("004", 38, "errored", "ENG.errored", "prop", None, SAME),

@@ -95,6 +95,7 @@ class _FaultPlan:
     def __init__(self, spec: dict[str, Any] | None) -> None:
         spec = spec or {}
         self.fail_load = bool(spec.get("fail_load", False))
+        self.stall_load = float(spec.get("stall_load", 0.0))  # seconds loading takes longer
         raise_on_step = spec.get("raise_on_step")
         self.raise_on_step = int(raise_on_step) if raise_on_step is not None else None
         short_reply_on_step = spec.get("short_reply_on_step")
@@ -128,6 +129,8 @@ def _build_runner(init: m.WorkerInit, faults: _FaultPlan, parallel: Any) -> Runn
 
     if faults.fail_load:
         raise RuntimeError("injected fault: weight loading failed")
+    if faults.stall_load:
+        time.sleep(faults.stall_load)  # a load that takes this long (start-up timeouts)
     return build_runner(EngineConfig(**init.config), parallel)
 
 
