@@ -200,7 +200,11 @@ ROWS: list[Row] = [
     r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER, "named processor"),
     r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER, "named core (CoreSteps)"),
     r("002", 9, "logger_manager", "llm.logger_manager", "attr", None, SAME),
-    r("002", 10, "model_executor", "llm.worker", "attr", None, DIFFER, "named worker (in-process)"),
+    r("002", 10, "model_executor", "llm.model_executor.collective_rpc", "method",
+      "(method, timeout=None, args=(), kwargs=None)", SAME,
+      "vLLM's in-process executor: driver_worker(.worker).model_runner.model, collective_rpc by "
+      "name or callable, check_health (tests/llm/test_drivers.py); on the CPU, new weights go "
+      "in through update_weights, not by writing parameters in place (packed linears)"),
     r("002", 11, "from_vllm_config", "LLM.from_vllm_config", "cls", None, SAME),
     r("002", 12, "from_engine_args", "LLM.from_engine_args", "cls",
       "(engine_args, usage_context=None, stat_loggers=None, enable_multiprocessing=False)",
