@@ -207,6 +207,7 @@ _UNSUPPORTED_AT_DEFAULT: dict[str, tuple[Any, str]] = {
     "swap_space": (4, "preempted requests recompute; nothing is swapped"),
     "skip_tokenizer_init": (False, "the engine always renders with its tokenizer"),
     "limit_mm_per_prompt": (None, "multimodal inputs are not supported"),
+    "enable_prompt_embeds": (False, "prompt embeddings are not supported: models take token ids"),
 }
 
 
@@ -264,6 +265,7 @@ class EngineArgs:
     swap_space: float = 4
     skip_tokenizer_init: bool = False
     limit_mm_per_prompt: dict[str, int] | None = None
+    enable_prompt_embeds: bool = False
     # vLLM's WeightTransferConfig: legato has its "disk" backend only (see
     # legato.workers.weight_transfer); None, {"backend": "disk"} or an object with that backend
     weight_transfer_config: Any = None

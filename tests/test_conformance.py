@@ -150,7 +150,7 @@ ROWS: list[Row] = [
     r("001", 8, "dead_error", "ENG.dead_error", "prop", None, SAME),
     r("001", 9, "generate", "eng.generate",
       "agen", GENERATE_V1[:-1] + ", reasoning_parser_kwargs=None)", SAME,
-      "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which legato lacks"),
+      "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which EngineArgs refuses by name"),
     r("001", 10, "encode", "eng.encode", "agen", ENCODE_V1, SAME,
       "serves 'embed'; a task not in get_supported_tasks is a ValueError, as vLLM's"),
     r("001", 11, "abort", "eng.abort", "async", "(request_id)", SAME),
