@@ -377,7 +377,7 @@ ROWS: list[Row] = [
       "and_final_only_carries_all", "behaviour", None, SAME),
     r("X", 6, "prompt forms",
       "test:tests/engine/test_vllm_compat.py::test_a_streaming_input_session_as_vllms",
-      "behaviour", None, SAME, "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which legato lacks; encoder/decoder prompts refused (decoder-only models)"),
+      "behaviour", None, SAME, "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which EngineArgs refuses by name; encoder/decoder prompts refused (decoder-only models)"),
     r("X", 7, "stat-logger API",
       "test:tests/metrics/test_stats.py::test_a_logger_written_for_vllm_is_built_and_fed_in_"
       "vllms_shape", "behaviour", None, SAME),
