@@ -197,8 +197,15 @@ ROWS: list[Row] = [
     r("002", 4, "dp_group / external_launcher_dp", "llm.dp_group", "attr", None, SAME),
     r("002", 5, "renderer", "llm.renderer.get_tokenizer", "method", "()", SAME, RENDERER),
     r("002", 6, "input_processor", "llm.input_processor", "attr", None, SAME),
-    r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER, "named processor"),
-    r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER, "named core (CoreSteps)"),
+    r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER,
+      "named processor; has_unfinished_requests / get_num_unfinished_requests match, but "
+      "add_request(request_id, prompt, ids, params, arrival_time, *, slot), "
+      "process_outputs(EngineCoreOutputs) -> ProcessedStep, abort_requests without internal "
+      "and no request_states / propagate_error: vLLM code driving it would break"),
+    r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER,
+      "named core: legato's CoreSteps (add_requests / plan / apply in this thread), not an "
+      "EngineCoreClient (add_request, get_output, abort_requests, utility calls); an alias "
+      "would break on the first vLLM call"),
     r("002", 9, "logger_manager", "llm.logger_manager", "attr", None, SAME),
     r("002", 10, "model_executor", "llm.model_executor.collective_rpc", "method",
       "(method, timeout=None, args=(), kwargs=None)", SAME,
@@ -255,13 +262,20 @@ ROWS: list[Row] = [
     r("003", 4, "stat_loggers", "eng.stat_loggers", "attr", None, SAME),
     r("003", 5, "model_config", "eng.model_config", "attr", None, SAME),
     r("003", 6, "tokenizer", "eng.tokenizer", "attr", None, SAME),
-    r("003", 7, "request_streams", "eng.frontend", "attr", None, DIFFER, "Frontend's slots"),
+    r("003", 7, "request_streams", "eng.frontend", "attr", None, DIFFER,
+      "no id -> AsyncStream map: each request's OutputSlot lives in the Frontend, private; "
+      "the stream is the RequestStream generate returns"),
     r("003", 8, "client_aborted_requests", None, "attr", None, NA, "aborts are synchronous"),
     r("003", 9, "processor", "eng.processor", "attr", None, SAME),
-    r("003", 10, "detokenizer", "eng.frontend", "attr", None, DIFFER, "frontend.processor"),
-    r("003", 11, "engine_core", "eng.core", "attr", None, DIFFER, "named core"),
+    r("003", 10, "detokenizer", "eng.frontend", "attr", None, DIFFER,
+      "detokenization is frontend.processor (legato's OutputProcessor, see 002 #7), run by "
+      "the 'detokenizer' actor; the early AsyncLLM's Detokenizer client has no counterpart"),
+    r("003", 11, "engine_core", "eng.core", "attr", None, DIFFER,
+      "named core: legato's trio EngineCore (typed control calls queued to its loop), not "
+      "vLLM's EngineCoreClient (add_request_async, get_output_async, utility calls)"),
     r("003", 12, "output_handler", "eng.frontend", "attr", None, DIFFER,
-      "the detokenizer actor, started eagerly"),
+      "no asyncio.Task attribute: the delivery loop is the supervised 'detokenizer' actor "
+      "in the engine's nursery, started with the engine (trio: nothing runs unowned)"),
     r("003", 13, "__del__", None, "method", None, DIFFER,
       "lifetime is open_engine's async with (trio: nothing outlives its nursery)"),
     r("003", 14, "from_engine_args", "ENG.from_engine_args", "cls", "(engine_args)", DIFFER,
