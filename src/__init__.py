@@ -5,6 +5,7 @@ Public names are re-exported here; internals are free to move.
 
 from .config import EngineConfig
 from .engine import AsyncEngine, RequestStream, open_engine
+from .frontend.vllm_renderer import ChatParams, TokenizeParams
 from .llm import LLM, LLMEngine
 from .protocol import (
     CompletionOutput,
@@ -21,6 +22,7 @@ from .protocol import (
     RequestOutputKind,
     SamplingParams,
 )
+from .protocol.client import WeightTransferInitRequest, WeightTransferUpdateRequest
 from .protocol.errors import ValidationError
 from .render_only import RenderOnlyClient
 from .supervise import open_supervised_engine
@@ -39,6 +41,7 @@ __all__ = [
     "AsyncEngineArgs",
     "AsyncLLM",
     "AsyncLLMEngine",
+    "ChatParams",
     "CompletionOutput",
     "EngineClient",
     "EngineArgs",
@@ -57,8 +60,11 @@ __all__ = [
     "RequestOutputKind",
     "RequestStream",
     "SamplingParams",
+    "TokenizeParams",
     "ValidationError",
     "VllmConfig",
+    "WeightTransferInitRequest",
+    "WeightTransferUpdateRequest",
     "__version__",
     "open_engine",
     "open_supervised_engine",

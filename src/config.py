@@ -133,6 +133,9 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     heartbeat_interval: float = 5.0
     heartbeat_timeout: float = 60.0  # a long CPU prefill step must not count as a hang
+    # Seconds the process executors wait for the worker's WorkerReady (model loaded) before
+    # start-up fails with TimeoutError (vLLM's VLLM_ENGINE_READY_TIMEOUT_S, 600 s there too)
+    engine_ready_timeout: float = 600.0
     disable_log_stats: bool = False
     log_stats_interval: float = 10.0
     # Publish the metrics vLLM has a name for under that name (vllm:...) as well as legato:...
@@ -213,6 +216,10 @@ class EngineConfig:
         if self.pooling_type not in ("LAST", "MEAN", "CLS"):
             raise ValueError(
                 f"pooling_type: unknown pooling {self.pooling_type!r}; expected LAST, MEAN or CLS"
+            )
+        if not self.engine_ready_timeout > 0:
+            raise ValueError(
+                f"engine_ready_timeout: must be > 0 seconds, got {self.engine_ready_timeout!r}"
             )
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("heartbeat_timeout: must exceed heartbeat_interval > 0")

@@ -207,6 +207,7 @@ _UNSUPPORTED_AT_DEFAULT: dict[str, tuple[Any, str]] = {
     "swap_space": (4, "preempted requests recompute; nothing is swapped"),
     "skip_tokenizer_init": (False, "the engine always renders with its tokenizer"),
     "limit_mm_per_prompt": (None, "multimodal inputs are not supported"),
+    "enable_prompt_embeds": (False, "prompt embeddings are not supported: models take token ids"),
 }
 
 
@@ -264,6 +265,10 @@ class EngineArgs:
     swap_space: float = 4
     skip_tokenizer_init: bool = False
     limit_mm_per_prompt: dict[str, int] | None = None
+    enable_prompt_embeds: bool = False
+    # vLLM's WeightTransferConfig: legato has its "disk" backend only (see
+    # legato.workers.weight_transfer); None, {"backend": "disk"} or an object with that backend
+    weight_transfer_config: Any = None
     legato_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -271,6 +276,15 @@ class EngineArgs:
             value = getattr(self, name)
             if value != default and not (default is None and value in ({}, [])):
                 raise ValueError(f"{name}: {why}; legato accepts only {default!r}, got {value!r}")
+        transfer = self.weight_transfer_config
+        if transfer is not None:
+            backend = transfer.get("backend") if isinstance(transfer, dict) else None
+            backend = getattr(transfer, "backend", backend)
+            if backend != "disk":
+                raise ValueError(
+                    "weight_transfer_config: legato updates weights from a local checkpoint "
+                    f"only (backend 'disk'), got backend {backend!r}"
+                )
         names = self.served_model_name
         if isinstance(names, list) and len(names) > 1:
             raise ValueError(f"served_model_name: legato serves one name, got {names!r}")

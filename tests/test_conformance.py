@@ -93,14 +93,24 @@ GENERATE_V0 = (
 )
 PAUSE = "(*, mode='abort', wait_for_inflight_requests=None, clear_cache=True)"
 RESET_PREFIX = "(reset_running_requests=False, reset_connector=False)"
+RENDERER = (
+    "vLLM's BaseRenderer calls: get_tokenizer, render_cmpl, render_chat(conversations,"
+    " ChatParams, TokenizeParams) -> engine prompts generate takes, the mm cache as null"
+    " objects (tests/frontend/test_vllm_renderer.py); render_prompt stays legato's"
+    " (vLLM's is an internal step); embeds / padding refused"
+)
+WEIGHTS = (
+    "vLLM's disk backend (a local checkpoint, every rank, between steps: "
+    "tests/engine/test_weight_updates.py); its NCCL / IPC transports are refused by name"
+)
 
 ROWS: list[Row] = [
     # ---- 000 vLLM LaunchEngineClient -> RenderOnlyClient
     r("000", 1, "__init__", "RO.__init__", "method", "(vllm_config)", SAME),
     r("000", 2, "vllm_config", "ro.vllm_config", "attr", None, SAME),
     r("000", 3, "model_config", "ro.model_config", "attr", None, SAME),
-    r("000", 4, "renderer", "ro.renderer", "attr", None, DIFFER,
-      "legato's Renderer (render_prompt, render_chat_prompt), not vLLM's BaseRenderer"),
+    r("000", 4, "renderer", "ro.renderer.render_cmpl", "method",
+      "(prompts, tok_params=None, *, prompt_extras=None)", SAME, RENDERER),
     r("000", 5, "io_processor", "ro.io_processor", "attr", None, SAME),
     r("000", 6, "input_processor", "ro.input_processor", "attr", None, SAME),
     r("000", 7, "from_vllm_config", "RO.from_vllm_config", "cls", "(vllm_config)", SAME),
@@ -131,7 +141,8 @@ ROWS: list[Row] = [
     # ---- 001 vLLM EngineClient protocol -> EngineClient ABC + AsyncEngine
     r("001", 1, "vllm_config", "eng.vllm_config", "attr", None, SAME),
     r("001", 2, "model_config", "eng.model_config", "attr", None, SAME),
-    r("001", 3, "renderer", "eng.renderer", "attr", None, DIFFER, "legato's Renderer API"),
+    r("001", 3, "renderer", "eng.renderer.render_chat", "method",
+      "(conversations, chat_params, tok_params=None, *, prompt_extras=None)", SAME, RENDERER),
     r("001", 4, "input_processor", "eng.input_processor", "attr", None, SAME),
     r("001", 5, "is_running", "ENG.is_running", "prop", None, SAME),
     r("001", 6, "is_stopped", "ENG.is_stopped", "prop", None, SAME),
@@ -139,7 +150,7 @@ ROWS: list[Row] = [
     r("001", 8, "dead_error", "ENG.dead_error", "prop", None, SAME),
     r("001", 9, "generate", "eng.generate",
       "agen", GENERATE_V1[:-1] + ", reasoning_parser_kwargs=None)", SAME,
-      "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which legato lacks"),
+      "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which EngineArgs refuses by name"),
     r("001", 10, "encode", "eng.encode", "agen", ENCODE_V1, SAME,
       "serves 'embed'; a task not in get_supported_tasks is a ValueError, as vLLM's"),
     r("001", 11, "abort", "eng.abort", "async", "(request_id)", SAME),
@@ -164,14 +175,17 @@ ROWS: list[Row] = [
     r("001", 29, "scale_elastic_ep", "eng.scale_elastic_ep", "async",
       "(new_data_parallel_size, drain_timeout=300)", NIE),
     r("001", 30, "collective_rpc", "eng.collective_rpc", "async",
-      "(method, timeout=None, args=(), kwargs=None)", DIFFER,
-      "rank 0's result only under TP; no callables; msgpack arguments"),
+      "(method, timeout=None, args=(), kwargs=None)", SAME,
+      "every rank's result in rank order, vLLM's RuntimeError / TimeoutError (tests/actors/"
+      "test_tensor_parallel_executor.py); the method is a name, as the protocol types it"),
     r("001", 31, "get_supported_tasks", "eng.get_supported_tasks", "async", "()", SAME),
     r("001", 32, "init_weight_transfer_engine", "eng.init_weight_transfer_engine", "async",
-      "(init_request)", NIE),
-    r("001", 33, "start_weight_update", "eng.start_weight_update", "async", None, NIE),
-    r("001", 34, "update_weights", "eng.update_weights", "async", "(request)", NIE),
-    r("001", 35, "finish_weight_update", "eng.finish_weight_update", "async", "()", NIE),
+      "(init_request)", SAME, WEIGHTS),
+    r("001", 33, "start_weight_update", "eng.start_weight_update", "async",
+      "(is_checkpoint_format=True)", SAME, WEIGHTS),
+    r("001", 34, "update_weights", "eng.update_weights", "async", "(request)", SAME, WEIGHTS),
+    r("001", 35, "finish_weight_update", "eng.finish_weight_update", "async", "()", SAME,
+      WEIGHTS),
     r("001", 36, "StreamingInput", "mod:legato.protocol.client:StreamingInput", "type", None,
       SAME),
     # ---- 002 vLLM LLMEngine (v1) -> legato LLMEngine
@@ -181,12 +195,23 @@ ROWS: list[Row] = [
       None, SAME),
     r("002", 3, "log_stats", "llm.log_stats", "attr", None, SAME),
     r("002", 4, "dp_group / external_launcher_dp", "llm.dp_group", "attr", None, SAME),
-    r("002", 5, "renderer", "llm.renderer", "attr", None, DIFFER, "legato's Renderer API"),
+    r("002", 5, "renderer", "llm.renderer.get_tokenizer", "method", "()", SAME, RENDERER),
     r("002", 6, "input_processor", "llm.input_processor", "attr", None, SAME),
-    r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER, "named processor"),
-    r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER, "named core (CoreSteps)"),
+    r("002", 7, "output_processor", "llm.processor", "attr", None, DIFFER,
+      "named processor; has_unfinished_requests / get_num_unfinished_requests match, but "
+      "add_request(request_id, prompt, ids, params, arrival_time, *, slot), "
+      "process_outputs(EngineCoreOutputs) -> ProcessedStep, abort_requests without internal "
+      "and no request_states / propagate_error: vLLM code driving it would break"),
+    r("002", 8, "engine_core", "llm.core", "attr", None, DIFFER,
+      "named core: legato's CoreSteps (add_requests / plan / apply in this thread), not an "
+      "EngineCoreClient (add_request, get_output, abort_requests, utility calls); an alias "
+      "would break on the first vLLM call"),
     r("002", 9, "logger_manager", "llm.logger_manager", "attr", None, SAME),
-    r("002", 10, "model_executor", "llm.worker", "attr", None, DIFFER, "named worker (in-process)"),
+    r("002", 10, "model_executor", "llm.model_executor.collective_rpc", "method",
+      "(method, timeout=None, args=(), kwargs=None)", SAME,
+      "vLLM's in-process executor: driver_worker(.worker).model_runner.model, collective_rpc by "
+      "name or callable, check_health (tests/llm/test_drivers.py); on the CPU, new weights go "
+      "in through update_weights, not by writing parameters in place (packed linears)"),
     r("002", 11, "from_vllm_config", "LLM.from_vllm_config", "cls", None, SAME),
     r("002", 12, "from_engine_args", "LLM.from_engine_args", "cls",
       "(engine_args, usage_context=None, stat_loggers=None, enable_multiprocessing=False)",
@@ -237,13 +262,20 @@ ROWS: list[Row] = [
     r("003", 4, "stat_loggers", "eng.stat_loggers", "attr", None, SAME),
     r("003", 5, "model_config", "eng.model_config", "attr", None, SAME),
     r("003", 6, "tokenizer", "eng.tokenizer", "attr", None, SAME),
-    r("003", 7, "request_streams", "eng.frontend", "attr", None, DIFFER, "Frontend's slots"),
+    r("003", 7, "request_streams", "eng.frontend", "attr", None, DIFFER,
+      "no id -> AsyncStream map: each request's OutputSlot lives in the Frontend, private; "
+      "the stream is the RequestStream generate returns"),
     r("003", 8, "client_aborted_requests", None, "attr", None, NA, "aborts are synchronous"),
     r("003", 9, "processor", "eng.processor", "attr", None, SAME),
-    r("003", 10, "detokenizer", "eng.frontend", "attr", None, DIFFER, "frontend.processor"),
-    r("003", 11, "engine_core", "eng.core", "attr", None, DIFFER, "named core"),
+    r("003", 10, "detokenizer", "eng.frontend", "attr", None, DIFFER,
+      "detokenization is frontend.processor (legato's OutputProcessor, see 002 #7), run by "
+      "the 'detokenizer' actor; the early AsyncLLM's Detokenizer client has no counterpart"),
+    r("003", 11, "engine_core", "eng.core", "attr", None, DIFFER,
+      "named core: legato's trio EngineCore (typed control calls queued to its loop), not "
+      "vLLM's EngineCoreClient (add_request_async, get_output_async, utility calls)"),
     r("003", 12, "output_handler", "eng.frontend", "attr", None, DIFFER,
-      "the detokenizer actor, started eagerly"),
+      "no asyncio.Task attribute: the delivery loop is the supervised 'detokenizer' actor "
+      "in the engine's nursery, started with the engine (trio: nothing runs unowned)"),
     r("003", 13, "__del__", None, "method", None, DIFFER,
       "lifetime is open_engine's async with (trio: nothing outlives its nursery)"),
     r("003", 14, "from_engine_args", "ENG.from_engine_args", "cls", "(engine_args)", DIFFER,
@@ -299,14 +331,18 @@ ROWS: list[Row] = [
     r("004", 20, "close", "eng.close", "method", "()", SAME),
     r("004", 21, "_set_errored", "eng.supervisor", "attr", None, SAME),
     r("004", 22, "_send_get_data_rpc_request", "eng.executor", "attr", None, DIFFER,
-      "no RPC timeout"),
+      "no per-call VLLM_RPC_TIMEOUT: a worker that stops answering is found by the heartbeat "
+      "(the engine dies: EngineDeadError), not a TimeoutError per call; collective_rpc takes "
+      "vLLM's timeout"),
     r("004", 23, "_send_one_way_rpc_request", None, "async", None, NA,
       "private ZMQ plumbing (fire and forget); every control here is request/response"),
     r("004", 24, "_await_ack", None, "async", None, NA,
       "private ZMQ plumbing (polling acks); the heartbeat covers hangs"),
     r("004", 25, "_check_success", "eng.executor", "attr", None, SAME),
-    r("004", 26, "_wait_for_server_rpc", "eng.executor", "attr", None, DIFFER,
-      "no start-up timeout for the worker"),
+    r("004", 26, "_wait_for_server_rpc", "eng.config.engine_ready_timeout", "attr", None, SAME,
+      "start-up waits engine_ready_timeout (600 s, vLLM's VLLM_ENGINE_READY_TIMEOUT_S), then "
+      "TimeoutError (tests/engine/test_async_engine.py::test_startup_failures_are_clear_and_"
+      "reap_the_worker); is_tracing_enabled answers the tracing flag (False)"),
     r("004", 27, "get_input_preprocessor", "eng.get_input_preprocessor", "async", "()", SAME),
     r("004", 28, "get_tokenizer", "eng.get_tokenizer", "async", "(lora_request=None)", SAME),
     r("004", 29, "get_vllm_config", "eng.get_vllm_config", "async", "()", SAME),
@@ -317,8 +353,9 @@ ROWS: list[Row] = [
     r("004", 34, "do_log_stats", "eng.do_log_stats", "async",
       "(scheduler_outputs=None, model_output=None)", SAME),
     r("004", 35, "check_health", "eng.check_health", "async", "()", DIFFER,
-      "raises EngineDeadError (a RuntimeError, as v1 AsyncLLM) with the cause chained, "
-      "not the raw cause"),
+      "raises EngineDeadError (a RuntimeError, v1 AsyncLLM's type) whose message names the "
+      "cause and whose __cause__ is the raw error; this client raised the raw error itself, "
+      "so an except clause for the cause's own type would miss it"),
     r("004", 36, "is_running", "ENG.is_running", "prop", None, SAME),
     r("004", 37, "is_stopped", "ENG.is_stopped", "prop", None, SAME),
     r("004", 38, "errored", "ENG.errored", "prop", None, SAME),
@@ -354,7 +391,7 @@ ROWS: list[Row] = [
       "and_final_only_carries_all", "behaviour", None, SAME),
     r("X", 6, "prompt forms",
       "test:tests/engine/test_vllm_compat.py::test_a_streaming_input_session_as_vllms",
-      "behaviour", None, SAME, "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which legato lacks; encoder/decoder prompts refused (decoder-only models)"),
+      "behaviour", None, SAME, "embeds prompts refused (ValueError) as vLLM refuses them without enable_prompt_embeds, which EngineArgs refuses by name; encoder/decoder prompts refused (decoder-only models)"),
     r("X", 7, "stat-logger API",
       "test:tests/metrics/test_stats.py::test_a_logger_written_for_vllm_is_built_and_fed_in_"
       "vllms_shape", "behaviour", None, SAME),
@@ -441,7 +478,11 @@ def resolve(target: str, owners: dict[str, Any]) -> Any:
             return inspect.getattr_static(obj, name)
         except AttributeError:
             return MISSING_VALUE
-    return getattr(obj, name, MISSING_VALUE)
+    for part in name.split("."):  # "renderer.render_cmpl": a member of a member
+        obj = getattr(obj, part, MISSING_VALUE)
+        if obj is MISSING_VALUE:
+            break
+    return obj
 
 
 def kind_problem(row: Row, found: Any) -> str | None:

@@ -37,6 +37,7 @@ def test_unsupported_vllm_fields_are_refused_by_name_unless_at_the_default() -> 
         ("data_parallel_size", 2),
         ("quantization", "awq"),
         ("trust_remote_code", True),
+        ("enable_prompt_embeds", True),  # vLLM's switch for embeds prompts: refused by name
     ]:
         with pytest.raises(ValueError, match=f"^{name}: "):
             EngineArgs(**{name: value})

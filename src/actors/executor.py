@@ -186,6 +186,8 @@ class Executor(Protocol):
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
+    async def call_every_rank(self, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+
     def begin_shutdown(self, grace: float | None = None) -> None:
         """Mark the coming stop as graceful: the worker gets ``grace`` seconds (None:
         ``SHUTDOWN_GRACE``) to exit by itself once the executor is cancelled, then it
@@ -238,10 +240,21 @@ class WorkerFrames:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``ModelRunner.<method>`` on the worker; raises WorkerCallError if it raised
-        (the worker is still healthy), WorkerDiedError for an answer of another kind."""
+        (on any rank: the worker is still healthy), WorkerDiedError for an answer of
+        another kind. Under tensor parallelism every rank runs it; rank 0's result."""
+        return (await self._utility(method, args, kwargs)).result
+
+    async def call_every_rank(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """As :meth:`call`, but every rank's result, in rank order (one for one worker)."""
+        answer = await self._utility(method, args, kwargs)
+        return [answer.result] if answer.rank_results is None else answer.rank_results
+
+    async def _utility(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> m.UtilityResult:
         answer = await self._request(m.UtilityCall(0, method, list(args), kwargs))
         if not isinstance(answer, m.UtilityResult):
             raise WorkerDiedError(f"expected UtilityResult, got {type(answer).__name__}")
         if answer.error is not None:
             raise WorkerCallError.of(answer)
-        return answer.result
+        return answer

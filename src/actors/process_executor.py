@@ -30,7 +30,7 @@ from ..config import EngineConfig
 from ..exception_groups import unwrap_single_error
 from ..protocol import messages as m
 from ..protocol import wire
-from ..protocol.errors import EngineStartupError
+from ..protocol.errors import EngineStartupError, EngineStartupTimeout
 from .executor import SHUTDOWN_GRACE, FrameAnswer, OnFailure, WorkerDiedError, WorkerFrames
 
 
@@ -140,12 +140,21 @@ class ProcessExecutor(WorkerFrames):
         return env
 
     async def _start_worker(self, process: trio.Process, reader: _FrameReader) -> m.WorkerReady:
-        """Send WorkerInit, read the answer; EngineStartupError unless it is WorkerReady."""
+        """Send WorkerInit, read the answer; EngineStartupError unless it is WorkerReady,
+        EngineStartupTimeout (a TimeoutError too) without one in ``engine_ready_timeout``."""
         assert process.stdin is not None
         init = m.WorkerInit(config=self._config.to_dict(), inject_fault=self._inject_fault)
+        timeout = self._config.engine_ready_timeout
         try:
-            await process.stdin.send_all(self._frame(init)[1])
-            first = await reader.read()
+            with trio.fail_after(timeout):
+                await process.stdin.send_all(self._frame(init)[1])
+                first = await reader.read()
+        except trio.TooSlowError:
+            raise EngineStartupTimeout(
+                f"Timed out waiting for the model worker to start: not ready within {timeout} s "
+                "(engine_ready_timeout). This is often caused by slow weight loading for "
+                "large models."
+            ) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, wire.WireError) as exc:
             code = await _wait_exit(process)
             raise EngineStartupError(

@@ -5,7 +5,8 @@ under a ``Supervisor`` (``AsyncEngine._start``: the executor first, then the
 parts ``build_engine_parts`` wires, then the core, delivery, stats and
 heartbeat actors), yields the engine, and on exit shuts everything down and
 reaps the worker. The control calls (pause, sleep, LoRA, profile,
-``collective_rpc``) are ``EngineControls``; the tokenizer's calls (tokenize,
+``collective_rpc``) are ``EngineControls``, vLLM's weight updates over it
+``EngineWeightUpdates``; the tokenizer's calls (tokenize,
 render a chat, model info) ``EngineTokenizerCalls``; the stat loggers'
 ``EngineStatCalls``; the config views are ``VllmConfigViews``; a request's
 stream is ``RequestStream``.
@@ -52,18 +53,18 @@ from ..protocol.params import LoRARequest, RequestOutputKind, SamplingParams
 from ..serving_gc import tune_gc_for_serving
 from ..tokenizer_loading import load_tokenizer
 from ..vllm_config import EngineArgs, VllmConfig
-from .controls import EngineControls
 from .request_checks import check_pooling_params, check_request
 from .request_stream import RequestStream
 from .stat_calls import EngineStatCalls
 from .tokenizer_calls import EngineTokenizerCalls
+from .weight_updates import EngineWeightUpdates
 from .wiring import make_executor, resolve_model
 
 logger = logging.getLogger("legato.engine")
 
 
 class AsyncEngine(
-    EngineControls, EngineTokenizerCalls, EngineStatCalls, VllmConfigViews, EngineClient
+    EngineWeightUpdates, EngineTokenizerCalls, EngineStatCalls, VllmConfigViews, EngineClient
 ):
     """The engine as a trio-native ``EngineClient``: a facade over the front end
     (``Frontend``: rendering, output processing, request slots) and the engine

@@ -146,12 +146,20 @@ class EngineControls(EngineLifecycle):
     # ----------------------------------------------------------- the worker
 
     async def _worker_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``method`` on the worker; a checkpoint. A cancelled caller stops waiting (the
-        call still runs on the worker); if the worker dies, raises the engine's
-        EngineDeadError."""
+        """``method`` on the worker (every rank); rank 0's result. A checkpoint. A
+        cancelled caller stops waiting (the call still runs on the worker); if the
+        worker dies, raises the engine's EngineDeadError."""
+        return (await self._every_rank(method, args, kwargs, every_rank=False))[0]
+
+    async def _every_rank(
+        self, method: str, args: Sequence[Any], kwargs: dict[str, Any], *, every_rank: bool = True
+    ) -> list[Any]:
         self._check_alive()
+        executor = self.executor
         try:
-            return await self.executor.call(method, *args, **kwargs)
+            if every_rank:
+                return await executor.call_every_rank(method, *args, **kwargs)
+            return [await executor.call(method, *args, **kwargs)]
         except WorkerDiedError:
             self._check_alive()
             raise
@@ -201,18 +209,25 @@ class EngineControls(EngineLifecycle):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Call ``method`` on the model worker and return its result in a list.
+        """Call ``method`` on every worker; their results in a list, in rank order.
 
-        Under tensor parallelism every rank runs it; rank 0's result is returned.
-        As vLLM's: a method that raises fails the call with RuntimeError (the
-        worker's message; the engine keeps serving), and no answer within
-        ``timeout`` seconds raises TimeoutError (the call still completes on
-        the worker). A dead engine raises its EngineDeadError.
+        As vLLM's: one result per tensor-parallel rank (one without tensor
+        parallelism); a method that raises on any rank fails the call with
+        vLLM's ``RuntimeError("Worker failed with error '...'")`` (the message
+        names the rank; the engine keeps serving), and no answer within
+        ``timeout`` seconds raises vLLM's ``TimeoutError("RPC call to ... timed
+        out.")`` (the call still completes on the workers). A dead engine raises
+        its EngineDeadError. Unlike vLLM: ``method`` is a name (public model runner
+        methods and the worker's own), never a callable, and arguments and results
+        are msgpack data: nothing is pickled across the process boundary.
         """
         try:
             with trio.fail_after(math.inf if timeout is None else timeout):
-                return [await self._worker_call(method, *args, **(kwargs or {}))]
+                return await self._every_rank(method, args, kwargs or {})
         except WorkerCallError as exc:
-            raise RuntimeError(f"collective_rpc {method!r} failed: {exc}") from exc
+            raise RuntimeError(
+                f"Worker failed with error '{exc}', please check the stack trace above for "
+                "the root cause"
+            ) from exc
         except trio.TooSlowError:
-            raise TimeoutError(f"collective_rpc {method!r}: no answer within {timeout} s") from None
+            raise TimeoutError(f"RPC call to {method} timed out.") from None

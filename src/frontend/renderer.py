@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from ..protocol.errors import PromptTooLongError, ValidationError
 from ..protocol.inputs import EngineCoreRequest
 from ..protocol.messages import EngineRequest, RunnerSamplingParams
 from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 from ..protocol.request_ids import child_id
+from .vllm_renderer import ChatParams, Conversation, TokenizeParams, VllmRendererCalls
 
 if TYPE_CHECKING:
     from ..structured.engine import EngineGrammars
@@ -92,8 +93,10 @@ def template_kwargs_of(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
-class Renderer:
-    """Turns caller prompts into ``EngineRequest``s for one model.
+class Renderer(VllmRendererCalls):
+    """Turns caller prompts into ``EngineRequest``s for one model; vLLM's
+    ``BaseRenderer`` calls too (``get_tokenizer``, ``render_cmpl``, ``render_chat``
+    with ``chat_params``: :mod:`legato.frontend.vllm_renderer`).
 
     ``max_model_len`` and ``vocab_size`` come from the loaded model; without a
     model (render-only) pass the tokenizer's figures.
@@ -180,7 +183,55 @@ class Renderer:
             return RenderedPrompt(None, self._check_ids(prompt))
         raise ValidationError("prompt", f"unsupported prompt type {type(prompt).__name__}")
 
+    @overload
     def render_chat(
+        self,
+        conversations: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str: ...
+    @overload
+    def render_chat(
+        self,
+        conversations: Sequence[Sequence[Mapping[str, Any]]],
+        chat_params: ChatParams,
+        tok_params: TokenizeParams | None = None,
+        *,
+        prompt_extras: dict[str, Any] | None = None,
+    ) -> tuple[list[Conversation], list[dict[str, Any]]]: ...
+    def render_chat(
+        self,
+        conversations: Any,
+        chat_params: ChatParams | None = None,
+        tok_params: TokenizeParams | None = None,
+        *,
+        prompt_extras: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str | tuple[list[Conversation], list[dict[str, Any]]]:
+        """Two forms. With ``chat_params``, vLLM's ``BaseRenderer.render_chat(conversations,
+        chat_params, tok_params, *, prompt_extras)``: a list of conversations ->
+        (conversations, engine prompts), see :meth:`render_vllm_chat`. Without, legato's:
+        one conversation (its messages) -> its text, see :meth:`render_chat_text`.
+        The first parameter has vLLM's name, ``conversations``, in both forms."""
+        if chat_params is not None:
+            return self.render_vllm_chat(
+                conversations, chat_params, tok_params, prompt_extras=prompt_extras
+            )
+        return self.render_chat_text(
+            conversations,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+
+    def render_chat_text(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
@@ -230,7 +281,7 @@ class Renderer:
         The template writes its own special tokens (BOS included), so the text
         is tokenized without adding more.
         """
-        text = self.render_chat(
+        text = self.render_chat_text(
             messages,
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,

@@ -42,6 +42,7 @@ from ..scheduling.pause_gate import PauseMode
 from ..serving_gc import tune_gc_for_serving
 from ..tokenizer_loading import load_tokenizer
 from ..vllm_config import EngineArgs, ModelConfig, VllmConfig
+from .model_executor import InprocModelExecutor
 
 _R = TypeVar("_R")
 
@@ -101,6 +102,8 @@ class LLMEngine:
                 "(use LLM or AsyncEngine for tensor parallelism)",
             )
         self.worker = Worker.start(m.WorkerInit(config=config.to_dict()))
+        # vLLM's name for the in-process executor (driver_worker, collective_rpc)
+        self.model_executor = InprocModelExecutor(self.worker, self._call)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model or "")
         parts = build_engine_parts(config, self.worker.ready(), self.tokenizer)
         self.config = parts.config

@@ -11,7 +11,8 @@ one group, once, and stays in it until it exits.
 workers call: an in-place sum (``all_reduce``), a gather of every rank's
 columns (``all_gather_columns``), and on a gloo group of CPU tensors (the
 same group on CPU, a second one beside NCCL) the control plane: rank 0's
-frames to the other ranks (``broadcast_bytes``) and ``barrier``. Each call
+frames to the other ranks (``broadcast_bytes``), their answers back
+(``gather_bytes``) and ``barrier``. Each call
 blocks until every rank has made it, in the same order: every rank must run
 the same layers on the same batch.
 
@@ -101,6 +102,25 @@ class TensorParallelGroup:
             buffer = torch.empty(length, dtype=torch.uint8)
         self.ctrl.broadcast([buffer], opts).wait()
         return data if data is not None else buffer.numpy().tobytes()
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank passes its ``data``; every rank gets all of them, in rank order.
+
+        Two gloo all-gathers on the control group (lengths, then the bytes padded to
+        the longest): no pickling. Rank 0 gathers the ranks' answers to a utility
+        call this way."""
+        if self.world_size == 1:
+            return [data]
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        self.ctrl.allgather([sizes], [size]).wait()
+        lengths = [int(s.item()) for s in sizes]
+        buffer = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
+        if data:
+            buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(buffer) for _ in range(self.world_size)]
+        self.ctrl.allgather([parts], [buffer]).wait()
+        return [part[:n].numpy().tobytes() for part, n in zip(parts, lengths, strict=True)]
 
     def barrier(self) -> None:
         """Return once every rank has called it (a one-element sum on the control group)."""

@@ -1,7 +1,7 @@
 """``RunnerMemory``: the model runner's memory: sizing and allocating the paged KV
 cache (after a profile run on CUDA), capturing the decode CUDA graphs over it,
 ``sleep`` / ``wake_up`` (drop or offload the KV cache and weights, and bring
-them back) and ``reset_kv_cache``. A mixin of ``ModelRunner``, which holds the state
+them back), ``reload_weights`` (new weights from a checkpoint) and ``reset_kv_cache``. A mixin of ``ModelRunner``, which holds the state
 declared here. Never imports trio.
 """
 
@@ -236,18 +236,7 @@ class RunnerMemory:
         if unknown:
             raise ValueError(f"tags: unknown tag(s) {sorted(unknown)}; expected weights, kv_cache")
         if "weights" in wanted and self._weights_state == "dropped":
-            params = dict(self.model.named_parameters())
-            for name, param in params.items():
-                param.data = torch.empty(
-                    self._param_shapes[name], dtype=self.dtype, device=self.device
-                )
-            if self.parallel is None:
-                fill_weights(self.model, self.model_dir, keep_quantized=self._keep_quantized)
-                self.model.set_int8_max_rows(1 if self.config.gguf_activations == "int8" else 0)
-            else:
-                self.parallel.fill_weights(self.model, self.model_dir, self._checkpoint_config)
-            self._packed_bytes = pack_linears(self.model)
-            self._weights_state = "loaded"
+            self._fill_weights_from(self.model_dir)
         elif "weights" in wanted and self._weights_state == "offloaded":
             for param in self.model.parameters():
                 param.data = param.data.to(self.device)
@@ -255,6 +244,40 @@ class RunnerMemory:
         if "kv_cache" in wanted and not self.kv_caches:
             self.kv_caches = self._allocate_kv_cache()
         if not self.sleeping and self.decode_graphs is None and self._graph_settings is not None:
+            mode, sizes = self._graph_settings
+            self.capture_decode_graphs(sizes, mode=mode)
+
+    def _fill_weights_from(self, model_dir: Path) -> None:
+        """Allocate the dropped weights again and fill them from ``model_dir`` (this
+        rank's share), packed for the CPU linears as at start."""
+        for name, param in self.model.named_parameters():
+            param.data = torch.empty(self._param_shapes[name], dtype=self.dtype, device=self.device)
+        if self.parallel is None:
+            fill_weights(self.model, model_dir, keep_quantized=self._keep_quantized)
+            self.model.set_int8_max_rows(1 if self.config.gguf_activations == "int8" else 0)
+        else:
+            self.parallel.fill_weights(self.model, model_dir, self._checkpoint_config)
+        self._packed_bytes = pack_linears(self.model)
+        self._weights_state = "loaded"
+
+    @torch.inference_mode()
+    def reload_weights(self, model_dir: str | Path) -> None:
+        """Replace the weights with ``model_dir``'s, a checkpoint of the same architecture
+        (vLLM's weight update from a local checkpoint). The KV cache and the requests'
+        state are kept: the next step runs on the new weights. A later level-2 sleep
+        wakes up with these weights. Raises if the weights are not in place (sleeping)
+        or the checkpoint does not fit; the weights are then undefined until a
+        successful reload."""
+        if self._weights_state != "loaded":
+            raise RuntimeError("the weights are not loaded (the engine sleeps): wake it up first")
+        self.decode_graphs = None  # they hold the weight addresses
+        unpack_linears(self.model)
+        self.model.drop_quantized()
+        self._packed_bytes = 0
+        self._weights_state = "dropped"
+        self._fill_weights_from(Path(model_dir))
+        self.model_dir = Path(model_dir)
+        if self.decode_graphs is None and self._graph_settings is not None:
             mode, sizes = self._graph_settings
             self.capture_decode_graphs(sizes, mode=mode)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
@@ -55,6 +55,21 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | TextPrompt | TokensPrompt
+
+
+@dataclass
+class WeightTransferInitRequest:
+    """vLLM's request to ``init_weight_transfer_engine``: the backend's init info."""
+
+    init_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WeightTransferUpdateRequest:
+    """vLLM's request to ``update_weights``: the backend's update info (legato's disk
+    backend: ``{"path": "/abs/checkpoint/dir"}``)."""
+
+    update_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -443,7 +458,7 @@ class EngineClient(abc.ABC):
         """Set up the channel a trainer pushes new weights through (RL training)."""
         raise _unsupported(self, "init_weight_transfer_engine", _NO_WEIGHT_TRANSFER)
 
-    async def start_weight_update(self) -> None:
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         """Begin a weight update; batches follow through :meth:`update_weights`."""
         raise _unsupported(self, "start_weight_update", _NO_WEIGHT_TRANSFER)
 

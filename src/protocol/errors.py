@@ -124,6 +124,11 @@ class EngineStartupError(LegatoError, RuntimeError):
     """The engine could not start (bad model directory, weights failed to load...)."""
 
 
+class EngineStartupTimeout(EngineStartupError, TimeoutError):
+    """The model worker was not ready within ``engine_ready_timeout`` seconds. A
+    TimeoutError, as vLLM's start-up timeout is; the worker is reaped."""
+
+
 class ModelLoadError(EngineStartupError, ValueError):
     """The model argument names nothing loadable: a missing path, a corrupt or
     truncated GGUF file, an unsupported tensor type, the default model not installed.

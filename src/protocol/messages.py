@@ -427,6 +427,9 @@ class UtilityResult(Message):
     # set when the call raised a ValidationError: the field it names and the reason
     error_field: str | None = None
     error_reason: str | None = None
+    # under tensor parallelism: every rank's result, in rank order (``result`` is rank
+    # 0's); ``error`` is then the first failing rank's, prefixed with "rank N: "
+    rank_results: list[Any] | None = None
 
 
 # ------------------------------------------------------ executor <-> worker

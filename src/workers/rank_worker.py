@@ -21,8 +21,11 @@ host or on others (``legato worker``), connect to that store. Start-up:
 Serving: for each step frame, utility call and health ping, rank 0 first
 broadcasts the frame's bytes to every rank (msgpack, on the gloo control
 group), then every rank handles it: every rank runs the same step, only rank
-0's answer goes back to the engine. A health ping is also a barrier, so rank
-0's pong means that every rank is alive. When the engine closes rank 0's
+0's answer goes back to the engine, except for a utility call: rank 0 gathers
+every rank's answer (msgpack bytes on the gloo group, :func:`every_rank_result`),
+so ``collective_rpc`` gets every rank's result, in rank order, and a rank's
+failure. A health ping is also a barrier, so rank 0's pong means that every
+rank is alive. When the engine closes rank 0's
 stdin, rank 0 broadcasts an empty frame and every rank exits 0 (at once, see
 :func:`leave`). A rank whose
 step fails exits non-zero; the others then fail in their next collective
@@ -116,7 +119,29 @@ class RankZeroWorker(RankWorker):
             self.group.broadcast_bytes(wire.encode(message))
             if isinstance(message, m.HealthPing):
                 self.group.barrier()
-        return super().handle(message)
+        answer = super().handle(message)
+        if isinstance(message, m.UtilityCall):
+            assert isinstance(answer, m.UtilityResult)
+            return every_rank_result(answer, self.group.gather_bytes(wire.encode(answer)))
+        return answer
+
+
+def every_rank_result(own: m.UtilityResult, gathered: list[bytes]) -> m.UtilityResult:
+    """Rank 0's answer to a utility call, carrying every rank's result in rank order
+    (``rank_results``); if a rank failed, the first failing rank's error, naming it.
+    A rank whose answer does not decode is a broken rank: WireError, fatal."""
+    answers = [own, *(wire.decode(data, expected=m.UtilityResult) for data in gathered[1:])]
+    merged = m.UtilityResult(
+        own.call_id, own.result, rank_results=[answer.result for answer in answers]
+    )
+    for rank, answer in enumerate(answers):
+        if answer.error is not None:
+            prefix = f"rank {rank}: " if rank else ""
+            merged.error = prefix + answer.error
+            merged.error_field, merged.error_reason = answer.error_field, answer.error_reason
+            merged.rank_results = None
+            break
+    return merged
 
 
 def _rank_faults(init: m.WorkerInit, rank: int) -> m.WorkerInit:
@@ -247,7 +272,9 @@ def serve_other_rank(address: RankAddress) -> int:
         if isinstance(message, m.HealthPing):
             group.barrier()
             continue
-        worker.handle(message)  # raises on a fatal error: the process exits non-zero
+        answer = worker.handle(message)  # raises on a fatal error: the process exits non-zero
+        if isinstance(message, m.UtilityCall):  # rank 0 gathers every rank's answer
+            group.gather_bytes(wire.encode(answer))
 
 
 def parse_args(argv: list[str] | None = None) -> RankAddress:

@@ -48,6 +48,7 @@ from ..protocol import wire
 from ..protocol.errors import ValidationError
 from ..protocol.runner import Runner
 from ..serving_gc import tune_gc_for_serving
+from .weight_transfer import DiskWeightTransfer
 
 
 class UnexpectedFrame(Exception):
@@ -94,12 +95,15 @@ class _FaultPlan:
     def __init__(self, spec: dict[str, Any] | None) -> None:
         spec = spec or {}
         self.fail_load = bool(spec.get("fail_load", False))
+        self.stall_load = float(spec.get("stall_load", 0.0))  # seconds loading takes longer
         raise_on_step = spec.get("raise_on_step")
         self.raise_on_step = int(raise_on_step) if raise_on_step is not None else None
         short_reply_on_step = spec.get("short_reply_on_step")
         self.short_reply_on_step = (
             int(short_reply_on_step) if short_reply_on_step is not None else None
         )
+        # a utility method that raises on this worker (a tensor-parallel rank's failure)
+        self.fail_utility: str | None = spec.get("fail_utility")
         self.steps = 0
 
     def before_step(self) -> None:
@@ -125,6 +129,8 @@ def _build_runner(init: m.WorkerInit, faults: _FaultPlan, parallel: Any) -> Runn
 
     if faults.fail_load:
         raise RuntimeError("injected fault: weight loading failed")
+    if faults.stall_load:
+        time.sleep(faults.stall_load)  # a load that takes this long (start-up timeouts)
     return build_runner(EngineConfig(**init.config), parallel)
 
 
@@ -172,6 +178,7 @@ class Worker:
         self.runner = runner
         self._faults = faults
         self._profiler = _Profiler()
+        self._weights = DiskWeightTransfer(runner)
         # A step whose forward ran and whose GrammarBitmask has not come yet.
         self._awaiting_bitmask: tuple[int, Any] | None = None
 
@@ -242,15 +249,21 @@ class Worker:
         """Run ``runner.<method>(*args, **kwargs)``; public methods only.
 
         ``start_profile`` / ``stop_profile`` are the worker's own (torch
-        profiler). A method that raises, or returns something that is not
+        profiler), as are vLLM's weight-update calls (``init_weight_transfer_engine``,
+        ``start_weight_update``, ``update_weights``, ``finish_weight_update``: see
+        :mod:`legato.workers.weight_transfer`). A method that raises, or returns something that is not
         plain msgpack data, answers with the error; the worker stays healthy.
         """
         target: Any = self.runner
         if call.method in ("start_profile", "stop_profile"):
             target = self._profiler
+        elif call.method in DiskWeightTransfer.METHODS:
+            target = self._weights
         if call.method.startswith("_") or not callable(getattr(target, call.method, None)):
             return m.UtilityResult(call.call_id, error=f"unknown worker method {call.method!r}")
         try:
+            if call.method == self._faults.fail_utility:
+                raise RuntimeError(f"injected fault: {call.method} failed on this worker")
             answer = m.UtilityResult(
                 call.call_id, result=getattr(target, call.method)(*call.args, **call.kwargs)
             )

@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import trio
 
+from legato import WeightTransferInitRequest, WeightTransferUpdateRequest
 from legato.actors.tensor_parallel_executor import TensorParallelExecutor
+from legato.engine import open_engine
 from legato.llm import LLM
 from legato.protocol.errors import EngineDeadError
 from legato.protocol.params import SamplingParams
@@ -34,6 +36,7 @@ from legato.testing.chaos import (
     find_cause,
     run_round,
 )
+from legato.toy_model import build_toy_model
 
 TP2: dict[str, Any] = dict(
     tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64, disable_log_stats=True
@@ -114,3 +117,35 @@ async def test_restart_supervisor_brings_a_two_rank_engine_back(toy_model_dir: P
         assert engine is not first and isinstance(engine.executor, TensorParallelExecutor)
         outputs = [out async for out in engine.generate("Hello", params, "after")]
         assert len(outputs[-1].outputs[0].token_ids) == 4
+
+
+async def test_collective_rpc_answers_from_every_rank_in_rank_order(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    """As vLLM's: one result per rank, rank 0's first (each rank's profiler trace is
+    named by its own pid); a method that fails on rank 1 only (an injected fault)
+    raises vLLM's RuntimeError naming rank 1, and the engine keeps serving; no answer
+    in time is vLLM's TimeoutError. A weight update from a checkpoint reaches every
+    rank: the two ranks then give that checkpoint's greedy tokens."""
+    other = build_toy_model(tmp_path / "seed1", seed=1).absolute()
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    async with open_engine(str(other), executor="inproc", **TP2 | {"tensor_parallel_size": 1}) as one:
+        want = [out async for out in one.generate("Once upon", greedy, "ref")][-1].outputs[0]
+    faults = {"worker": {"fail_utility": "held_requests", "rank": 1}}
+    async with open_engine(str(toy_model_dir), faults=faults, **TP2) as engine:
+        executor = engine.executor
+        assert isinstance(executor, TensorParallelExecutor)
+        assert await engine.collective_rpc("start_profile", args=(str(tmp_path),)) == [None, None]
+        paths = await engine.collective_rpc("stop_profile")
+        assert [Path(p).name.split("-")[2] for p in paths] == [str(p) for p in executor.rank_pids]
+        with pytest.raises(RuntimeError, match="Worker failed with error 'rank 1: .*injected"):
+            await engine.collective_rpc("held_requests")
+        with pytest.raises(TimeoutError, match="RPC call to stop_profile timed out"):
+            await engine.collective_rpc("stop_profile", timeout=0)
+        await engine.check_health()
+        await engine.init_weight_transfer_engine(WeightTransferInitRequest())
+        await engine.start_weight_update()
+        await engine.update_weights(WeightTransferUpdateRequest({"path": str(other)}))
+        await engine.finish_weight_update()
+        got = [out async for out in engine.generate("Once upon", greedy, "after")][-1].outputs[0]
+        assert got.token_ids == want.token_ids

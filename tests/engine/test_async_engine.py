@@ -403,6 +403,16 @@ async def test_startup_failures_are_clear_and_reap_the_worker(
         ):
             pass
     assert children() == []
+    # A load slower than engine_ready_timeout: vLLM's TimeoutError (an EngineStartupError
+    # too), at the timeout, not when the load would have ended; the worker is reaped.
+    stalled = {"worker": {"stall_load": 600}}
+    with trio.fail_after(60), pytest.raises(TimeoutError, match="not ready within 2.0 s") as info:
+        async with open_engine(
+            str(toy_model_dir), faults=stalled, engine_ready_timeout=2.0, **ENGINE_ARGS
+        ):
+            pass
+    assert isinstance(info.value, EngineStartupError)
+    assert children() == []
 
 
 async def test_offline_llm_and_llm_engine_match_async_engine(

@@ -280,6 +280,20 @@ def test_llm_engine_takes_vllms_calls_unchanged(toy_model_dir: Path) -> None:
     (params_count,) = engine.apply_model(lambda model: sum(p.numel() for p in model.parameters()))
     assert isinstance(params_count, int) and params_count > 0
     assert isinstance(engine.apply_model(lambda model: model)[0], torch.nn.Module)
+    # model_executor, as vLLM's in-process executor: driver_worker.worker.model_runner.model
+    # (the wrapper forwards too), collective_rpc by name or callable, one result per worker
+    executor = engine.model_executor
+    model = executor.driver_worker.worker.model_runner.model
+    assert isinstance(model, torch.nn.Module) and executor.driver_worker.get_model() is model
+    held = executor.collective_rpc("held_requests")  # a runner method, by name
+    assert held == [model_runner_held(engine)] and held[0] is not None
+    assert executor.collective_rpc(lambda w: w.worker is engine.worker, single_value=True)
+    executor.check_health()
+
+
+def model_runner_held(engine: LLMEngine) -> list[str]:
+    held: list[str] = engine.worker.runner.held_requests()  # type: ignore[attr-defined]
+    return held
 
 
 def test_llm_engine_logger_manager_takes_vllms_record(toy_model_dir: Path) -> None:

@@ -222,8 +222,28 @@ def test_broadcast_bytes_and_timeouts() -> None:
     assert got == [(b"step frame", b""), (b"step frame", b"")]
 
     lonely = dist.HashStore()
+    assert gloo_group(lonely, rank=0, world_size=1, timeout=1).gather_bytes(b"x") == [b"x"]
     group = gloo_group(lonely, rank=0, world_size=1, timeout=1)
     assert group.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]  # one rank: no collective
     lonely.set_timeout(datetime.timedelta(seconds=1))
     with pytest.raises(Exception, match="(?i)timeout|timed out|wait"):
         gloo_group(lonely, rank=0, world_size=2, timeout=1)
+
+
+def test_gather_bytes_brings_every_ranks_bytes_in_rank_order() -> None:
+    """Rank 0 gathers the ranks' answers to a utility call (msgpack bytes of any
+    length, an empty one too) this way: every rank gets all of them, rank 0's first."""
+    store = dist.HashStore()
+    sent = [b"rank zero's answer", b""]
+    got: list[Any] = [None, None]
+
+    def rank_main(rank: int) -> None:
+        group = gloo_group(store, rank=rank, world_size=2, timeout=30)
+        got[rank] = (group.gather_bytes(sent[rank]), group.gather_bytes(bytes([rank]) * 3))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got[0] == got[1] == (sent, [b"\x00\x00\x00", b"\x01\x01\x01"])
