@@ -267,7 +267,7 @@ class HTTP1Connection:
             if isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
-                # The end comes as a message of its own, as hypercorn sends it: a body
+                # The end comes as a message of its own (as hypercorn sent it): a body
                 # over the app's limit is then refused before the app saw it all.
                 self._end_pending = bool(chunks)
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": bool(chunks)}
