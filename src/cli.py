@@ -379,7 +379,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except RestartLimitExceeded as exc:
         print(f"legato serve: {exc}", file=sys.stderr)
         return 1
-    except (OSError, BaseExceptionGroup) as exc:  # e.g. a port is taken (hypercorn nests groups)
+    except (OSError, BaseExceptionGroup) as exc:  # e.g. a port is taken (maybe grouped)
         found = _leaf(exc, OSError)
         if found is None:
             raise

@@ -4,8 +4,8 @@
 #   benchmarks/gpu/on_device.sh env tests bench        # from a copy of the repository root
 #
 # The machine has python3 with torch (CUDA), triton, transformers, pytest; what it lacks
-# (trio, outcome, sniffio, pytest-trio, trio-websocket, wsproto, hypercorn, h2, hpack,
-# hyperframe, priority: py3 wheels fetched beforehand with `pip download --no-deps`)
+# (trio, outcome, sniffio, pytest-trio, trio-websocket, wsproto, h11: py3 wheels fetched
+# beforehand with `pip download --no-deps`)
 # comes as wheels in $WHEELS (default ../.whl: the copy of the repository sits in a
 # folder beside the wheels' folder), installed into /tmp/site. legato goes on the path as a link /tmp/pkg/legato -> src. A Triton
 # cache from an earlier call (.triton-cache.tgz beside src/) is unpacked first, and the

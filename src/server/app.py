@@ -14,7 +14,7 @@ second signal skips the grace period), and the "listening on" line. With a
 replaced by a fresh one while both servers keep their ports and connections;
 past the policy's limit ``serve`` raises ``RestartLimitExceeded``.
 
-Imports trio, hypercorn and trio-websocket; never torch.
+Imports trio and trio-websocket; never torch.
 """
 
 from __future__ import annotations
@@ -25,12 +25,9 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
 import trio
-from hypercorn.app_wrappers import ASGIWrapper
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.typing import AppWrapper
 from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 
 from ..engine import AsyncEngine, open_engine
@@ -38,7 +35,8 @@ from ..exception_groups import unwrap_single_error
 from ..model_source import served_name
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
-from .http_server import serve_http
+from .http1_connection import ConnectionLimits
+from .http_server import HTTPServerConfig, serve_http
 from .lora_routes import load_lora_modules
 from .state import ServerSettings, ServingState
 from .web_ui import WebUI
@@ -138,24 +136,18 @@ async def open_server(
     await load_lora_modules(state)
     endpoint = WebSocketEndpoint(state)
     web_ui = WebUI(state) if settings.web_ui else None
-    config = HypercornConfig()
-    config.bind = [_hostport(settings.host, settings.port)]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = 2.0
-    config.h11_max_incomplete_size = 64 * 1024
-    config.keep_alive_timeout = settings.header_timeout  # also the time to send headers
+    config = HTTPServerConfig(
+        host=settings.host,
+        port=settings.port,
+        # header_timeout is also how long a keep-alive connection may idle
+        limits=ConnectionLimits(header_timeout=settings.header_timeout),
+        max_connections=settings.max_connections,
+    )
     stop_http = trio.Event()
     with unwrap_single_error():
         async with trio.open_nursery() as nursery:
-            # A plain ASGI app; hypercorn types its scopes as TypedDicts, ours as mappings.
-            app = cast("AppWrapper", ASGIWrapper(OpenAIApp(state, web_ui)))  # type: ignore[arg-type]
             http = functools.partial(
-                serve_http,
-                app,
-                config,
-                shutdown_trigger=stop_http.wait,
-                max_connections=settings.max_connections,
+                serve_http, OpenAIApp(state, web_ui), config, shutdown_trigger=stop_http.wait
             )
             binds: list[str] = await nursery.start(http)
             http_port = int(binds[0].rsplit(":", 1)[1])

@@ -10,7 +10,7 @@ it arrives (never buffered unbounded); ``watch_disconnect`` turns a client's
 ``http.disconnect`` into a cancelled scope (``send`` after a disconnect
 silently does nothing, so a streaming handler must watch ``receive``); and
 ``Request.linger`` reads and drops a body that was answered without being
-read (a 413, a 404 ...), since hypercorn closes the connection as soon as the
+read (a 413, a 404 ...), since the server closes the connection as soon as the
 response ends, and closing a socket with unread input resets it: a client
 still sending its body would get a reset instead of the answer.
 

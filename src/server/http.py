@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP API as a plain ASGI app (served by hypercorn's trio worker).
+"""The OpenAI-compatible HTTP API as a plain ASGI app (served by ``http_server``).
 
-``OpenAIApp`` answers the ``lifespan`` scope (hypercorn's trio worker needs
-that), checks the API key, routes by method and path to the handlers in
+``OpenAIApp`` answers the ``lifespan`` scope (for ASGI servers that send
+it), checks the API key, routes by method and path to the handlers in
 ``openai_handlers`` (and to the chat page of ``web_ui``: public, like
 ``/health``), and turns what they raise into OpenAI's error body:
 
@@ -127,7 +127,7 @@ class OpenAIApp:
         if scope["type"] == "websocket":  # the WebSocket endpoint has a port of its own
             try:
                 await send({"type": "websocket.close", "code": 1008})
-            except Exception:  # noqa: BLE001 - hypercorn's h11 state after junk bytes
+            except Exception:  # noqa: BLE001 - a server's state after junk bytes
                 logger.debug("refusing a WebSocket upgrade on the HTTP port failed", exc_info=True)
             return
         if scope["type"] != "http":

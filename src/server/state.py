@@ -13,7 +13,7 @@ dead one that is being replaced makes requests ``Unavailable`` with
 ``code="engine_restarting"`` rather than ``"engine_dead"``. The front ends
 talk to ``engine`` through the ``EngineClient`` protocol only (it is typed so).
 
-Imports trio; never torch, never hypercorn or trio-websocket.
+Imports trio; never torch, never h11 or trio-websocket.
 """
 
 from __future__ import annotations

@@ -541,7 +541,7 @@ def test_raw_bytes_on_both_ports(
     if answer.startswith(b"HTTP/1.1 ") and port == "http":
         status = int(answer.split(b" ", 2)[1])
         assert status in RAW_ANSWER_STATUSES, answer[:300]
-        if status == 500:  # only hypercorn's own answer to an app that broke mid-response
+        if status == 500:  # only the server's own answer to an app that broke mid-response
             assert b"legato" not in answer, answer[:300]
     assert_both_ports_serve(fuzz_server, http)
 
