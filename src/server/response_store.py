@@ -11,6 +11,10 @@ can add to it:
 - by count: at most ``max_entries``; one more evicts the oldest (a background
   response that is still running is cancelled when it is evicted: nobody can
   reach it any more);
+- by size: the entries' text (bodies and conversations, counted in characters)
+  stays under ``max_chars``; past it the oldest go, as for the count (one chained
+  conversation can be as long as the model's context, so a count alone would let
+  a thousand long chains hold gigabytes);
 - by age: an entry older than ``max_age`` seconds is gone (swept on every put
   and lookup, so memory never waits on a timer).
 
@@ -44,6 +48,7 @@ class StoredResponse:
     body: dict[str, Any]
     conversation: list[dict[str, Any]] = field(default_factory=list)
     stored_at: float = field(default_factory=time.monotonic)
+    size: int = 0  # characters of text in body and conversation, counted by the store
     scope: trio.CancelScope | None = None
     done: trio.Event = field(default_factory=trio.Event)
 
@@ -67,27 +72,60 @@ class ResponseStore:
         self,
         max_entries: int,
         max_age: float,
+        max_chars: int = 256 << 20,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_entries = max_entries
         self.max_age = max_age
+        self.max_chars = max_chars
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._chars = 0
         self.nursery: trio.Nursery | None = None
         """Where background responses run; the server sets it (None: no background runs)."""
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def chars(self) -> int:
+        """The characters of text the entries hold (what ``max_chars`` bounds)."""
+        return self._chars
+
     def put(self, response_id: str, entry: StoredResponse) -> None:
-        """Store (or replace) ``entry``, the newest; evict what is past either bound."""
+        """Store (or replace) ``entry``, the newest; evict what is past a bound (``entry``
+        itself too, when it alone is larger than ``max_chars``)."""
+        self.pop(response_id)
         entry.stored_at = self._clock()
-        self._entries.pop(response_id, None)
+        entry.size = _text_size(entry.body) + _text_size(entry.conversation)
         self._entries[response_id] = entry
+        self._chars += entry.size
         self._sweep()
-        while len(self._entries) > self.max_entries:
+        self._evict()
+
+    def update(
+        self,
+        response_id: str,
+        entry: StoredResponse,
+        body: dict[str, Any],
+        conversation: list[dict[str, Any]],
+    ) -> None:
+        """A stored entry's new body and conversation (a background run that ended); evict
+        what is then past a bound. An entry no longer stored is updated alone."""
+        entry.body, entry.conversation = body, conversation
+        size = _text_size(body) + _text_size(conversation)
+        if self._entries.get(response_id) is entry:
+            self._chars += size - entry.size
+        entry.size = size
+        self._evict()
+
+    def _evict(self) -> None:
+        while self._entries and (
+            len(self._entries) > self.max_entries or self._chars > self.max_chars
+        ):
             _, oldest = self._entries.popitem(last=False)
+            self._chars -= oldest.size
             self._forget(oldest)
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -99,6 +137,7 @@ class ResponseStore:
         """Forget an entry (a running background response is cancelled); the entry or None."""
         entry = self._entries.pop(response_id, None)
         if entry is not None:
+            self._chars -= entry.size
             self._forget(entry)
         return entry
 
@@ -109,9 +148,28 @@ class ResponseStore:
             if oldest.stored_at > deadline:
                 return
             del self._entries[response_id]
+            self._chars -= oldest.size
             self._forget(oldest)
 
     @staticmethod
     def _forget(entry: StoredResponse) -> None:
         if entry.scope is not None and entry.running:
             entry.scope.cancel()
+
+
+def _text_size(value: Any) -> int:
+    """The characters of text in a JSON-like value (strings and keys; 8 per other scalar).
+    Iterative: a client's deeply nested tool arguments cannot exhaust the stack."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(str(key)) for key in item)
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        else:
+            total += 8
+    return total

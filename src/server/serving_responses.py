@@ -238,8 +238,10 @@ class ResponsesServing(StreamingGeneration):
             if status == "completed" and entry.status == "cancelled":
                 status = "cancelled"  # cancelled just as it finished
             items = self.final_items(jobs, "incomplete" if status != "completed" else None)
-            entry.body = self.body(status, items, jobs, error)
-            entry.conversation = self.typed.conversation() + items_as_messages(items)
+            conversation = self.typed.conversation() + items_as_messages(items)
+            self.state.responses.update(
+                self.request_id, entry, self.body(status, items, jobs, error), conversation
+            )
             entry.done.set()
 
 

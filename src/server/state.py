@@ -102,6 +102,9 @@ class ServerSettings:
     the oldest (vLLM's store is unbounded: see ``response_store``)."""
     responses_store_max_age: float = 3600.0
     """Seconds a stored response is kept."""
+    responses_store_max_chars: int = 256 << 20
+    """Characters of text (bodies and conversations) the stored responses may hold in all;
+    past it the oldest are evicted."""
 
     def security_warnings(self) -> list[str]:
         """What this configuration leaves open, for the log at start-up."""
@@ -140,6 +143,7 @@ class ServerSettings:
             "max_requests_in_flight",
             "max_sequences_in_flight",
             "responses_store_max_entries",
+            "responses_store_max_chars",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -240,7 +244,9 @@ class ServingState:
         """False over a client that only renders (``RenderOnlyClient``): ``track`` refuses
         every generation; rendering, tokenizing and the rest are served."""
         self.responses = ResponseStore(
-            settings.responses_store_max_entries, settings.responses_store_max_age
+            settings.responses_store_max_entries,
+            settings.responses_store_max_age,
+            settings.responses_store_max_chars,
         )
 
     @property

@@ -199,6 +199,26 @@ def test_eviction_by_age() -> None:
     assert store.get("new") is None and len(store) == 0
 
 
+def test_eviction_by_size() -> None:
+    store = ResponseStore(max_entries=10, max_age=60.0, max_chars=1000)
+    turn = [{"role": "user", "content": "x" * 300}]
+    for name in ("a", "b", "c"):
+        store.put(name, StoredResponse({"status": "completed"}, list(turn)))
+    assert store.get("a") is not None and 900 < store.chars <= 1000
+    store.put("d", StoredResponse({"status": "completed"}, list(turn)))
+    assert store.get("a") is None and store.get("b") is not None and store.chars <= 1000
+    running = StoredResponse({"status": "in_progress"}, scope=trio.CancelScope())
+    store.put("e", running)
+    # A background run that ends with a long conversation pushes the oldest out.
+    store.update("e", running, {"status": "completed"}, turn * 2)
+    assert store.get("b") is None and store.get("c") is None and store.chars <= 1000
+    for name in ("d", "e"):
+        store.pop(name)
+    assert store.chars == 0 and len(store) == 0
+    store.put("huge", StoredResponse({"status": "completed"}, turn * 4))
+    assert store.get("huge") is None and store.chars == 0  # alone past the bound: not kept
+
+
 async def test_evicting_a_running_background_response_cancels_it() -> None:
     store = ResponseStore(max_entries=1, max_age=60.0)
     running = StoredResponse({"status": "in_progress"}, scope=trio.CancelScope())
