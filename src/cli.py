@@ -197,6 +197,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "engine's waiting queue (503 server_busy past it)",
     )
     group.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=d.responses_store_max_entries,
+        help="Responses API responses kept in memory for GET and previous_response_id "
+        "(the oldest is evicted past it)",
+    )
+    group.add_argument(
+        "--responses-store-max-age",
+        type=float,
+        default=d.responses_store_max_age,
+        help="seconds a stored Responses API response is kept",
+    )
+    group.add_argument(
+        "--responses-store-max-chars",
+        type=int,
+        default=d.responses_store_max_chars,
+        help="characters of text all stored Responses API responses may hold (the oldest "
+        "are evicted past it)",
+    )
+    group.add_argument(
         "--shutdown-grace",
         type=float,
         default=d.shutdown_grace,
@@ -356,6 +376,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             max_requests_in_flight=args.max_requests_in_flight,
             max_sequences_in_flight=args.max_sequences_in_flight,
+            responses_store_max_entries=args.responses_store_max_entries,
+            responses_store_max_age=args.responses_store_max_age,
+            responses_store_max_chars=args.responses_store_max_chars,
             log_requests=not args.disable_log_requests,
             web_ui=args.web_ui,
             web_ui_ws_url=args.web_ui_ws_url,

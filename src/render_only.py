@@ -18,11 +18,18 @@ from typing import Any
 
 import trio
 
+from .actors.frontend import chat_renders_inline, thread_renderer
 from .config import EngineConfig
 from .config_views import VllmConfigViews
 from .frontend.input_processor import InputProcessor
 from .frontend.renderer import PromptType, RenderedPrompt, Renderer
-from .protocol.client import EngineClient, OutputStream, PauseModeName, SupportedTask
+from .protocol.client import (
+    EngineClient,
+    ModelInfo,
+    OutputStream,
+    PauseModeName,
+    SupportedTask,
+)
 from .protocol.errors import EngineDeadError
 from .protocol.outputs import PoolingRequestOutput
 from .protocol.params import LoRARequest, PoolingParams, SamplingParams
@@ -81,6 +88,8 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
         # vLLM's: the input processor renders for process_inputs; io_processor is what
         # get_io_processor gives a model with no IO plugin configured, None.
         self.input_processor = InputProcessor(self.renderer)
+        self._thread_renderer: Renderer | None = None  # built on the first large chat
+        self._offload_limiter = trio.CapacityLimiter(1)
         self.io_processor: None = None
 
     @classmethod
@@ -110,6 +119,46 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
         return self.renderer.render_chat_prompt(
             messages, add_generation_prompt=add_generation_prompt
         )
+
+    async def render_chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """EngineClient's render: the chat as ``{"prompt", "prompt_token_ids"}``. A
+        checkpoint; a large chat renders in a worker thread (with a tokenizer of its own,
+        one render at a time), as the engine's front end does."""
+
+        def render(renderer: Renderer) -> dict[str, Any]:
+            return renderer.render_chat_prompt(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
+
+        if chat_renders_inline(messages):
+            await trio.lowlevel.checkpoint()
+            return render(self.renderer)
+        if self._thread_renderer is None:
+            self._thread_renderer = thread_renderer(self.renderer)
+        return await trio.to_thread.run_sync(
+            render, self._thread_renderer, abandon_on_cancel=True, limiter=self._offload_limiter
+        )
+
+    def model_info(self) -> ModelInfo:
+        tokens = self.tokenizer.special_tokens_map.items()
+        special = {name: value for name, value in tokens if isinstance(value, str)}
+        return ModelInfo(self.config.model or "", self.config.max_model_len, special)
+
+    def metrics_text(self) -> bytes:
+        """No engine runs here, so there is nothing to measure: an empty exposition."""
+        return b""
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         await trio.lowlevel.checkpoint()

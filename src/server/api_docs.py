@@ -19,6 +19,7 @@ from .messages_protocol import MessagesRequest
 from .openapi import DOCS_ASSETS, Operation, docs_asset, docs_html, openapi_document
 from .responses_protocol import ResponsesRequest
 from .state import ServingState
+from .utility_protocol import DetokenizeRequest, EmbeddingRequest, TokenizeRequest
 
 OPERATIONS = (
     Operation(
@@ -54,6 +55,21 @@ OPERATIONS = (
         "The prompt tokens of a Messages API request",
         MessagesRequest,
     ),
+    Operation(
+        "/v1/chat/completions/render",
+        "post",
+        "A chat completions body rendered and checked, not generated: [conversation, prompts]",
+        protocol.ChatCompletionRequest,
+    ),
+    Operation(
+        "/v1/completions/render",
+        "post",
+        "A completions body's prompts as token ids, not generated",
+        protocol.CompletionRequest,
+    ),
+    Operation("/v1/embeddings", "post", "Embeddings", EmbeddingRequest),
+    Operation("/tokenize", "post", "A prompt or a chat as token ids", TokenizeRequest),
+    Operation("/detokenize", "post", "Token ids as text", DetokenizeRequest),
     Operation("/v1/models", "get", "The served model", response=protocol.ModelList),
     Operation("/health", "get", "200 while serving", open=True),
     Operation("/metrics", "get", "Prometheus metrics", response_type="text/plain"),

@@ -33,6 +33,7 @@ from trio_websocket import Endpoint, WebSocketServer, serve_websocket
 from ..engine import AsyncEngine, open_engine
 from ..exception_groups import unwrap_single_error
 from ..model_source import served_name
+from ..protocol.client import EngineClient
 from ..supervise import RestartPolicy, SupervisedEngine, open_supervised_engine
 from .http import OpenAIApp
 from .http1_connection import ConnectionLimits
@@ -113,24 +114,34 @@ class Server:
         await self._stopped.wait()
 
 
+async def _generates(engine: EngineClient) -> bool:
+    """Whether ``engine`` has a model to run (a ``RenderOnlyClient`` says ``("render",)``)."""
+    try:
+        return await engine.get_supported_tasks() != ("render",)
+    except NotImplementedError:  # a client that does not say: assume it generates
+        return True
+
+
 @asynccontextmanager
 async def open_server(
-    engine: AsyncEngine | SupervisedEngine,
+    engine: EngineClient | SupervisedEngine,
     settings: ServerSettings,
     *,
     model_name: str | None = None,
 ) -> AsyncIterator[Server]:
     """Serve ``engine`` over HTTP and WebSocket until the block exits, then shut down gracefully.
 
-    ``engine`` may be a ``SupervisedEngine``: requests then always go to its
-    current engine, and while it restarts they (and ``/health``) get 503
+    ``engine`` may be a ``RenderOnlyClient``: the same app then renders and tokenizes,
+    and every generation answers 501 ``render_only``. It may be a ``SupervisedEngine``:
+    requests then always go to its current engine, and while it restarts they (and ``/health``) get 503
     ``engine_restarting``. ``model_name`` is the served model name (default:
     ``settings.served_model_name``, else the engine's). If the block raises or
     is cancelled, the servers stop without waiting for requests in flight.
     """
     current = engine.engine if isinstance(engine, SupervisedEngine) else engine
-    name = settings.served_model_name or model_name or current.model_name
+    name = settings.served_model_name or model_name or current.model_info().name
     state = ServingState(engine, settings, model_name=name)
+    state.generates = await _generates(current)
     for warning in settings.security_warnings():
         logger.warning("security: %s", warning)
     await load_lora_modules(state)
@@ -146,6 +157,7 @@ async def open_server(
     stop_http = trio.Event()
     with unwrap_single_error():
         async with trio.open_nursery() as nursery:
+            state.responses.nursery = nursery  # background responses run here, tracked
             http = functools.partial(
                 serve_http, OpenAIApp(state, web_ui), config, shutdown_trigger=stop_http.wait
             )

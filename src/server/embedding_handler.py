@@ -24,16 +24,18 @@ from .asgi import Request, send_json
 from .embeddings import embedding_response, parse_embedding_request
 from .lora_routes import select_model
 from .openai_protocol import PromptInput
-from .openai_schemas import in_request_terms, request_fields
+from .openai_schemas import in_request_terms
 from .serving_base import until_disconnect
 from .state import ServingState, Unavailable
 
-_RENAMES = request_fields("embeddings", {})
+_RENAMES = {"prompt_token_ids": "input", "prompt": "input"}
+"""Engine field -> the request's name for it."""
 
 
 async def create_embeddings(request: Request, state: ServingState) -> None:
     """``POST /v1/embeddings``."""
     state.check_available()
+    state.check_generates()
     body = await request.json(state.settings.max_body_bytes)
     parsed = parse_embedding_request(body, hidden_size=await state.engine.embedding_size())
     lora = select_model(state, parsed.model)

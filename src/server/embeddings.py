@@ -8,7 +8,7 @@ shorter vectors, which only a model trained for it (Matryoshka) can give, so
 the caller says whether it may. vLLM's extras ``add_special_tokens``,
 ``normalize`` (L2, default true) and ``priority`` are understood. A known
 field of the wrong type is a ``ValidationError`` naming it; unknown fields
-are ignored.
+are ignored. The body's model is ``utility_protocol.EmbeddingRequest``.
 
 Pure code: never imports trio or torch.
 """
@@ -19,21 +19,20 @@ import base64
 import struct
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..protocol.errors import ValidationError
 from ..protocol.params import PoolingParams
-from .openai_protocol import MAX_PROMPTS, PromptInput
-from .openai_schemas import check_bool, check_int, check_str, show
+from .openai_protocol import PromptInput, parse_request
+from .utility_protocol import EmbeddingRequest
 
 EncodingFormat = Literal["float", "base64"]
 
 
 @dataclass
-class EmbeddingRequest:
-    """A parsed ``POST /v1/embeddings`` body."""
+class ParsedEmbedding:
+    """A parsed ``POST /v1/embeddings`` body, with the engine's parameters."""
 
     model: str | None
     inputs: list[PromptInput]
@@ -43,90 +42,20 @@ class EmbeddingRequest:
     priority: int = 0
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def parse_inputs(value: object) -> list[PromptInput]:
-    """OpenAI's ``input``: a string, strings, token ids, or lists of token ids."""
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not value:
-        raise ValidationError(
-            "input",
-            "must be a non-empty string, list of strings, list of token ids or list of "
-            f"token id lists, got {show(value)}",
-        )
-    if all(isinstance(v, str) for v in value):
-        inputs: list[PromptInput] = list(value)
-    elif all(_is_int(v) for v in value):
-        inputs = [{"prompt_token_ids": list(value)}]
-    elif all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value):
-        inputs = [{"prompt_token_ids": list(v)} for v in value]
-    else:
-        raise ValidationError(
-            "input",
-            "must be a string, a list of strings, a list of token ids or a list of token id lists",
-        )
-    if len(inputs) > MAX_PROMPTS:
-        raise ValidationError(
-            "input", f"at most {MAX_PROMPTS} inputs per request, got {len(inputs)}"
-        )
-    return inputs
-
-
 def parse_embedding_request(
-    body: Mapping[str, Any], *, hidden_size: int, matryoshka: bool = False
-) -> EmbeddingRequest:
-    """Validate an embeddings body. Raises ValidationError naming the field.
-
-    ``dimensions`` is refused unless the model is ``matryoshka`` (it may then be
-    at most ``hidden_size``) or it equals ``hidden_size``.
-    """
-    if body.get("input") is None:
-        raise ValidationError("input", "is required")
-    inputs = parse_inputs(body["input"])
-    model = check_str("model", body["model"]) if body.get("model") is not None else None
-    fmt: EncodingFormat
-    given = body.get("encoding_format")
-    if given is None or given == "float":
-        fmt = "float"
-    elif given == "base64":
-        fmt = "base64"
-    else:
-        raise ValidationError("encoding_format", f'must be "float" or "base64", got {show(given)}')
-    dimensions = None
-    if body.get("dimensions") is not None:
-        dimensions = check_int("dimensions", body["dimensions"])
-        if dimensions < 1:
-            raise ValidationError("dimensions", f"must be >= 1, got {dimensions}")
-        if dimensions != hidden_size:
-            if not matryoshka:
-                raise ValidationError(
-                    "dimensions",
-                    f"this model gives {hidden_size}-dimensional embeddings and was not "
-                    "trained to be shortened (Matryoshka)",
-                )
-            if dimensions > hidden_size:
-                raise ValidationError("dimensions", f"must be <= {hidden_size}, got {dimensions}")
-    if body.get("user") is not None:
-        check_str("user", body["user"])
-    add_special = body.get("add_special_tokens")
-    priority = body.get("priority")
-    normalize = body.get("normalize")
-    return EmbeddingRequest(
-        model=model,
-        inputs=inputs,
-        params=PoolingParams(
-            task="embed",
-            dimensions=dimensions if dimensions != hidden_size else None,
-            normalize=True if normalize is None else check_bool("normalize", normalize),
-        ),
-        encoding_format=fmt,
-        add_special_tokens=True
-        if add_special is None
-        else check_bool("add_special_tokens", add_special),
-        priority=0 if priority is None else check_int("priority", priority),
+    body: object, *, hidden_size: int, matryoshka: bool = False
+) -> ParsedEmbedding:
+    """Validate an embeddings body (its model, ``EmbeddingRequest``, is the only parser).
+    Raises ValidationError naming the field. ``dimensions`` is refused unless the model is
+    ``matryoshka`` (it may then be at most ``hidden_size``) or it equals ``hidden_size``."""
+    typed: EmbeddingRequest = parse_request(EmbeddingRequest, body)
+    return ParsedEmbedding(
+        model=typed.model,
+        inputs=typed.inputs(),
+        params=typed.pooling_params(hidden_size=hidden_size, matryoshka=matryoshka),
+        encoding_format=typed.encoding_format or "float",
+        add_special_tokens=typed.add_special_tokens is not False,
+        priority=typed.priority or 0,
     )
 
 

@@ -60,7 +60,8 @@ from .embedding_handler import create_embeddings
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
 from .serving_messages import count_tokens, create_message
-from .serving_responses import create_response
+from .serving_render import render_chat_completion, render_completion
+from .serving_responses import RESPONSE_ROUTES, create_response
 from .state import Handler, ServingState, Unavailable
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ logger = logging.getLogger("legato.server")
 ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/completions": {"POST": create_completion},
     "/v1/chat/completions": {"POST": create_chat_completion},
+    "/v1/completions/render": {"POST": render_completion},
+    "/v1/chat/completions/render": {"POST": render_chat_completion},
     "/v1/responses": {"POST": create_response},
     "/v1/messages": {"POST": create_message},
     "/v1/messages/count_tokens": {"POST": count_tokens},
@@ -85,6 +88,9 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/detokenize": {"POST": handlers.detokenize},
     **{path: {"GET": handler} for path, handler in DOCS_ROUTES.items()},
 }
+
+PATTERN_ROUTES = RESPONSE_ROUTES
+"""Routes with an id in the path: (path pattern, method -> handler), tried after ``ROUTES``."""
 
 ANTHROPIC_PREFIX = "/v1/messages"
 """Paths under it answer errors in Anthropic's shape (``{"type": "error", "error": ...}``)."""
@@ -196,7 +202,7 @@ class OpenAIApp:
         except ValidationError as exc:
             error = HTTPError(400, str(exc), param=exc.field, code="invalid_value")
         except Unavailable as exc:
-            error = HTTPError(503, exc.message, code=exc.code)
+            error = HTTPError(exc.status, exc.message, code=exc.code)
         except EngineDeadError as exc:
             error = HTTPError(503, f"the engine is dead: {exc}", code="engine_dead")
         except EngineBusyError as exc:  # the engine's own admission bound: retry later
@@ -216,6 +222,9 @@ class OpenAIApp:
     def _route(self, request: Request) -> Handler:
         settings = self.state.settings
         methods = ROUTES.get(request.path)
+        for pattern, by_method in PATTERN_ROUTES:
+            if methods is None and pattern.match(request.path):
+                methods = by_method
         public = request.path in OPEN_PATHS
         if methods is None and self.web_ui is not None:
             methods = self.web_ui.routes.get(request.path)

@@ -30,8 +30,9 @@ import trio
 from ..protocol.errors import ValidationError
 from ..protocol.params import LoRARequest
 from .asgi import HTTPError, Request, send_json
-from .openai_schemas import check_str
+from .openai_protocol import parse_request
 from .state import ServingState
+from .utility_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 logger = logging.getLogger("legato.server")
 
@@ -126,8 +127,8 @@ async def load_lora_adapter(request: Request, state: ServingState) -> None:
     _check_allowed(state)
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
-    name = check_str("lora_name", body.get("lora_name"))
-    path = check_str("lora_path", body.get("lora_path"))
+    load: LoadLoRAAdapterRequest = parse_request(LoadLoRAAdapterRequest, body)
+    name, path = load.lora_name, load.lora_path
     if not name or name in state.aliases or _by_name(state, name) is not None:
         raise ValidationError("lora_name", f"{name!r} is already a served model name")
     int_id = max((lora.lora_int_id for lora in state.engine.loaded_loras()), default=0) + 1
@@ -152,7 +153,7 @@ async def unload_lora_adapter(request: Request, state: ServingState) -> None:
     _check_allowed(state)
     state.check_available()
     body = await request.json(state.settings.max_body_bytes)
-    name = check_str("lora_name", body.get("lora_name"))
+    name = parse_request(UnloadLoRAAdapterRequest, body).lora_name
     adapter = _by_name(state, name)
     if adapter is None:
         raise HTTPError(404, f"no LoRA adapter named {name!r}", param="lora_name", code="not_found")

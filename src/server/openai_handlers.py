@@ -16,10 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
 from ..protocol.errors import EngineDeadError, ValidationError
-from . import openai_schemas as schemas
 from .asgi import Request, send_body, send_json
 from .lora_routes import adapter_cards, select_model
+from .openai_protocol import parse_request
 from .state import ServingState, Unavailable
+from .utility_protocol import DetokenizeRequest, TokenizeRequest
 
 
 def check_model(state: ServingState, model: str | None) -> None:
@@ -67,22 +68,19 @@ async def version(request: Request, state: ServingState) -> None:
 async def tokenize(request: Request, state: ServingState) -> None:
     """``POST /tokenize``: ``{"prompt"}`` or ``{"messages"}`` -> tokens, count, max_model_len."""
     body = await request.json(state.settings.max_body_bytes)
-    check_model(state, schemas.check_str("model", body["model"]) if body.get("model") else None)
-    if body.get("messages") is not None:
-        messages = schemas.parse_messages(body["messages"])
-        add_generation_prompt = body.get("add_generation_prompt", True)
-        schemas.check_bool("add_generation_prompt", add_generation_prompt)
+    typed: TokenizeRequest = parse_request(TokenizeRequest, body)
+    check_model(state, typed.model)
+    messages = typed.chat()
+    if messages is not None:
         rendered = await state.engine.render_chat_prompt(
-            messages, add_generation_prompt=add_generation_prompt
+            messages, add_generation_prompt=typed.add_generation_prompt is not False
         )
         tokens = rendered["prompt_token_ids"]
-    elif body.get("prompt") is not None:
-        text = schemas.check_str("prompt", body["prompt"])
-        add_special_tokens = body.get("add_special_tokens", True)
-        schemas.check_bool("add_special_tokens", add_special_tokens)
-        tokens = await state.engine.tokenize(text, add_special_tokens=add_special_tokens)
     else:
-        raise ValidationError("prompt", "give 'prompt' or 'messages'")
+        assert typed.prompt is not None
+        tokens = await state.engine.tokenize(
+            typed.prompt, add_special_tokens=typed.add_special_tokens is not False
+        )
     result = {
         "tokens": tokens,
         "count": len(tokens),
@@ -94,10 +92,10 @@ async def tokenize(request: Request, state: ServingState) -> None:
 async def detokenize(request: Request, state: ServingState) -> None:
     """``POST /detokenize``: ``{"tokens"}`` -> ``{"prompt"}``."""
     body = await request.json(state.settings.max_body_bytes)
-    check_model(state, schemas.check_str("model", body["model"]) if body.get("model") else None)
-    tokens = schemas.check_ints("tokens", body.get("tokens"))
+    typed: DetokenizeRequest = parse_request(DetokenizeRequest, body)
+    check_model(state, typed.model)
     try:
-        text = await state.engine.detokenize(tokens)
+        text = await state.engine.detokenize(typed.tokens)
     except ValidationError as exc:
-        raise schemas.in_request_terms(exc, schemas.request_fields("detokenize", body)) from None
+        raise exc.renamed("tokens") from None
     await send_json(request.send, 200, {"prompt": text})

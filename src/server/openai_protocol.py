@@ -1,4 +1,8 @@
-"""The OpenAI request and response shapes as pydantic v2 models: one source of truth.
+"""The OpenAI generation requests as pydantic v2 models: one source of truth.
+
+The rules every body model follows and ``parse_request`` live in ``schema_base``,
+the parts of a chat (messages, tools, structured outputs) in ``chat_parts``, the
+response models in ``openai_shapes``; this module re-exports their names.
 
 Requests are validated *strictly* (no coercion: ``"1"`` is not a number,
 ``true`` is not an integer), unknown fields are ignored as OpenAI and vLLM
@@ -14,9 +18,7 @@ generation request builds its engine parameters itself
 (``to_sampling_params()``), and value ranges (temperature, top_p ...) are
 ``SamplingParams``' to check, so that rule lives in one place. Known OpenAI
 features the engine lacks (``suffix``, ``functions``, chat's ``best_of``) are
-refused rather than silently ignored; ``null`` means "not given". Response
-models describe exactly what the handlers send, for the OpenAPI document
-and for tests that check the handlers' output against them.
+refused rather than silently ignored; ``null`` means "not given".
 
 Pure code: never imports trio or torch.
 """
@@ -24,233 +26,168 @@ Pure code: never imports trio or torch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
-import pydantic
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from ..protocol.errors import ValidationError
 from ..protocol.params import RequestOutputKind, SamplingParams
 from ..protocol.structured import StructuredOutputsParams
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-"""Integers a client gives must fit in 64 bits: the engine stores them in int64 arrays."""
-
-_TAG = "§"  # prefix of union tags in error locations; :func:`field_path` drops them
-
-_JSON_TYPES: tuple[tuple[type, str], ...] = (
-    (bool, "boolean"),
-    (int, "integer"),
-    (float, "number"),
-    (str, "string"),
-    (list, "array"),
-    (dict, "object"),
+from .chat_parts import (
+    FUNCTION_NAME as FUNCTION_NAME,
 )
-
-MAX_PROMPTS = 256
-"""At most this many prompts in one ``/v1/completions`` request."""
-
-PromptInput = str | dict[str, Any]
-
-MAX_TOOLS = 128
-"""The most tools a request may declare (their checks and the template grow with it)."""
-
-
-def _json_type(value: Any) -> str | None:
-    for python_type, name in _JSON_TYPES:
-        if isinstance(value, python_type):
-            return _TAG + name
-    return None
-
-
-def by_json_type(message: str, **members: Any) -> Any:
-    """A union whose member is picked by the input's JSON type (``string=str, array=list[X]``).
-
-    Any other type is one error, ``message``, located at the field itself.
-    """
-    tagged = tuple(Annotated[member, Tag(_TAG + name)] for name, member in members.items())
-    return Annotated[
-        Union[tagged],  # noqa: UP007 - a runtime-built union
-        Discriminator(_json_type, custom_error_type="invalid_type", custom_error_message=message),
-    ]
-
-
-class OpenAIModel(BaseModel):
-    """Strict types; unknown fields ignored (forward compatibility, as OpenAI and vLLM)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-
-
-class OpenAIResponseModel(BaseModel):
-    """What the server sends; lenient on input, since it only documents and checks our output."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-# ------------------------------------------------------------------ messages and tools
-
-
-class TextPart(OpenAIModel):
-    type: Literal["text"]
-    text: str
-
-
-if TYPE_CHECKING:
-    MessageContent: TypeAlias = str | list[TextPart]
-else:
-    MessageContent = by_json_type(
-        "must be a string or a list of content parts", string=str, array=list[TextPart]
-    )
-
-
-class FunctionCall(OpenAIModel):
-    name: str
-    arguments: str
-
-
-class ToolCallParam(OpenAIModel):
-    """A call in an assistant message of the conversation so far."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(OpenAIModel):
-    """One message of ``messages``. ``tool`` messages answer ``tool_call_id``."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: MessageContent | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallParam] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-    def text(self) -> str:
-        """The content as one string (text parts joined by newlines)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it (arguments parsed back into objects)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            out["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": _json_or_text(call.function.arguments),
-                    },
-                }
-                for call in self.tool_calls
-            ]
-        return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-class FunctionDefinition(OpenAIModel):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not FUNCTION_NAME.match(value):
-            raise ValueError("must be 1 to 64 letters, digits, '_', '.' or '-'")
-        return value
-
-
-class ToolParam(OpenAIModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(OpenAIModel):
-    name: str
-
-
-class NamedToolChoice(OpenAIModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-if TYPE_CHECKING:
-    ToolChoice: TypeAlias = Literal["none", "auto", "required"] | NamedToolChoice
-else:
-    ToolChoice = by_json_type(
-        'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-        string=Literal["none", "auto", "required"],
-        object=NamedToolChoice,
-    )
-
-
-# ------------------------------------------------------------------ structured outputs
-
-
-if TYPE_CHECKING:
-    JsonSchemaValue: TypeAlias = dict[str, Any] | str
-else:
-    JsonSchemaValue = by_json_type(
-        "must be a JSON Schema (an object, or its JSON text)", object=dict[str, Any], string=str
-    )
-
-
-class JsonSchemaFormat(OpenAIModel):
-    name: str = "response"
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(OpenAIModel):
-    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsOptions(OpenAIModel):
-    """vLLM's ``structured_outputs`` request field (StructuredOutputsParams' shape)."""
-
-    json_: JsonSchemaValue | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool | None = None
-    whitespace_pattern: str | None = None
-
-
-class StreamOptions(OpenAIModel):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
-
+from .chat_parts import (  # re-exported: this module held them before it was split
+    ChatMessage as ChatMessage,
+)
+from .chat_parts import (
+    FunctionCall as FunctionCall,
+)
+from .chat_parts import (
+    FunctionDefinition as FunctionDefinition,
+)
+from .chat_parts import (
+    JsonSchemaFormat as JsonSchemaFormat,
+)
+from .chat_parts import (
+    JsonSchemaValue as JsonSchemaValue,
+)
+from .chat_parts import (
+    MessageContent as MessageContent,
+)
+from .chat_parts import (
+    NamedFunction as NamedFunction,
+)
+from .chat_parts import (
+    NamedToolChoice as NamedToolChoice,
+)
+from .chat_parts import (
+    ResponseFormat as ResponseFormat,
+)
+from .chat_parts import (
+    StreamOptions as StreamOptions,
+)
+from .chat_parts import (
+    StructuredOutputsOptions as StructuredOutputsOptions,
+)
+from .chat_parts import (
+    TextPart as TextPart,
+)
+from .chat_parts import (
+    ToolCallParam as ToolCallParam,
+)
+from .chat_parts import (
+    ToolChoice as ToolChoice,
+)
+from .chat_parts import (
+    ToolParam as ToolParam,
+)
+from .chat_parts import (
+    _json_or_text as _json_or_text,
+)
+from .openai_shapes import (  # re-exported: this module held them before it was split
+    AssistantMessage as AssistantMessage,
+)
+from .openai_shapes import (
+    ChatChoice as ChatChoice,
+)
+from .openai_shapes import (
+    ChatChunkChoice as ChatChunkChoice,
+)
+from .openai_shapes import (
+    ChatCompletionChunk as ChatCompletionChunk,
+)
+from .openai_shapes import (
+    ChatCompletionResponse as ChatCompletionResponse,
+)
+from .openai_shapes import (
+    ChatDelta as ChatDelta,
+)
+from .openai_shapes import (
+    ChatLogprobs as ChatLogprobs,
+)
+from .openai_shapes import (
+    CompletionChoice as CompletionChoice,
+)
+from .openai_shapes import (
+    CompletionLogprobs as CompletionLogprobs,
+)
+from .openai_shapes import (
+    CompletionResponse as CompletionResponse,
+)
+from .openai_shapes import (
+    DeltaFunctionCall as DeltaFunctionCall,
+)
+from .openai_shapes import (
+    DeltaToolCall as DeltaToolCall,
+)
+from .openai_shapes import (
+    ErrorDetail as ErrorDetail,
+)
+from .openai_shapes import (
+    ErrorResponse as ErrorResponse,
+)
+from .openai_shapes import (
+    FinishReason as FinishReason,
+)
+from .openai_shapes import (
+    ModelCard as ModelCard,
+)
+from .openai_shapes import (
+    ModelList as ModelList,
+)
+from .openai_shapes import (
+    TokenLogprob as TokenLogprob,
+)
+from .openai_shapes import (
+    ToolCall as ToolCall,
+)
+from .openai_shapes import (
+    TopLogprob as TopLogprob,
+)
+from .openai_shapes import (
+    Usage as Usage,
+)
+from .schema_base import (
+    _TAG as _TAG,
+)
+from .schema_base import (  # re-exported: this module held them before it was split
+    INT64_MAX as INT64_MAX,
+)
+from .schema_base import (
+    INT64_MIN as INT64_MIN,
+)
+from .schema_base import (
+    MAX_PROMPTS as MAX_PROMPTS,
+)
+from .schema_base import (
+    MAX_TOOLS as MAX_TOOLS,
+)
+from .schema_base import (
+    Int64 as Int64,
+)
+from .schema_base import (
+    OpenAIModel as OpenAIModel,
+)
+from .schema_base import (
+    OpenAIResponseModel as OpenAIResponseModel,
+)
+from .schema_base import (
+    PromptInput as PromptInput,
+)
+from .schema_base import (
+    by_json_type as by_json_type,
+)
+from .schema_base import (
+    field_path as field_path,
+)
+from .schema_base import (
+    parse_request as parse_request,
+)
+from .schema_base import (
+    validation_error as validation_error,
+)
 
 if TYPE_CHECKING:
     Stop: TypeAlias = str | list[str]
@@ -518,6 +455,22 @@ else:
     )
 
 
+def one_kind_of_prompt(value: str | PromptItems, noun: str = "prompts") -> str | PromptItems:
+    """A ``Prompt`` of one kind (strings, token ids, token id lists), none empty, at most
+    ``MAX_PROMPTS`` of them; ValueError (pydantic's field error) if not."""
+    if isinstance(value, str):
+        return value
+    kinds = {type(v) for v in value}
+    if len(kinds) > 1:
+        raise ValueError("must be strings, token ids or token id lists, not a mix")
+    if isinstance(value[0], list) and any(not v for v in value):
+        raise ValueError("token id lists must not be empty")
+    count = len(value) if not isinstance(value[0], int) else 1
+    if count > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} {noun} per request, got {count}")
+    return value
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
@@ -532,17 +485,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _one_kind_of_prompt(cls, value: str | PromptItems) -> str | PromptItems:
-        if isinstance(value, str):
-            return value
-        kinds = {type(v) for v in value}
-        if len(kinds) > 1:
-            raise ValueError("must be strings, token ids or token id lists, not a mix")
-        if isinstance(value[0], list) and any(not v for v in value):
-            raise ValueError("token id lists must not be empty")
-        count = len(value) if not isinstance(value[0], int) else 1
-        if count > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {count}")
-        return value
+        return one_kind_of_prompt(value)
 
     def renames(self) -> dict[str, str]:
         """Engine field -> this request's name for it."""
@@ -577,193 +520,3 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None:
             extra["best_of"] = self.best_of
         return self.engine_params(extra, max_n=max_n, structured_outputs=structured_outputs)
-
-
-# ------------------------------------------------------------------ responses
-
-
-class Usage(OpenAIResponseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ToolCall(OpenAIResponseModel):
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
-
-
-class AssistantMessage(OpenAIResponseModel):
-    role: Literal["assistant"]
-    content: str | None
-    refusal: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-    reasoning_content: str | None = None
-
-
-class TopLogprob(OpenAIResponseModel):
-    token: str
-    logprob: float | None
-    bytes: list[int] | None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(OpenAIResponseModel):
-    content: list[TokenLogprob] | None
-    refusal: list[TokenLogprob] | None = None
-
-
-FinishReason = Literal["stop", "length", "tool_calls", "abort", "content_filter"]
-
-
-class ChatChoice(OpenAIResponseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIResponseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None
-    system_fingerprint: str | None = None
-
-
-class DeltaFunctionCall(OpenAIResponseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(OpenAIResponseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class ChatDelta(OpenAIResponseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(OpenAIResponseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(OpenAIResponseModel):
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionLogprobs(OpenAIResponseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(OpenAIResponseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIResponseModel):
-    """Also each streamed chunk of a completion (``object`` "text_completion" in both)."""
-
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ErrorDetail(OpenAIResponseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(OpenAIResponseModel):
-    error: ErrorDetail
-
-
-class ModelCard(OpenAIResponseModel):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelList(OpenAIResponseModel):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-# ------------------------------------------------------------------ errors
-
-
-def field_path(loc: tuple[int | str, ...]) -> str:
-    """``("messages", 0, "content")`` -> ``"messages[0].content"`` (union tags dropped)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not part.startswith(_TAG):
-            out += f".{part}" if out else part
-    return out
-
-
-def _message(error: Any) -> str:
-    kind, text = error["type"], error["msg"]
-    if kind == "missing":
-        return "is required"
-    if kind == "too_short":
-        return "must not be empty" if error["ctx"].get("min_length") == 1 else str(text)
-    if kind == "literal_error":
-        return f"must be {text.removeprefix('Input should be ')}"
-    if kind == "value_error":
-        return str(text).removeprefix("Value error, ")
-    return str(text).replace("Input should be", "must be", 1)
-
-
-def validation_error(exc: pydantic.ValidationError) -> ValidationError:
-    """Our one validation error (field + reason) for pydantic's first error."""
-    first = exc.errors(include_url=False)[0]
-    path = field_path(tuple(first["loc"])) or "body"
-    return ValidationError(path, _message(first))
-
-
-def parse_request(model: type[OpenAIModel], body: object) -> Any:
-    """Validate a decoded JSON body as ``model``; ValidationError naming the field if it is not."""
-    if not isinstance(body, dict):
-        raise ValidationError("body", "must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except pydantic.ValidationError as exc:
-        raise validation_error(exc) from None

@@ -1,11 +1,8 @@
-"""Small field checks for the bodies without a model of their own (``/tokenize``,
-``/detokenize``, LoRA routes, embeddings; the WebSocket ``params`` have their model,
-``openai_protocol.GenerateParams``), the engine-field
-renames of an error, and engine outputs -> OpenAI response objects.
+"""The engine-field renames of an error, and engine outputs -> OpenAI response objects.
 
-The generation bodies are parsed by their pydantic models alone
-(``openai_protocol``, ``responses_protocol``, ``messages_protocol``), which build their
-``SamplingParams`` themselves. The response builders produce exactly OpenAI's shapes
+Every body is parsed by its pydantic model alone (``openai_protocol``,
+``responses_protocol``, ``messages_protocol``, ``utility_protocol``); the generation
+models build their ``SamplingParams`` themselves. The response builders produce exactly OpenAI's shapes
 (``id``, ``object``, ``created``, ``model``, ``choices``, ``usage``), plus vLLM's
 ``stop_reason`` per choice.
 
@@ -21,12 +18,11 @@ from typing import Any
 
 from ..protocol.errors import ValidationError
 from ..protocol.outputs import CompletionOutput, Logprob
-from .openai_protocol import INT64_MAX, INT64_MIN
 
 DecodeToken = Callable[[int, Logprob | None], str]
 
 
-# ------------------------------------------------------------------ field checks
+# ------------------------------------------------------------------ errors
 
 
 _REPR = reprlib.Repr()  # (keyword arguments need Python 3.12)
@@ -38,101 +34,9 @@ def show(value: object) -> str:
     return _REPR.repr(value)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_range(name: str, value: int) -> int:
-    if not INT64_MIN <= value <= INT64_MAX:
-        raise ValidationError(name, f"must fit in a signed 64-bit integer, got {show(value)}")
-    return value
-
-
-def check_int(name: str, value: object) -> int:
-    if not _is_int(value):
-        raise ValidationError(name, f"must be an integer, got {show(value)}")
-    assert isinstance(value, int)
-    return _check_range(name, value)
-
-
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValidationError(name, f"must be a boolean, got {show(value)}")
-    return value
-
-
-def check_str(name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ValidationError(name, f"must be a string, got {show(value)}")
-    return value
-
-
-def check_ints(name: str, value: object) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(v) for v in value):
-        raise ValidationError(name, f"must be a list of integers, got {show(value)}")
-    return [_check_range(name, v) for v in value]
-
-
-def _given(body: Mapping[str, Any], name: str) -> bool:
-    return body.get(name) is not None
-
-
-REQUEST_FIELDS: dict[str, dict[str, tuple[str, ...]]] = {
-    "embeddings": {"prompt_token_ids": ("input",), "prompt": ("input",)},
-    "detokenize": {"prompt_token_ids": ("tokens",), "prompt": ("tokens",)},
-}
-"""Endpoint -> engine field (the renderer's) -> the request fields that set it, the first
-one the body gives winning. Where an engine ``ValidationError`` gets the name the client
-used; a field not listed keeps its name. (The generation models say it themselves:
-``renames()``.)"""
-
-
-def request_fields(endpoint: str, body: Mapping[str, Any]) -> dict[str, str]:
-    """Engine field -> this request's name for it (see ``REQUEST_FIELDS``)."""
-    return {
-        engine_field: next((n for n in names if _given(body, n)), names[-1])
-        for engine_field, names in REQUEST_FIELDS[endpoint].items()
-    }
-
-
 def in_request_terms(exc: ValidationError, renames: Mapping[str, str]) -> ValidationError:
-    """``exc`` naming the request's field (``renames`` from :func:`request_fields`)."""
+    """``exc`` naming the request's field (``renames``: engine field -> the request's)."""
     return exc.renamed(renames.get(exc.field, exc.field))
-
-
-def parse_messages(value: object) -> list[dict[str, Any]]:
-    """Chat messages with string content (text parts joined by newlines)."""
-    if not isinstance(value, list) or not value:
-        raise ValidationError("messages", "must be a non-empty list of messages")
-    messages: list[dict[str, Any]] = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise ValidationError(f"messages[{i}]", "must be an object")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ValidationError(f"messages[{i}].role", "must be a non-empty string")
-        content = message.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise ValidationError(
-                        f"messages[{i}].content[{j}]", "only text parts are supported"
-                    )
-                texts.append(check_str(f"messages[{i}].content[{j}].text", part.get("text")))
-            text = "\n".join(texts)
-        else:
-            raise ValidationError(
-                f"messages[{i}].content", "must be a string or a list of text parts"
-            )
-        out = {k: v for k, v in message.items() if k in ("name",) and isinstance(v, str)}
-        out.update(role=role, content=text)
-        messages.append(out)
-    return messages
 
 
 # ------------------------------------------------------------------ responses

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, PrivateAttr, Tag
 
 from ..protocol.errors import ValidationError
 from ..protocol.params import RequestOutputKind, SamplingParams
@@ -192,24 +192,30 @@ class ResponsesRequest(OpenAIModel):
     seed: Int64 | None = None
     priority: Int64 | None = None
 
-    def refuse_unsupported(self) -> None:
-        """400 for what this server does not do, rather than ignoring it."""
-        if self.background:
-            raise ValidationError("background", "background responses are not supported")
-        if self.previous_response_id is not None:
-            raise ValidationError(
-                "previous_response_id",
-                "is not supported by this server (no responses are stored): "
-                "give the whole conversation in input",
-            )
+    _previous: list[dict[str, Any]] = PrivateAttr(default_factory=list)
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """``instructions`` + ``input`` as chat messages for the template: consecutive
-        function calls become one assistant message's ``tool_calls``, each output a
-        ``tool`` message."""
-        messages: list[dict[str, Any]] = []
-        if self.instructions is not None:
-            messages.append({"role": "system", "content": self.instructions})
+    @property
+    def stores(self) -> bool:
+        """Whether the response is stored (``store`` defaults to true, as OpenAI's)."""
+        return self.store is not False
+
+    def check_state(self) -> None:
+        """400 for a combination of ``store`` / ``background`` / ``stream`` that cannot work."""
+        if self.background and not self.stores:
+            raise ValidationError(
+                "background", "needs store: a background response is only reachable stored"
+            )
+        if self.background and self.stream:
+            raise ValidationError("stream", "cannot be combined with background on this server")
+
+    def continue_from(self, conversation: list[dict[str, Any]]) -> None:
+        """Put the stored conversation of ``previous_response_id`` before ``input``."""
+        self._previous = list(conversation)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The previous response's conversation, then ``input``, as chat messages (no
+        ``instructions``: they do not carry over to a continuation)."""
+        messages: list[dict[str, Any]] = list(self._previous)
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
             return messages
@@ -233,6 +239,15 @@ class ResponsesRequest(OpenAIModel):
                     {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
                 )
         return messages
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """``instructions`` + the conversation as chat messages for the template: consecutive
+        function calls become one assistant message's ``tool_calls``, each output a
+        ``tool`` message."""
+        system = (
+            [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        )
+        return system + self.conversation()
 
     def chat_tools(self) -> tuple[list[ToolParam] | None, str | NamedToolChoice | None]:
         """``tools`` and ``tool_choice`` in chat's shape, for ``plan_tools``."""

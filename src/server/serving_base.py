@@ -291,6 +291,58 @@ class StreamingGeneration(ABC):
                 outcome=self.outcome or "?",
             )
 
+    async def run_detached(self, jobs: list[Job], on_accepted: Callable[[], None]) -> None:
+        """Serve the request with no client to answer (a background response).
+
+        The engine's jobs are appended to ``jobs`` as they start (so a caller whose
+        scope is cancelled still has what was generated) and drained to the end;
+        ``on_accepted`` is called once the engine accepted every prompt. Cancelling
+        the caller's scope aborts the engine requests (leaving their streams). Raises
+        what admission and the engine raise (``Unavailable``, ``ValidationError``,
+        ``EngineDeadError``).
+        """
+        state = self.state
+
+        async def on_output(job: Job, output: RequestOutput) -> None:
+            self._accumulate(job, output)
+            await trio.lowlevel.checkpoint()
+
+        try:
+            engine_ids = _engine_ids(self.request_id, len(self.prompts))
+            with state.track(self.request_id, engine_ids, n=self.params.n) as live:
+                async with AsyncExitStack() as stack:
+                    jobs += await open_jobs(
+                        state,
+                        stack,
+                        self.prompts,
+                        self.params,
+                        live,
+                        self.priority,
+                        self.renames,
+                        self.lora_request,
+                    )
+                    on_accepted()
+                    for job in jobs:
+                        await _drain(job, on_output)
+            self.outcome = (
+                "cancelled by shutdown" if live.scope.cancelled_caught else _outcome(jobs)
+            )
+        except trio.Cancelled:
+            self.outcome = "cancelled"
+            raise
+        except Exception as exc:
+            self.outcome = f"error: {type(exc).__name__}"
+            raise
+        finally:
+            prompt_tokens, completion_tokens = self.token_counts(jobs)
+            state.log_request(
+                self.request_id,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                started=self.started,
+                outcome=self.outcome or "?",
+            )
+
     @staticmethod
     def _accumulate(job: Job, output: RequestOutput) -> list[CompletionOutput]:
         for delta in output.outputs:

@@ -15,6 +15,7 @@ from typing import Any
 from ..frontend.renderer import template_kwargs_of
 from ..protocol.errors import ValidationError
 from ..protocol.outputs import CompletionOutput
+from ..protocol.params import SamplingParams
 from . import openai_protocol as protocol
 from . import openai_schemas as schemas
 from .asgi import Request
@@ -128,14 +129,14 @@ class ChatServing(StreamingGeneration):
         )
 
 
-async def create_chat_completion(request: Request, state: ServingState) -> None:
-    """``POST /v1/chat/completions``."""
-    state.check_available()
-    body = await request.json(state.settings.max_body_bytes)
-    typed: protocol.ChatCompletionRequest = parse_request(protocol.ChatCompletionRequest, body)
+async def plan_and_render_chat(
+    state: ServingState, typed: protocol.ChatCompletionRequest
+) -> tuple[ToolPlan, SamplingParams, dict[str, Any]]:
+    """The tool plan, the parameters (with the output constraint) and the rendered chat
+    of a parsed chat request. Raises ValidationError naming the request's field. A
+    checkpoint."""
     settings = state.settings
     params = typed.to_sampling_params(max_n=settings.max_n)  # the constraint comes below
-    lora = select_model(state, typed.model)
     tools = plan_tools(
         typed.tools,
         typed.tool_choice,
@@ -163,6 +164,16 @@ async def create_chat_completion(request: Request, state: ServingState) -> None:
             tools=tools.template_tools,
             template_kwargs=typed.chat_template_kwargs,
         )
+    return tools, params, rendered
+
+
+async def create_chat_completion(request: Request, state: ServingState) -> None:
+    """``POST /v1/chat/completions``."""
+    state.check_available()
+    body = await request.json(state.settings.max_body_bytes)
+    typed: protocol.ChatCompletionRequest = parse_request(protocol.ChatCompletionRequest, body)
+    lora = select_model(state, typed.model)
+    tools, params, rendered = await plan_and_render_chat(state, typed)
     serving = ChatServing(
         state,
         request,

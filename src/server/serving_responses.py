@@ -1,12 +1,10 @@
-"""``POST /v1/responses``: OpenAI's Responses API over the chat path.
+"""``/v1/responses``: OpenAI's Responses API over the chat path, with its store.
 
 The request is rendered with the chat template (``instructions`` as the system
 message, function calls and their outputs as ``tool_calls`` / ``tool`` messages),
 generated like a chat completion with one choice, and read by the same parsers
 (``--reasoning-parser``, the tool parsers of ``tool_choice``). The answer is a
-``response`` object whose ``output`` lists items: a ``reasoning`` item (with a
-reasoning parser), a ``message`` with one ``output_text`` part, and one
-``function_call`` item per call.
+``response`` object whose ``output`` lists items (``responses_items``).
 
 Streamed, the events are those the official client's ``responses.stream``
 accumulates: ``response.created``, ``response.in_progress``, then per item
@@ -15,217 +13,49 @@ accumulates: ``response.created``, ``response.in_progress``, then per item
 ``...done``), ``response.output_item.done``, and last ``response.completed``, each
 with a ``sequence_number``. As vLLM does, a response cut short by
 ``max_output_tokens`` still ends with ``response.completed``; its ``status`` is
-``incomplete``. Nothing is stored: ``previous_response_id`` and ``background`` are
-refused with a 400.
+``incomplete``.
+
+State (``response_store``): a response is stored unless ``store`` is false;
+``previous_response_id`` continues a stored one (its input and output come before
+the new input; its ``instructions`` do not carry over, as OpenAI's);
+``GET /v1/responses/{id}`` reads one, ``DELETE`` forgets it. ``background: true``
+answers at once with status ``queued``; the request runs in the server's nursery
+(``in_progress`` once the engine accepted it, then ``completed`` / ``incomplete`` /
+``failed``), and ``POST /v1/responses/{id}/cancel`` cancels it, which aborts its
+engine request (status ``cancelled``).
 
 Imports trio; never torch.
 """
 
 from __future__ import annotations
 
+import re
 import time
-import uuid
 from typing import Any
+
+import trio
 
 from ..protocol.outputs import CompletionOutput
 from ..protocol.params import LoRARequest, SamplingParams
 from .agent_prompt import plan_and_render
-from .asgi import Request
+from .asgi import HTTPError, Request, send_json
 from .chat_outputs import ChoiceReader
 from .lora_routes import select_model
 from .openai_protocol import parse_request
+from .response_store import StoredResponse
+from .responses_items import OutputItems, item_id, items_as_messages
 from .responses_protocol import RENAMES, ResponsesRequest
 from .serving_base import Job, SSEEvent, StreamingGeneration, stream_error
-from .state import ServingState
+from .state import Handler, ServingState
 from .tool_choice import ToolPlan
 
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-class OutputItems:
-    """One answer's output items, built from the message fields a :class:`ChoiceReader`
-    gives (whole or as deltas), with the stream events that build them."""
-
-    def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        self.sequence = 0
-        self._open: dict[str, Any] | None = None
-        self._calls: dict[int, dict[str, Any]] = {}  # the reader's call index -> its item
-
-    def event(self, kind: str, **fields: Any) -> SSEEvent:
-        """A numbered event."""
-        data = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return kind, data
-
-    def feed(self, fields: dict[str, Any]) -> list[SSEEvent]:
-        """The events for new message fields (``reasoning_content``, ``content``,
-        ``tool_calls`` as OpenAI chat deltas or whole calls)."""
-        events: list[SSEEvent] = []
-        if fields.get("reasoning_content"):
-            events += self._text("reasoning", fields["reasoning_content"])
-        if fields.get("content"):
-            events += self._text("message", fields["content"])
-        for call in fields.get("tool_calls") or ():
-            events += self._call(call)
-        return events
-
-    def close(self, status: str = "completed") -> list[SSEEvent]:
-        """Finish the open item (the answer is complete); at least one message is made."""
-        if not self.items:
-            self._open_item("message")
-        return self._finish(status)
-
-    # ---------------------------------------------------------------- items
-
-    def _index(self, item: dict[str, Any]) -> int:
-        return self.items.index(item)
-
-    def _open_item(self, kind: str) -> list[SSEEvent]:
-        item: dict[str, Any]
-        part: dict[str, Any]
-        if kind == "message":
-            item = {
-                "id": _id("msg"),
-                "type": "message",
-                "role": "assistant",
-                "status": "in_progress",
-                "content": [],
-            }
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        else:
-            item = {"id": _id("rs"), "type": "reasoning", "summary": [], "content": []}
-            part = {"type": "reasoning_text", "text": ""}
-        self.items.append(item)
-        self._open = item
-        index = self._index(item)
-        added = {**item, "content": []}
-        events = [self.event("response.output_item.added", output_index=index, item=added)]
-        item["content"].append(part)
-        events.append(
-            self.event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=dict(part),
-            )
-        )
-        return events
-
-    def _text(self, kind: str, text: str) -> list[SSEEvent]:
-        events: list[SSEEvent] = []
-        if self._open is None or self._open["type"] != kind:
-            events += self._finish("completed")
-            events += self._open_item(kind)
-        item = self._open
-        assert item is not None
-        item["content"][0]["text"] += text
-        delta = (
-            "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        )
-        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
-        events.append(
-            self.event(
-                delta,
-                item_id=item["id"],
-                output_index=self._index(item),
-                content_index=0,
-                delta=text,
-                **extra,
-            )
-        )
-        return events
-
-    def _call(self, call: dict[str, Any]) -> list[SSEEvent]:
-        events: list[SSEEvent] = []
-        function = call.get("function") or {}
-        index = call.get("index", len(self._calls))
-        item = self._calls.get(index)
-        if item is None or call.get("id") is not None:
-            events += self._finish("completed")
-            item = {
-                "id": _id("fc"),
-                "type": "function_call",
-                "call_id": call.get("id") or _id("call"),
-                "name": function.get("name") or "",
-                "arguments": "",
-                "status": "in_progress",
-            }
-            self._calls[index] = item
-            self.items.append(item)
-            self._open = item
-            events.append(
-                self.event(
-                    "response.output_item.added", output_index=self._index(item), item=dict(item)
-                )
-            )
-        arguments = function.get("arguments") or ""
-        if arguments:
-            item["arguments"] += arguments
-            events.append(
-                self.event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=self._index(item),
-                    delta=arguments,
-                )
-            )
-        return events
-
-    def _finish(self, status: str) -> list[SSEEvent]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        index = self._index(item)
-        events: list[SSEEvent] = []
-        if item["type"] == "function_call":
-            events.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
-        else:
-            part = item["content"][0]
-            done = (
-                "response.output_text.done"
-                if item["type"] == "message"
-                else "response.reasoning_text.done"
-            )
-            extra: dict[str, Any] = {"logprobs": []} if item["type"] == "message" else {}
-            events.append(
-                self.event(
-                    done,
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=part["text"],
-                    **extra,
-                )
-            )
-            events.append(
-                self.event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
-        if item["type"] != "reasoning":
-            item["status"] = status
-        events.append(self.event("response.output_item.done", output_index=index, item=item))
-        return events
+CANCEL_WAIT = 10.0
+"""Seconds a cancel waits for the background run to end (its engine request aborted)."""
 
 
 class ResponsesServing(StreamingGeneration):
-    """A Responses API request: one choice, answered as a ``response`` object."""
+    """A Responses API request: one choice, answered as a ``response`` object (stored
+    unless ``store`` is false)."""
 
     ends_with_done = False
 
@@ -251,7 +81,7 @@ class ResponsesServing(StreamingGeneration):
         super().__init__(
             state,
             request,
-            request_id=_id("resp"),
+            request_id=item_id("resp"),
             model=lora.lora_name if lora is not None else state.model_name,
             prompts=[prompt],
             params=params,
@@ -267,7 +97,13 @@ class ResponsesServing(StreamingGeneration):
     def _new_reader(self) -> ChoiceReader:
         return ChoiceReader(self.state.settings.reasoning, self.tools.parser)
 
-    def body(self, status: str, output: list[dict[str, Any]], jobs: list[Job]) -> dict[str, Any]:
+    def body(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        jobs: list[Job],
+        error: HTTPError | None = None,
+    ) -> dict[str, Any]:
         """The ``response`` object (``usage`` once it is complete)."""
         typed = self.typed
         finish = next((c.finish_reason for job in jobs for c in job.choices.values()), None)
@@ -277,7 +113,7 @@ class ResponsesServing(StreamingGeneration):
         elif status == "completed" and finish == "abort":
             status = "cancelled"
         usage = None
-        if status != "in_progress":
+        if status not in ("queued", "in_progress"):
             prompt_tokens, output_tokens = self.token_counts(jobs)
             usage = {
                 "input_tokens": prompt_tokens,
@@ -292,16 +128,17 @@ class ResponsesServing(StreamingGeneration):
             "object": "response",
             "created_at": self.created,
             "status": status,
-            "error": None,
+            "background": bool(typed.background),
+            "error": None if error is None else {"code": error.code, "message": error.message},
             "incomplete_details": incomplete,
             "instructions": typed.instructions,
             "max_output_tokens": typed.max_output_tokens,
             "model": self.model,
             "output": output,
             "parallel_tool_calls": typed.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": typed.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
-            "store": False,
+            "store": typed.stores,
             "temperature": self.params.temperature,
             "text": {"format": self.format},
             "tool_choice": tool_choice
@@ -314,6 +151,13 @@ class ResponsesServing(StreamingGeneration):
             "user": typed.user,
             "metadata": typed.metadata or {},
         }
+
+    def remember(self, body: dict[str, Any], items: list[dict[str, Any]]) -> dict[str, Any]:
+        """Store a finished (non-background) response unless ``store`` is false; the body."""
+        if self.typed.stores:
+            conversation = self.typed.conversation() + items_as_messages(items)
+            self.state.responses.put(self.request_id, StoredResponse(body, conversation))
+        return body
 
     def start_events(self, jobs: list[Job]) -> list[SSEEvent]:
         response = self.body("in_progress", [], jobs)
@@ -336,7 +180,7 @@ class ResponsesServing(StreamingGeneration):
 
     def end_events(self, jobs: list[Job]) -> list[SSEEvent]:
         events = self.output.close(self._item_status(jobs))
-        response = self.body("completed", self.output.items, jobs)
+        response = self.remember(self.body("completed", self.output.items, jobs), self.output.items)
         return [*events, self.output.event("response.completed", response=response)]
 
     def error_events(self, exc: Exception) -> list[SSEEvent]:
@@ -345,14 +189,79 @@ class ResponsesServing(StreamingGeneration):
             self.output.event("error", code=error.code, message=error.message, param=error.param)
         ]
 
-    def response(self, jobs: list[Job]) -> dict[str, Any]:
-        (job,) = jobs
-        text = job.choices[0].text if 0 in job.choices else ""
+    def final_items(self, jobs: list[Job], status: str | None = None) -> list[dict[str, Any]]:
+        """The output items of what the jobs generated (so far)."""
+        text = "".join(job.choices[0].text for job in jobs if 0 in job.choices)
         fields, _ = self._new_reader().message(text)
         items = OutputItems()
         items.feed(fields)
-        items.close(self._item_status(jobs))
-        return self.body("completed", items.items, jobs)
+        items.close(status or self._item_status(jobs))
+        return items.items
+
+    def response(self, jobs: list[Job]) -> dict[str, Any]:
+        items = self.final_items(jobs)
+        return self.remember(self.body("completed", items, jobs), items)
+
+    # ------------------------------------------------------------------ background
+
+    async def start_background(self) -> None:
+        """Store the response as ``queued``, start it in the server's nursery, answer."""
+        state = self.state
+        nursery = state.responses.nursery
+        if nursery is None:
+            raise HTTPError(400, "background responses need a running server", param="background")
+        state.check_capacity(self.params.n)  # a 503 now rather than a failed response later
+        entry = StoredResponse(self.body("queued", [], []), self.typed.conversation())
+        entry.scope = trio.CancelScope()
+        state.responses.put(self.request_id, entry)
+        nursery.start_soon(self._background, entry)
+        await send_json(self.request.send, 200, entry.body)
+
+    async def _background(self, entry: StoredResponse) -> None:
+        """Run detached; the entry's body follows (in_progress, then the end status)."""
+        jobs: list[Job] = []
+        status, error = "completed", None
+
+        def accepted() -> None:
+            if entry.running:
+                entry.body = self.body("in_progress", [], jobs)
+
+        assert entry.scope is not None
+        try:
+            with entry.scope:
+                await self.run_detached(jobs, accepted)
+            if entry.scope.cancelled_caught:
+                status = "cancelled"
+        except Exception as exc:  # the request's own failure: the response records it
+            status, error = "failed", stream_error(exc)
+        finally:
+            if status == "completed" and entry.status == "cancelled":
+                status = "cancelled"  # cancelled just as it finished
+            items = self.final_items(jobs, "incomplete" if status != "completed" else None)
+            conversation = self.typed.conversation() + items_as_messages(items)
+            self.state.responses.update(
+                self.request_id, entry, self.body(status, items, jobs, error), conversation
+            )
+            entry.done.set()
+
+
+RESPONSE_ID = re.compile(r"^/v1/responses/(?P<id>[A-Za-z0-9_-]{1,128})(?:/cancel)?$")
+"""The id in ``/v1/responses/{id}`` and ``/v1/responses/{id}/cancel``."""
+
+
+def _stored(request: Request, state: ServingState) -> tuple[str, StoredResponse]:
+    match = RESPONSE_ID.match(request.path)
+    assert match is not None, "routed here by RESPONSE_ROUTES"
+    response_id = match["id"]
+    entry = state.responses.get(response_id)
+    if entry is None:
+        raise HTTPError(
+            404,
+            f"Response with id {response_id!r} not found (never stored, or evicted).",
+            param="response_id",
+            code="not_found",
+        )
+    return response_id, entry
 
 
 async def create_response(request: Request, state: ServingState) -> None:
@@ -361,7 +270,22 @@ async def create_response(request: Request, state: ServingState) -> None:
     settings = state.settings
     body = await request.json(settings.max_body_bytes)
     typed: ResponsesRequest = parse_request(ResponsesRequest, body)
-    typed.refuse_unsupported()
+    typed.check_state()
+    if typed.previous_response_id is not None:
+        previous = state.responses.get(typed.previous_response_id)
+        if previous is None:
+            raise HTTPError(
+                404,
+                f"Previous response with id {typed.previous_response_id!r} not found "
+                "(never stored, or evicted).",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        if previous.running:
+            raise HTTPError(
+                400, "is still in progress", param="previous_response_id", code="invalid_value"
+            )
+        typed.continue_from(previous.conversation)
     lora = select_model(state, typed.model)
     tools_in, choice = typed.chat_tools()
     tools, rendered, params, renames = await plan_and_render(
@@ -374,4 +298,55 @@ async def create_response(request: Request, state: ServingState) -> None:
         format_field="text.format",
         parameters_field="parameters",
     )
-    await ResponsesServing(state, request, typed, tools, rendered, params, lora, renames).run()
+    serving = ResponsesServing(state, request, typed, tools, rendered, params, lora, renames)
+    if typed.background:
+        await serving.start_background()
+    else:
+        await serving.run()
+
+
+async def stored_response(request: Request, state: ServingState) -> None:
+    """``GET /v1/responses/{id}``: a stored response (a background one: as it is now)."""
+    _, entry = _stored(request, state)
+    await send_json(request.send, 200, entry.body)
+
+
+async def delete_response(request: Request, state: ServingState) -> None:
+    """``DELETE /v1/responses/{id}``: forget a stored response (a running one is cancelled)."""
+    response_id, _ = _stored(request, state)
+    state.responses.pop(response_id)
+    await send_json(
+        request.send, 200, {"id": response_id, "object": "response.deleted", "deleted": True}
+    )
+
+
+async def cancel_response(request: Request, state: ServingState) -> None:
+    """``POST /v1/responses/{id}/cancel``: cancel a queued or running background response.
+
+    Its run is cancelled, which aborts its engine request; the answer (status
+    ``cancelled``) comes once the run has ended, or after ``CANCEL_WAIT`` seconds.
+    """
+    _, entry = _stored(request, state)
+    if not entry.running or entry.scope is None:
+        raise HTTPError(
+            400,
+            f"only a background response that is queued or in progress can be cancelled "
+            f"(this one is {entry.status})",
+            param="response_id",
+            code="invalid_value",
+        )
+    entry.body = {**entry.body, "status": "cancelled"}
+    entry.scope.cancel()
+    with trio.move_on_after(CANCEL_WAIT):
+        await entry.done.wait()
+    await send_json(request.send, 200, entry.body)
+
+
+RESPONSE_ROUTES: tuple[tuple[re.Pattern[str], dict[str, Handler]], ...] = (
+    (
+        re.compile(r"^/v1/responses/[A-Za-z0-9_-]{1,128}$"),
+        {"GET": stored_response, "DELETE": delete_response},
+    ),
+    (re.compile(r"^/v1/responses/[A-Za-z0-9_-]{1,128}/cancel$"), {"POST": cancel_response}),
+)
+"""The routes with a response id in the path: (path pattern, method -> handler)."""

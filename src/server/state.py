@@ -7,7 +7,8 @@ graceful drain: wait up to a grace period, abort what is left through the
 engine (so clients see finish_reason "abort"), then cancel what still has not
 ended.
 
-It serves either one ``AsyncEngine`` or a ``SupervisedEngine``
+It serves one ``EngineClient`` (an ``AsyncEngine``, or a ``RenderOnlyClient`` that only
+renders) or a ``SupervisedEngine``
 (``legato.supervise``): then ``engine`` is always the current engine, and a
 dead one that is being replaced makes requests ``Unavailable`` with
 ``code="engine_restarting"`` rather than ``"engine_dead"``. The front ends
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..engine import AsyncEngine
 from ..protocol.client import EngineClient
 from ..protocol.errors import ValidationError
 from ..protocol.params import LoRARequest
@@ -34,6 +34,7 @@ from ..supervise import SupervisedEngine
 from .asgi import Request
 from .cors import CORSPolicy
 from .reasoning import ReasoningParser, reasoning_parser
+from .response_store import ResponseStore
 from .site_guard import LOOPBACK_NAMES, SiteGuard
 from .tool_parsers import ToolParser, tool_parser
 
@@ -96,6 +97,14 @@ class ServerSettings:
     """CORS for the HTTP API (``--allowed-origins`` ...; off by default, unlike vLLM)."""
     allowed_hosts: tuple[str, ...] = ()
     """``Host`` values served besides the loopback names and ``host`` (``*``: any)."""
+    responses_store_max_entries: int = 1000
+    """Responses API responses kept for ``GET`` / ``previous_response_id``; one more evicts
+    the oldest (vLLM's store is unbounded: see ``response_store``)."""
+    responses_store_max_age: float = 3600.0
+    """Seconds a stored response is kept."""
+    responses_store_max_chars: int = 256 << 20
+    """Characters of text (bodies and conversations) the stored responses may hold in all;
+    past it the oldest are evicted."""
 
     def security_warnings(self) -> list[str]:
         """What this configuration leaves open, for the log at start-up."""
@@ -133,6 +142,8 @@ class ServerSettings:
             "max_connections",
             "max_requests_in_flight",
             "max_sequences_in_flight",
+            "responses_store_max_entries",
+            "responses_store_max_chars",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -150,6 +161,10 @@ class ServerSettings:
         ):
             raise ValueError(
                 f"web_ui_ws_url: must start with ws:// or wss://, got {self.web_ui_ws_url!r}"
+            )
+        if not self.responses_store_max_age > 0:
+            raise ValueError(
+                f"responses_store_max_age: must be > 0, got {self.responses_store_max_age!r}"
             )
         if not self.body_timeout > 0:
             raise ValueError(f"body_timeout: must be > 0, got {self.body_timeout!r}")
@@ -184,12 +199,14 @@ class ServerSettings:
 class Unavailable(Exception):
     """The server cannot take a new request: it is draining (``code="shutting_down"``),
     the engine is dead (``code="engine_dead"``) or being restarted
-    (``code="engine_restarting"``)."""
+    (``code="engine_restarting"``); or it has no model to generate with (a render-only
+    client, ``code="render_only"``, status 501)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, *, status: int = 503) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.status = status
 
 
 @dataclass
@@ -207,7 +224,7 @@ class ServingState:
 
     def __init__(
         self,
-        engine: AsyncEngine | SupervisedEngine,
+        engine: EngineClient | SupervisedEngine,
         settings: ServerSettings,
         *,
         model_name: str,
@@ -223,6 +240,14 @@ class ServingState:
         self._emptied.set()
         # Host / WebSocket Origin allowlists; the app sets the HTTP port once it is bound.
         self.site_guard: SiteGuard = settings.site_guard
+        self.generates = True
+        """False over a client that only renders (``RenderOnlyClient``): ``track`` refuses
+        every generation; rendering, tokenizing and the rest are served."""
+        self.responses = ResponseStore(
+            settings.responses_store_max_entries,
+            settings.responses_store_max_age,
+            settings.responses_store_max_chars,
+        )
 
     @property
     def engine(self) -> EngineClient:
@@ -275,6 +300,16 @@ class ServingState:
             why = engine.dead_error if engine.errored else "it has been shut down"
             raise Unavailable("engine_dead", f"the engine is dead: {why}")
 
+    def check_generates(self) -> None:
+        """Raise ``Unavailable("render_only")`` (501) over a client that only renders."""
+        if not self.generates:
+            raise Unavailable(
+                "render_only",
+                "this server only renders (a RenderOnlyClient, no model): use /tokenize, "
+                "/detokenize, /v1/chat/completions/render or /v1/completions/render",
+                status=501,
+            )
+
     @contextmanager
     def track(self, request_id: str, engine_ids: list[str], *, n: int = 1) -> Iterator[LiveRequest]:
         """Admit one request for the ``with`` body, inside a cancel scope the drain may cancel.
@@ -282,13 +317,14 @@ class ServingState:
         It counts ``len(engine_ids) * n`` engine sequences against
         ``max_sequences_in_flight`` (``n``: each prompt's completions).
 
-        Raises ``Unavailable`` (before the body runs) while draining or once
-        the engine is dead, and ``ValidationError`` (a ValueError) naming
+        Raises ``Unavailable`` (before the body runs) while draining, once
+        the engine is dead, or over a client that only renders, and ``ValidationError`` (a ValueError) naming
         ``request_id`` for a request id already live.
         If the drain cancels the scope, the body sees ``trio.Cancelled`` and
         the ``with`` ends quietly after it: the caller ends its response.
         """
         self.check_available()
+        self.check_generates()
         sequences = max(1, len(engine_ids)) * max(1, n)
         self.check_capacity(sequences)
         if request_id in self._live:

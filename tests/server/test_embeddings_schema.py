@@ -1,4 +1,5 @@
-"""Parsing ``/v1/embeddings`` bodies and building OpenAI's response shape."""
+"""Parsing ``/v1/embeddings`` bodies (by their pydantic model) and building OpenAI's
+response shape."""
 
 from __future__ import annotations
 
@@ -32,15 +33,15 @@ def test_every_input_shape(value: Any, expected: list[Any]) -> None:
     ("body", "field", "message"),
     [
         ({}, "input", "is required"),
-        ({"input": []}, "input", "non-empty"),
-        ({"input": [1, "a"]}, "input", "must be a string"),
-        ({"input": [[1], []]}, "input", "must be a string"),
-        ({"input": [True]}, "input", "must be a string"),
-        ({"input": "x", "encoding_format": "binary"}, "encoding_format", '"float" or "base64"'),
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": [1, "a"]}, "input", "not a mix"),
+        ({"input": [[1], []]}, "input", "must not be empty"),
+        ({"input": [True]}, "input[0]", "must be a string"),
+        ({"input": "x", "encoding_format": "binary"}, "encoding_format", "'float' or 'base64'"),
         ({"input": "x", "dimensions": 32}, "dimensions", "not trained to be shortened"),
-        ({"input": "x", "dimensions": "32"}, "dimensions", "must be an integer"),
-        ({"input": "x", "dimensions": 0}, "dimensions", ">= 1"),
-        ({"input": "x", "model": 3}, "model", "must be a string"),
+        ({"input": "x", "dimensions": "32"}, "dimensions", "must be a valid integer"),
+        ({"input": "x", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
+        ({"input": "x", "model": 3}, "model", "must be a valid string"),
         ({"input": "x", "add_special_tokens": "yes"}, "add_special_tokens", "boolean"),
         ({"input": ["x"] * 257}, "input", "at most 256"),
     ],

@@ -163,7 +163,7 @@ def http(fuzz_server: ServerThread) -> Iterator[httpx.Client]:
 DOCUMENTED = {
     400: {"invalid_json", "invalid_value"},
     401: {"invalid_api_key"},
-    404: {"not_found", "model_not_found"},
+    404: {"not_found", "model_not_found", "previous_response_not_found"},
     405: {"method_not_allowed"},
     413: {"body_too_large"},
     408: {"request_timeout"},
@@ -262,6 +262,20 @@ ENDPOINTS: dict[str, tuple[dict[str, Any], list[str]]] = {
         ["prompt", "messages", "add_special_tokens", "add_generation_prompt", "model"],
     ),
     "/detokenize": ({"tokens": [5, 6]}, ["tokens", "model"]),
+    "/v1/completions/render": (
+        {"prompt": "Hi", "max_tokens": 2},
+        ["prompt", "echo", "suffix", *COMMON_FIELDS, *SAMPLING_FIELDS],
+    ),
+    "/v1/chat/completions/render": (
+        {"messages": [{"role": "user", "content": "hi"}]},
+        [
+            "messages",
+            "max_completion_tokens",
+            "add_generation_prompt",
+            *COMMON_FIELDS,
+            *SAMPLING_FIELDS,
+        ],
+    ),  # fmt: skip
 }
 POST_ALLOWED = {200, 400, 404, 413, 415}
 JSON_TYPE = {"content-type": "application/json"}
@@ -689,3 +703,47 @@ def test_every_agent_api_field_with_every_wrong_type(
                 fuzz_server.assert_engine_alive()
     assert_still_serving(http)
     fuzz_server.wait_idle()
+
+
+# ------------------------------------------------------------------ stored responses
+
+RESPONSE_IDS = (
+    TEXT
+    | st.from_regex(r"resp_[0-9a-f]{0,40}", fullmatch=True)
+    | st.text(alphabet="abc_-/.%?#", max_size=200)
+)
+
+
+@FUZZ
+@given(
+    response_id=RESPONSE_IDS,
+    method=st.sampled_from(["GET", "DELETE", "POST", "PUT"]),
+    cancel=st.booleans(),
+)
+def test_stored_response_routes_with_hostile_ids(
+    fuzz_server: ServerThread, http: httpx.Client, response_id: str, method: str, cancel: bool
+) -> None:
+    quoted = "".join(c if c.isascii() and c.isalnum() else f"%{ord(c):02X}" for c in response_id)
+    response = http.request(method, f"/v1/responses/{quoted}" + ("/cancel" if cancel else ""))
+    check_answer(response, allowed={200, 400, 404, 405})
+    fuzz_server.assert_engine_alive()
+
+
+def test_continuations_and_background_with_every_wrong_type(
+    fuzz_server: ServerThread, http: httpx.Client
+) -> None:
+    """Every field of a continuation of a stored response (and of a background one) with
+    every wrong type: documented answers, and the engine and the store stay whole."""
+    stored = post_json(http, "/v1/responses", {"input": "Hi", "max_output_tokens": 2}).json()
+    wrong: list[Any] = [None, True, -1, 2**64, math.nan, "", "\ud800", [], [{}], {"a": 1}]
+    base, fields = AGENT_ENDPOINTS["/v1/responses"]
+    for extra in ({"previous_response_id": stored["id"]}, {"background": True}):
+        for field in fields:
+            for value in wrong:
+                body = {**base, **extra, field: value}
+                check_agent_answer("/v1/responses", post_json(http, "/v1/responses", body))
+                fuzz_server.assert_engine_alive()
+    fuzz_server.wait_idle(60)  # max_output_tokens=None runs a background one to the limit
+    kept = http.get(f"/v1/responses/{stored['id']}")
+    assert kept.status_code == 200 and kept.json()["output"] == stored["output"]
+    assert_still_serving(http)

@@ -477,6 +477,6 @@ def test_every_settable_param_has_a_type_check() -> None:
     """SamplingParams checks ranges but not every type (a dict for a bool once reached the
     detokenizer and killed the engine): the params model types every settable field."""
     from legato.server.openai_protocol import GenerateParams
-    from legato.server.websocket import _FIXED_PARAMS, _PARAM_FIELDS
+    from legato.server.websocket_frames import _FIXED_PARAMS, _PARAM_FIELDS
 
     assert set(GenerateParams.model_fields) == _PARAM_FIELDS - _FIXED_PARAMS

@@ -68,7 +68,7 @@ BAD_BODIES: list[tuple[dict[str, Any], str, int, str, str | None]] = [
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "/v1/chat/completions", 400, "invalid_value", "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "/v1/chat/completions", 400, "invalid_value", "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "nope"}, "/v1/chat/completions", 404, "model_not_found", "model"),
-    ({"tokens": ["a"]}, "/detokenize", 400, "invalid_value", "tokens"),
+    ({"tokens": ["a"]}, "/detokenize", 400, "invalid_value", "tokens[0]"),
     ({"tokens": [99999]}, "/detokenize", 400, "invalid_value", "tokens"),
     ({}, "/tokenize", 400, "invalid_value", "prompt"),
     # SamplingParams' own rules, and the engine's, name the field as the request spelled it

@@ -93,8 +93,8 @@ def test_docs_are_served_from_the_package() -> None:
 
 
 def test_the_served_document_describes_the_agent_apis() -> None:
-    """The bodies of /v1/responses and /v1/messages are documented by the models that parse
-    them: a body the model accepts validates against the document's schema, one it refuses
+    """The bodies of /v1/responses, /v1/messages and the utility endpoints are documented by
+    the models that parse them: a body the model accepts validates against the document's schema, one it refuses
     does not."""
     from legato.server.api_docs import OPERATIONS
 
@@ -103,6 +103,9 @@ def test_the_served_document_describes_the_agent_apis() -> None:
         ("/v1/responses", {"input": [{"role": "user", "content": "hi"}]}, {"input": 3}),
         ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
          {"messages": [{"role": "system", "content": "hi"}]}),
+        ("/tokenize", {"prompt": "hi"}, {"prompt": 3}),
+        ("/detokenize", {"tokens": [1, 2]}, {"tokens": "x"}),
+        ("/v1/embeddings", {"input": ["a", "b"]}, {"input": 3}),
     ):  # fmt: skip
         schema = served["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         validator = _validator(served, schema["schema"])

@@ -186,7 +186,6 @@ async def test_text_format_json_schema(oai: openai.AsyncOpenAI) -> None:
          "tool_choice.name"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}},
          "text.format.schema"),
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "model": "nope"}, None),
     ],
 )  # fmt: skip
