@@ -251,24 +251,36 @@ async def test_the_api_description_follows_the_api_key(engine: AsyncEngine) -> N
         assert (await anon.get("/health")).status_code == 200
 
 
-async def test_the_engines_admission_bound_is_a_503_server_busy(toy_model_dir: Any) -> None:
+async def test_the_engines_admission_bound_is_a_503_server_busy(
+    toy_model_dir: Any, gate_steps: Any
+) -> None:
     """An engine holding ``max_live_requests`` refuses one more with EngineBusyError; the
     server answers that request 503 ``server_busy`` (HTTP) or a ``server_busy`` frame
-    (WebSocket), not a 500, and serves again once the first request is done."""
+    (WebSocket), not a 500, and serves again once the first request is done. The step
+    gate holds the first request live (the toy model would finish it in a blink)."""
     from legato.engine import open_engine
 
     from .conftest import ENGINE_ARGS
 
     args = {**ENGINE_ARGS, "max_live_requests": 1}
     async with open_engine(str(toy_model_dir), executor="inproc", **args) as engine:
+        gate = gate_steps(engine)
         async with serving(engine) as server:
             async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
-                body = {"model": MODEL, "prompt": "hi", "max_tokens": 400, "stream": True}
-                async with client.stream("POST", "/v1/completions", json=body) as first:
-                    assert first.status_code == 200
-                    async for line in first.aiter_lines():
-                        if line.startswith("data: {"):
-                            break  # the first request is live in the engine now
+                first_done: list[int] = []
+
+                async def first_request() -> None:
+                    body = {"model": MODEL, "prompt": "hi", "max_tokens": 40, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as first:
+                        assert first.status_code == 200
+                        first_done.append(len([line async for line in first.aiter_lines()]))
+
+                async with trio.open_nursery() as nursery:
+                    gate.close()
+                    nursery.start_soon(first_request)
+                    with trio.fail_after(10):
+                        await gate.wait_held()  # the first request is live, its step held
+                    assert engine.frontend.num_live == 1
                     second = await client.post(
                         "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
                     )
@@ -278,7 +290,8 @@ async def test_the_engines_admission_bound_is_a_503_server_busy(toy_model_dir: A
                         await ws.send_message(json.dumps(frame))
                         reply = json.loads(await ws.get_message())
                         assert reply["type"] == "error" and reply["code"] == "server_busy", reply
-                # The first stream's end reaches the core through its one-slot inbox:
-                # once the engine is idle, a request is admitted again.
+                    gate.open()
+                assert first_done and first_done[0] > 0  # the first request ran to its end
+                # Once the engine is idle, a request is admitted again.
                 await engine.wait_until_idle()
                 await assert_still_serving(client)
