@@ -23,6 +23,7 @@ _SPEC_FIELDS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "model",
+    "disable_by_batch_size",
 )
 _SPEC_MAX_TOKENS = 16  # drafts per request per step: more is never worth a verification
 
@@ -36,7 +37,10 @@ class SpeculativeConfig:
     by prompt lookup (the continuation of the latest earlier match of the last
     ``m..M`` tokens), and the model verifies them in one forward. Only one of
     ``prompt_lookup_min`` / ``prompt_lookup_max`` given: the other takes its
-    value; neither: both are 5 (vLLM's defaults). ``{"model": path, ...}`` (a draft
+    value; neither: both are 5 (vLLM's defaults). ``"disable_by_batch_size": N``
+    (vLLM's, at least 2): no drafts are verified while more than ``N`` requests run.
+    Each request also sizes its own drafts from its recent acceptance, down to none
+    while they keep missing (``legato.scheduling.draft_policy``). ``{"model": path, ...}`` (a draft
     model) is refused: not implemented yet. Built by :meth:`of`; a bad value is a
     ValueError naming the field (``speculative_config.<name>``).
     """
@@ -45,6 +49,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -89,7 +94,14 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min: {lo} exceeds prompt_lookup_max ({hi})"
             )
-        return cls("ngram", k, hi, lo)
+        by_batch = value.get("disable_by_batch_size")
+        if by_batch is not None:
+            _positive("speculative_config.disable_by_batch_size", by_batch)
+            if by_batch < 2:
+                raise ValueError(
+                    f"speculative_config.disable_by_batch_size: at least 2, got {by_batch}"
+                )
+        return cls("ngram", k, hi, lo, by_batch)
 
 
 @dataclass(frozen=True)

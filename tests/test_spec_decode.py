@@ -68,7 +68,9 @@ def run(
     spec: dict[str, Any] | None,
 ) -> tuple[list[RequestOutput], SpecCounts]:
     counts = SpecCounts()
-    engine = LLMEngine(EngineConfig(model=model, speculative_config=spec, **ARGS), stat_loggers=[counts])
+    engine = LLMEngine(
+        EngineConfig(model=model, speculative_config=spec, **ARGS), stat_loggers=[counts]
+    )
     per_request = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, per_request, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
@@ -260,6 +262,19 @@ async def test_kv_usage_returns_to_zero_after_aborts(toy_model_dir: Any) -> None
         assert engine.num_kv_blocks_used == 0
 
 
+def test_disable_by_batch_size_verifies_no_drafts_while_more_requests_run() -> None:
+    """vLLM's ``disable_by_batch_size``: three requests running together verify no drafts
+    with a limit of 2 (and the same tokens come out); two of them do."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    limited = {**NGRAM, "disable_by_batch_size": 2}
+    plain, _ = run("toy", PROMPTS, params, None)
+    outs, counts = run("toy", PROMPTS, params, limited)
+    assert counts.drafts == 0
+    assert tokens(outs) == tokens(plain)
+    _, counts = run("toy", PROMPTS[:2], params, limited)
+    assert counts.accepted > 0
+
+
 def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
     cases = {
         "num_speculative_tokens": {"method": "ngram"},
@@ -272,18 +287,26 @@ def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
         "prompt_lookup_max": {"num_speculative_tokens": 2, "prompt_lookup_max": 0},
         "model": {"model": "/some/draft", "num_speculative_tokens": 2},
         "bogus": {"num_speculative_tokens": 2, "bogus": 1},
+        "disable_by_batch_size": {"num_speculative_tokens": 2, "disable_by_batch_size": 1},
     }
     for name, spec in cases.items():
         with pytest.raises(ValueError, match=rf"^speculative_config\.{name}: "):
             EngineConfig(speculative_config=spec)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^speculative_config: "):
         EngineConfig(speculative_config="ngram")  # type: ignore[arg-type]
-    config = EngineConfig(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_max": 3})  # type: ignore[arg-type]
+    config = EngineConfig(
+        speculative_config={  # type: ignore[arg-type]
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 3,
+            "disable_by_batch_size": 4,
+        }
+    )
     assert config.speculative_config is not None
     assert (
         config.speculative_config.prompt_lookup_min,
         config.speculative_config.prompt_lookup_max,
-    ) == (3, 3)
+        config.speculative_config.disable_by_batch_size,
+    ) == (3, 3, 4)
     # the worker rebuilds its config from the dict form
     assert EngineConfig(**config.to_dict()) == config
 

@@ -67,6 +67,7 @@ from ..protocol.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from .draft_policy import DraftLength
 from .pause_gate import PauseMode
 from .request_book import RequestBook
 from .request_state import Request, RequestStatus
@@ -94,12 +95,30 @@ class Scheduler(RequestBook):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # vLLM's speculative_config.disable_by_batch_size: no drafts while more run.
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
         The engine core then plans no step ahead of the one in flight: a request with a
         sample in flight verifies no drafts. O(running)."""
-        return any(req.spec_token_ids for req in self.running)
+        return self._drafting() and any(req.spec_token_ids for req in self.running)
+
+    def _drafting(self) -> bool:
+        """Whether this step may verify drafts: not while more than ``disable_by_batch_size``
+        requests run (each draft then costs nearly a token's compute)."""
+        limit = self.spec_disable_by_batch_size
+        return limit is None or len(self.running) <= limit
+
+    def _take_proposal(self, req: Request, proposal: list[int]) -> None:
+        """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with
+        its latest sample; it replaces older ones), as its draft length admits."""
+        policy = req.draft_length
+        if policy is None:
+            policy = req.draft_length = DraftLength(self.num_speculative_tokens)
+        req.spec_token_ids = policy.admit(proposal)
 
     def _settle_drafts(self, req: Request, num_drafts: int, count: int) -> None:
         """A verified request's answer: ``count - 1`` of its ``num_drafts`` drafts were
@@ -114,6 +133,8 @@ class Scheduler(RequestBook):
             )
         req.num_computed_tokens -= num_drafts - (count - 1)
         self.counters.verified(num_drafts, count - 1)
+        if req.draft_length is not None:
+            req.draft_length.settle(num_drafts, count - 1)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix. Returns whether the cache was reset.
@@ -159,6 +180,7 @@ class Scheduler(RequestBook):
         budget = plan.budget
         num_decode = 0
         preempted = False
+        drafting = self._drafting()
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -184,7 +206,7 @@ class Scheduler(RequestBook):
             num_drafts = 0
             if drafts:  # speculative decoding: a plain decode verifies its drafts
                 req.spec_token_ids = []
-                if num_new == 1 and not placeholders and req.grammar is None:
+                if num_new == 1 and not placeholders and drafting and req.grammar is None:
                     room = min(budget, req.token_limit - num_tokens) - 1
                     num_drafts = max(0, min(len(drafts), room))
                     num_new += num_drafts
@@ -379,8 +401,8 @@ class Scheduler(RequestBook):
             pooled: list[float] | None = None
             if num_drafts_of:
                 self._settle_drafts(req, num_drafts_of.get(request_id, 0), count)
-            if proposed or req.spec_token_ids:  # the latest proposal replaces older ones
-                req.spec_token_ids = proposed.get(request_id, [])
+            if sampling and self.num_speculative_tokens:
+                self._take_proposal(req, proposed.get(request_id, []))
             if count == 1 and sampling and req.pooling_params is None:  # the common case
                 token_id = sampled[start]
                 all_ids = req.all_token_ids
