@@ -7,6 +7,7 @@ covers verified steps and not only steps that verified nothing.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,10 +223,61 @@ def test_penalties_min_tokens_and_bad_words_count_the_drafts(default_runs: Runs)
 
 @pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_structured_outputs_are_as_without_drafts(default_runs: Runs) -> None:
-    """A constrained request verifies no drafts (its bitmask row holds for one position);
-    it decodes beside drafted ones."""
+    """A constrained request decodes beside unconstrained drafted ones, as without drafts."""
     assert default_runs.same_tokens("regex")
     assert default_runs.speculative["regex"].outputs[0].text == "the lazy dog " * 3
+
+
+ANIMALS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"enum": ["lazy dog", "quick fox", "cat"]},
+            "legs": {"enum": [2, 4]},
+        },
+        "required": ["name", "legs"],
+        "additionalProperties": False,
+    },
+    "minItems": 6,
+    "maxItems": 6,
+}
+REPEATS_REGEX = r"(the lazy dog ){3}(one two three ){2}"
+
+
+def test_structured_outputs_verify_drafts_under_their_grammar() -> None:
+    """Constrained requests verify drafts: row ``j`` of a drafted request's mask is its
+    grammar after the drafts before ``j``, so the same tokens come out as without drafts,
+    and each output is complete and valid (only constrained requests run: the accepted
+    drafts are theirs)."""
+    import re
+
+    import jsonschema
+
+    params = [
+        SamplingParams(
+            max_tokens=120,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=ANIMALS_SCHEMA),
+        ),
+        SamplingParams(
+            max_tokens=60,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(regex=REPEATS_REGEX),
+        ),
+    ]
+    prompts = [
+        'List six animals as JSON, e.g. [{"name": "cat", "legs": 4}, {"name": "lazy dog", '
+        '"legs": 4}]:',
+        "Repeat: the lazy dog the lazy dog one two three",
+    ]
+    plain, speculative, counts = compare("toy", prompts, params)
+    assert tokens(speculative) == tokens(plain)
+    assert counts.accepted >= 20
+    json_out, regex_out = (o.outputs[0] for o in speculative)
+    assert json_out.finish_reason == regex_out.finish_reason == "stop"  # grammar complete
+    jsonschema.validate(json.loads(json_out.text), ANIMALS_SCHEMA)
+    assert re.fullmatch(REPEATS_REGEX, regex_out.text)
 
 
 @pytest.mark.slow

@@ -206,9 +206,12 @@ class Scheduler(RequestBook):
             num_drafts = 0
             if drafts:  # speculative decoding: a plain decode verifies its drafts
                 req.spec_token_ids = []
-                if num_new == 1 and not placeholders and drafting and req.grammar is None:
+                if num_new == 1 and not placeholders and drafting:
                     room = min(budget, req.token_limit - num_tokens) - 1
                     num_drafts = max(0, min(len(drafts), room))
+                    if num_drafts and req.grammar is not None:
+                        # Drafts its grammar refuses would be rejected: verify up to the first.
+                        num_drafts = req.grammar.validate(drafts[:num_drafts])
                     num_new += num_drafts
             if computed + num_new > req.num_kv_slots:  # its blocks are full: it needs more
                 new_ids = kv.allocate_slots(req, num_new)
