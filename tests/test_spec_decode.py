@@ -327,6 +327,31 @@ def test_disable_by_batch_size_verifies_no_drafts_while_more_requests_run() -> N
     assert counts.accepted > 0
 
 
+def test_drafts_per_batch_size_follow_vllms_table() -> None:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` ranges, under ``disable_by_batch_size``."""
+    config = EngineConfig(
+        speculative_config={  # type: ignore[arg-type]
+            "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 6, 1], [7, 64, 0]],
+            "disable_by_batch_size": 32,
+        }
+    )
+    spec = config.speculative_config
+    assert spec is not None
+    assert [spec.drafts_at(n) for n in (1, 2, 3, 6, 7, 32, 33, 100)] == [4, 4, 1, 1, 0, 0, 0, 0]
+    assert EngineConfig(**config.to_dict()) == config  # the worker's round trip
+    plain = EngineConfig(speculative_config={"num_speculative_tokens": 3})  # type: ignore[arg-type]
+    assert plain.speculative_config is not None and plain.speculative_config.drafts_at(500) == 3
+    for bad in ([[0, 2, 1]], [[3, 2, 1]], [[1, 2]], [[1, 2, True]], "1-2:3"):
+        with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+            EngineConfig(
+                speculative_config={  # type: ignore[arg-type]
+                    "num_speculative_tokens": 4,
+                    "num_speculative_tokens_per_batch_size": bad,
+                }
+            )
+
+
 def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
     cases = {
         "num_speculative_tokens": {"method": "ngram"},
@@ -340,6 +365,10 @@ def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
         "model": {"model": "/some/draft", "num_speculative_tokens": 2},
         "bogus": {"num_speculative_tokens": 2, "bogus": 1},
         "disable_by_batch_size": {"num_speculative_tokens": 2, "disable_by_batch_size": 1},
+        "num_speculative_tokens_per_batch_size": {
+            "num_speculative_tokens": 2,
+            "num_speculative_tokens_per_batch_size": [[1, 4, 3]],  # K above k
+        },
     }
     for name, spec in cases.items():
         with pytest.raises(ValueError, match=rf"^speculative_config\.{name}: "):

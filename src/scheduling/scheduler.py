@@ -96,21 +96,21 @@ class Scheduler(RequestBook):
         self.chunked_prefill = config.enable_chunked_prefill
         self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
         spec = config.speculative_config
+        self.spec_config = spec
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
-        # vLLM's speculative_config.disable_by_batch_size: no drafts while more run.
-        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
         The engine core then plans no step ahead of the one in flight: a request with a
         sample in flight verifies no drafts. O(running)."""
-        return self._drafting() and any(req.spec_token_ids for req in self.running)
+        return self._max_drafts() > 0 and any(req.spec_token_ids for req in self.running)
 
-    def _drafting(self) -> bool:
-        """Whether this step may verify drafts: not while more than ``disable_by_batch_size``
-        requests run (each draft then costs nearly a token's compute)."""
-        limit = self.spec_disable_by_batch_size
-        return limit is None or len(self.running) <= limit
+    def _max_drafts(self) -> int:
+        """The most drafts a request verifies at the current batch size (vLLM's
+        ``disable_by_batch_size`` and ``num_speculative_tokens_per_batch_size``: at larger
+        batches each draft costs more of a step)."""
+        spec = self.spec_config
+        return spec.drafts_at(len(self.running)) if spec is not None else 0
 
     def _take_proposal(self, req: Request, proposal: list[int]) -> None:
         """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with
@@ -180,7 +180,7 @@ class Scheduler(RequestBook):
         budget = plan.budget
         num_decode = 0
         preempted = False
-        drafting = self._drafting()
+        max_drafts = self._max_drafts()
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -206,9 +206,9 @@ class Scheduler(RequestBook):
             num_drafts = 0
             if drafts:  # speculative decoding: a plain decode verifies its drafts
                 req.spec_token_ids = []
-                if num_new == 1 and not placeholders and drafting:
+                if num_new == 1 and not placeholders:
                     room = min(budget, req.token_limit - num_tokens) - 1
-                    num_drafts = max(0, min(len(drafts), room))
+                    num_drafts = max(0, min(len(drafts), room, max_drafts))
                     if num_drafts and req.grammar is not None:
                         # Drafts its grammar refuses would be rejected: verify up to the first.
                         num_drafts = req.grammar.validate(drafts[:num_drafts])
