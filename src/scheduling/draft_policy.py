@@ -4,10 +4,11 @@ Every draft costs a verified position whether or not it is accepted: once a CPU
 step is compute-bound (a few streams), a rejected draft costs nearly what a
 token does, and a step that verifies drafts cannot overlap the next one (async
 scheduling). So each request sizes its drafts from its own recent acceptance,
-as transformers' ``"heuristic"`` assistant-token schedule does:
+after transformers' ``"heuristic"`` assistant-token schedule:
 
 * every draft accepted: one more draft next time (up to ``num_speculative_tokens``);
-* some rejected: one fewer; none accepted: half as many;
+* some accepted: as many (a draft costs only its verification, and a lookup that
+  hit then diverged says little about the next one); none accepted: half as many;
 * down to zero drafts: the request backs off, verifying no drafts for its next
   ``backoff`` samples (4 at first, doubling after each failed probe, at most 64),
   then probes again with one draft; a probe that is accepted ends the back-off.
@@ -51,8 +52,7 @@ class DraftLength:
             self.limit = min(self.k, self.limit + 1)
             self.backoff = FIRST_BACKOFF
             return
-        if num_accepted:
-            self.limit = max(1, self.limit - 1)
+        if num_accepted:  # the lookup hit, then diverged: the next lookup may not
             self.backoff = FIRST_BACKOFF
             return
         self.limit //= 2

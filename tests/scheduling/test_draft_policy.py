@@ -45,8 +45,9 @@ def test_an_accepted_probe_grows_back_and_resets_the_backoff() -> None:
     assert [verify(policy, 0) for _ in range(FIRST_BACKOFF + 1)] == [0] * FIRST_BACKOFF + [1]
 
 
-def test_partial_acceptance_shrinks_by_one() -> None:
+def test_partial_acceptance_keeps_the_length() -> None:
     policy = DraftLength(4)
-    assert [verify(policy, 2) for _ in range(4)] == [4, 3, 2, 3]  # 2 of 2: full, grows
+    assert [verify(policy, 0) for _ in range(2)] == [4, 2]  # full misses halve it
+    assert [verify(policy, 1) for _ in range(3)] == [1, 2, 2]  # 1 of 1 grows, 1 of 2 keeps
     assert policy.admit([]) == []  # no proposal: nothing to verify, nothing learned
     assert policy.limit == 2
