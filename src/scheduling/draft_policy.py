@@ -8,7 +8,7 @@ after transformers' ``"heuristic"`` assistant-token schedule:
 
 * every draft accepted: one more draft next time (up to ``num_speculative_tokens``);
 * some accepted: as many (a draft costs only its verification, and a lookup that
-  hit then diverged says little about the next one); none accepted: half as many;
+  hit then diverged says little about the next one); none accepted: one fewer;
 * down to zero drafts: the request backs off, verifying no drafts for its next
   ``backoff`` samples (4 at first, doubling after each failed probe, at most 64),
   then probes again with one draft; a probe that is accepted ends the back-off.
@@ -55,7 +55,7 @@ class DraftLength:
         if num_accepted:  # the lookup hit, then diverged: the next lookup may not
             self.backoff = FIRST_BACKOFF
             return
-        self.limit //= 2
+        self.limit -= 1
         if not self.limit:  # back off, then probe with one draft
             self.skip = self.backoff
             self.backoff = min(MAX_BACKOFF, 2 * self.backoff)
