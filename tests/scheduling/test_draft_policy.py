@@ -24,7 +24,8 @@ def test_full_acceptance_keeps_every_draft() -> None:
 
 def test_missing_drafts_back_off_to_none_then_probe_with_one() -> None:
     policy = DraftLength(4)
-    assert [verify(policy, 0) for _ in range(4)] == [4, 3, 2, 1]  # one fewer per full miss
+    # The first miss keeps the length; each further miss in a row takes one off.
+    assert [verify(policy, 0) for _ in range(5)] == [4, 4, 3, 2, 1]
     # Down to zero: the next FIRST_BACKOFF samples verify nothing, then one draft probes.
     assert [verify(policy, 0) for _ in range(FIRST_BACKOFF + 1)] == [0] * FIRST_BACKOFF + [1]
     # That probe missed too: the back-off doubles, and keeps doubling up to MAX_BACKOFF.
@@ -37,17 +38,18 @@ def test_missing_drafts_back_off_to_none_then_probe_with_one() -> None:
 
 def test_an_accepted_probe_grows_back_and_resets_the_backoff() -> None:
     policy = DraftLength(4)
-    for _ in range(4 + FIRST_BACKOFF + 1 + 2 * FIRST_BACKOFF):  # two back-offs deep
+    for _ in range(5 + FIRST_BACKOFF + 1 + 2 * FIRST_BACKOFF):  # two back-offs deep
         verify(policy, 0)
     assert [verify(policy) for _ in range(5)] == [1, 2, 3, 4, 4]  # probe accepted: grows
-    assert [verify(policy, 0) for _ in range(4)] == [4, 3, 2, 1]
+    assert [verify(policy, 0) for _ in range(5)] == [4, 4, 3, 2, 1]
     # The back-off starts over at FIRST_BACKOFF, not where it had doubled to.
     assert [verify(policy, 0) for _ in range(FIRST_BACKOFF + 1)] == [0] * FIRST_BACKOFF + [1]
 
 
 def test_partial_acceptance_keeps_the_length() -> None:
     policy = DraftLength(4)
-    assert [verify(policy, 0) for _ in range(3)] == [4, 3, 2]  # full misses shrink it
+    assert [verify(policy, 0) for _ in range(4)] == [4, 4, 3, 2]  # misses in a row shrink it
     assert [verify(policy, 1) for _ in range(3)] == [1, 2, 2]  # 1 of 1 grows, 1 of 2 keeps
+    assert [verify(policy, 0), verify(policy, 1), verify(policy, 0)] == [2, 2, 2]  # not in a row
     assert policy.admit([]) == []  # no proposal: nothing to verify, nothing learned
     assert policy.limit == 2
