@@ -12,7 +12,7 @@ Acceptance is vLLM's: accepted draft tokens / draft tokens, and the mean accepte
 length (1 + accepted / verifications). The outputs with and without drafts are
 compared too. Prints a table; never asserted in tests.
 
-    python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4
+    python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4 [--disable-by-batch-size 4]
 """
 
 from __future__ import annotations
