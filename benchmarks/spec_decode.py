@@ -12,7 +12,7 @@ Acceptance is vLLM's: accepted draft tokens / draft tokens, and the mean accepte
 length (1 + accepted / verifications). The outputs with and without drafts are
 compared too. Prints a table; never asserted in tests.
 
-    python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4
+    python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4 [--disable-by-batch-size 4]
 """
 
 from __future__ import annotations
@@ -95,14 +95,14 @@ async def run(args: argparse.Namespace) -> None:
 
     from legato.default_model import default_model_dir
     from legato.engine import open_engine
-    from legato.metrics.logger_base import StatLoggerBase
+    from legato.metrics.logger_base import StepStatLogger
     from legato.metrics.records import StepStats
 
-    class Acceptance(StatLoggerBase):
+    class Acceptance(StepStatLogger):
         def __init__(self) -> None:
             self.drafts = self.tokens = self.accepted = 0
 
-        def record(self, step: StepStats) -> None:
+        def record_step(self, step: StepStats) -> None:
             spec = step.scheduler.spec_decoding if step.scheduler is not None else None
             if spec is not None:
                 self.drafts += spec.num_drafts
@@ -116,6 +116,8 @@ async def run(args: argparse.Namespace) -> None:
         "prompt_lookup_max": args.lookup_max,
         "prompt_lookup_min": args.lookup_min,
     }
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     results: dict[tuple[str, int, bool], float] = {}
     rates: dict[tuple[str, int], tuple[float, float]] = {}
     same: dict[tuple[str, int], bool] = {}
@@ -159,7 +161,8 @@ async def run(args: argparse.Namespace) -> None:
     )
     print(
         f"default model, greedy, max_tokens={args.max_tokens}, best of {args.repeats}; "
-        f"n-gram k={args.k}, lookup {args.lookup_min}..{args.lookup_max}"
+        f"n-gram k={args.k}, lookup {args.lookup_min}..{args.lookup_max}, "
+        f"disable_by_batch_size={args.disable_by_batch_size}"
     )
     print(
         f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} "
@@ -183,6 +186,9 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="no drafts while more run"
+    )
     args = parser.parse_args()
     import trio
 

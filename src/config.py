@@ -23,6 +23,8 @@ _SPEC_FIELDS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "model",
+    "disable_by_batch_size",
+    "num_speculative_tokens_per_batch_size",
 )
 _SPEC_MAX_TOKENS = 16  # drafts per request per step: more is never worth a verification
 
@@ -36,7 +38,13 @@ class SpeculativeConfig:
     by prompt lookup (the continuation of the latest earlier match of the last
     ``m..M`` tokens), and the model verifies them in one forward. Only one of
     ``prompt_lookup_min`` / ``prompt_lookup_max`` given: the other takes its
-    value; neither: both are 5 (vLLM's defaults). ``{"model": path, ...}`` (a draft
+    value; neither: both are 5 (vLLM's defaults). ``"disable_by_batch_size": N``
+    (vLLM's, at least 2): no drafts are verified while more than ``N`` requests run.
+    ``"num_speculative_tokens_per_batch_size": [[start, end, K], ...]`` (vLLM's dynamic
+    speculative decoding): while ``start..end`` requests run, at most ``K`` drafts each
+    (``K <= num_speculative_tokens``; 0: none; outside every range: ``k``).
+    Each request also sizes its own drafts from its recent acceptance, down to none
+    while they keep missing (``legato.scheduling.draft_policy``). ``{"model": path, ...}`` (a draft
     model) is refused: not implemented yet. Built by :meth:`of`; a bad value is a
     ValueError naming the field (``speculative_config.<name>``).
     """
@@ -45,6 +53,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    disable_by_batch_size: int | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -89,7 +99,25 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min: {lo} exceeds prompt_lookup_max ({hi})"
             )
-        return cls("ngram", k, hi, lo)
+        by_batch = value.get("disable_by_batch_size")
+        if by_batch is not None:
+            _positive("speculative_config.disable_by_batch_size", by_batch)
+            if by_batch < 2:
+                raise ValueError(
+                    f"speculative_config.disable_by_batch_size: at least 2, got {by_batch}"
+                )
+        table = _draft_table(value.get("num_speculative_tokens_per_batch_size"), k)
+        return cls("ngram", k, hi, lo, by_batch, table)
+
+    def drafts_at(self, num_running: int) -> int:
+        """The most drafts a request verifies while ``num_running`` requests run."""
+        by_batch = self.disable_by_batch_size
+        if by_batch is not None and num_running > by_batch:
+            return 0
+        for start, end, k in self.num_speculative_tokens_per_batch_size or ():
+            if start <= num_running <= end:
+                return k
+        return self.num_speculative_tokens
 
 
 @dataclass(frozen=True)
@@ -244,6 +272,31 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _draft_table(value: Any, k: int) -> tuple[tuple[int, int, int], ...] | None:
+    """``num_speculative_tokens_per_batch_size`` checked: ``[[start, end, K], ...]``."""
+    name = "speculative_config.num_speculative_tokens_per_batch_size"
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name}: expected a list of [start, end, K], got {type(value).__name__}")
+    table: list[tuple[int, int, int]] = []
+    for entry in value:
+        if (
+            not isinstance(entry, list | tuple)
+            or len(entry) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        ):
+            raise ValueError(f"{name}: each entry is [start, end, K] (integers), got {entry!r}")
+        start, end, drafts = entry
+        if not 1 <= start <= end or not 0 <= drafts <= k:
+            raise ValueError(
+                f"{name}: [{start}, {end}, {drafts}] needs 1 <= start <= end and "
+                f"0 <= K <= num_speculative_tokens ({k})"
+            )
+        table.append((start, end, drafts))
+    return tuple(table)
 
 
 def _positive(name: str, value: int) -> None:

@@ -7,6 +7,7 @@ covers verified steps and not only steps that verified nothing.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,9 @@ def run(
     spec: dict[str, Any] | None,
 ) -> tuple[list[RequestOutput], SpecCounts]:
     counts = SpecCounts()
-    engine = LLMEngine(EngineConfig(model=model, speculative_config=spec, **ARGS), stat_loggers=[counts])
+    engine = LLMEngine(
+        EngineConfig(model=model, speculative_config=spec, **ARGS), stat_loggers=[counts]
+    )
     per_request = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, per_request, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
@@ -220,10 +223,61 @@ def test_penalties_min_tokens_and_bad_words_count_the_drafts(default_runs: Runs)
 
 @pytest.mark.slow  # the default model, with and without drafts (shared: one run)
 def test_structured_outputs_are_as_without_drafts(default_runs: Runs) -> None:
-    """A constrained request verifies no drafts (its bitmask row holds for one position);
-    it decodes beside drafted ones."""
+    """A constrained request decodes beside unconstrained drafted ones, as without drafts."""
     assert default_runs.same_tokens("regex")
     assert default_runs.speculative["regex"].outputs[0].text == "the lazy dog " * 3
+
+
+ANIMALS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"enum": ["lazy dog", "quick fox", "cat"]},
+            "legs": {"enum": [2, 4]},
+        },
+        "required": ["name", "legs"],
+        "additionalProperties": False,
+    },
+    "minItems": 6,
+    "maxItems": 6,
+}
+REPEATS_REGEX = r"(the lazy dog ){3}(one two three ){2}"
+
+
+def test_structured_outputs_verify_drafts_under_their_grammar() -> None:
+    """Constrained requests verify drafts: row ``j`` of a drafted request's mask is its
+    grammar after the drafts before ``j``, so the same tokens come out as without drafts,
+    and each output is complete and valid (only constrained requests run: the accepted
+    drafts are theirs)."""
+    import re
+
+    import jsonschema
+
+    params = [
+        SamplingParams(
+            max_tokens=120,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json=ANIMALS_SCHEMA),
+        ),
+        SamplingParams(
+            max_tokens=60,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(regex=REPEATS_REGEX),
+        ),
+    ]
+    prompts = [
+        'List six animals as JSON, e.g. [{"name": "cat", "legs": 4}, {"name": "lazy dog", '
+        '"legs": 4}]:',
+        "Repeat: the lazy dog the lazy dog one two three",
+    ]
+    plain, speculative, counts = compare("toy", prompts, params)
+    assert tokens(speculative) == tokens(plain)
+    assert counts.accepted >= 20
+    json_out, regex_out = (o.outputs[0] for o in speculative)
+    assert json_out.finish_reason == regex_out.finish_reason == "stop"  # grammar complete
+    jsonschema.validate(json.loads(json_out.text), ANIMALS_SCHEMA)
+    assert re.fullmatch(REPEATS_REGEX, regex_out.text)
 
 
 @pytest.mark.slow
@@ -260,6 +314,44 @@ async def test_kv_usage_returns_to_zero_after_aborts(toy_model_dir: Any) -> None
         assert engine.num_kv_blocks_used == 0
 
 
+def test_disable_by_batch_size_verifies_no_drafts_while_more_requests_run() -> None:
+    """vLLM's ``disable_by_batch_size``: three requests running together verify no drafts
+    with a limit of 2 (and the same tokens come out); two of them do."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    limited = {**NGRAM, "disable_by_batch_size": 2}
+    plain, _ = run("toy", PROMPTS, params, None)
+    outs, counts = run("toy", PROMPTS, params, limited)
+    assert counts.drafts == 0
+    assert tokens(outs) == tokens(plain)
+    _, counts = run("toy", PROMPTS[:2], params, limited)
+    assert counts.accepted > 0
+
+
+def test_drafts_per_batch_size_follow_vllms_table() -> None:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` ranges, under ``disable_by_batch_size``."""
+    config = EngineConfig(
+        speculative_config={  # type: ignore[arg-type]
+            "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 6, 1], [7, 64, 0]],
+            "disable_by_batch_size": 32,
+        }
+    )
+    spec = config.speculative_config
+    assert spec is not None
+    assert [spec.drafts_at(n) for n in (1, 2, 3, 6, 7, 32, 33, 100)] == [4, 4, 1, 1, 0, 0, 0, 0]
+    assert EngineConfig(**config.to_dict()) == config  # the worker's round trip
+    plain = EngineConfig(speculative_config={"num_speculative_tokens": 3})  # type: ignore[arg-type]
+    assert plain.speculative_config is not None and plain.speculative_config.drafts_at(500) == 3
+    for bad in ([[0, 2, 1]], [[3, 2, 1]], [[1, 2]], [[1, 2, True]], "1-2:3"):
+        with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+            EngineConfig(
+                speculative_config={  # type: ignore[arg-type]
+                    "num_speculative_tokens": 4,
+                    "num_speculative_tokens_per_batch_size": bad,
+                }
+            )
+
+
 def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
     cases = {
         "num_speculative_tokens": {"method": "ngram"},
@@ -272,18 +364,30 @@ def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
         "prompt_lookup_max": {"num_speculative_tokens": 2, "prompt_lookup_max": 0},
         "model": {"model": "/some/draft", "num_speculative_tokens": 2},
         "bogus": {"num_speculative_tokens": 2, "bogus": 1},
+        "disable_by_batch_size": {"num_speculative_tokens": 2, "disable_by_batch_size": 1},
+        "num_speculative_tokens_per_batch_size": {
+            "num_speculative_tokens": 2,
+            "num_speculative_tokens_per_batch_size": [[1, 4, 3]],  # K above k
+        },
     }
     for name, spec in cases.items():
         with pytest.raises(ValueError, match=rf"^speculative_config\.{name}: "):
             EngineConfig(speculative_config=spec)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^speculative_config: "):
         EngineConfig(speculative_config="ngram")  # type: ignore[arg-type]
-    config = EngineConfig(speculative_config={"num_speculative_tokens": 2, "prompt_lookup_max": 3})  # type: ignore[arg-type]
+    config = EngineConfig(
+        speculative_config={  # type: ignore[arg-type]
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 3,
+            "disable_by_batch_size": 4,
+        }
+    )
     assert config.speculative_config is not None
     assert (
         config.speculative_config.prompt_lookup_min,
         config.speculative_config.prompt_lookup_max,
-    ) == (3, 3)
+        config.speculative_config.disable_by_batch_size,
+    ) == (3, 3, 4)
     # the worker rebuilds its config from the dict form
     assert EngineConfig(**config.to_dict()) == config
 

@@ -18,7 +18,6 @@ NumPy only; never imports torch or trio.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..config import SpeculativeConfig
 
@@ -34,19 +33,28 @@ class NgramProposer:
     def propose(self, tokens: np.ndarray, limit: int | None = None) -> list[int]:
         """Drafts following ``tokens`` (a 1-D int array, prompt then output): the tokens
         after the latest earlier match of its longest matching suffix (``[]`` if none
-        matches). At most ``limit`` (default ``num_speculative_tokens``) tokens. O(len *
-        max_n) per call, vectorised."""
+        matches). At most ``limit`` (default ``num_speculative_tokens``) tokens.
+
+        One vectorised pass finds the earlier positions holding the last token; each
+        longer suffix then only filters those candidates, so a call costs O(len) plus
+        O(candidates * max_n) (a few microseconds, where comparing every window cost
+        tens: it runs for every sampling request at every step)."""
         k = self.k if limit is None else min(limit, self.k)
         length = len(tokens)
         if k <= 0 or length < self.min_n + 1:
             return []
-        # Candidate starts i with tokens[i + n] existing: windows of tokens[:-1].
-        head = tokens[:-1]
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = tokens[length - n :]
-            windows = sliding_window_view(head, n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return [int(t) for t in tokens[start : start + k]]
-        return []
+        # ends: positions i < length - 1 where tokens[i - n + 1 : i + 1] equals the last n
+        # tokens, for growing n; the drafts would start at i + 1.
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+        best = ends if self.min_n <= 1 else ends[:0]
+        for n in range(2, min(self.max_n, length - 1) + 1):
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+            if not len(ends):
+                break
+            if n >= self.min_n:
+                best = ends
+        if not len(best):
+            return []
+        start = int(best[-1]) + 1
+        return [int(t) for t in tokens[start : start + k]]

@@ -86,20 +86,17 @@ class SpecDecoder:
         grammar_bitmask: dict[str, bytes],
     ) -> VerifiedStep:
         """Verify the sampling entries ``rows`` (batch rows; ``ids`` their request ids),
-        whose ``logits`` rows come from :func:`logits_rows`. A constrained request (with
-        a bitmask row) must carry no drafts (ValueError): its row holds for one position."""
+        whose ``logits`` rows come from :func:`logits_rows`. A constrained request's
+        ``grammar_bitmask`` entry holds one row per verified position (ValueError if not):
+        a draft its grammar refuses is rejected where it stands."""
         per_entry = [drafts.get(r, []) for r in ids]
         expanded_rows = np.repeat(rows, [len(d) + 1 for d in per_entry])
         pending = [d[:j] for d in per_entry for j in range(len(d) + 1)]
         md = batch.sampling_metadata(expanded_rows, pending)
-        if grammar_bitmask:
-            if any(r in grammar_bitmask for r in drafts):
-                raise ValueError("scheduled_spec_decode_tokens: a constrained request has drafts")
-            row_ids = [r if not d else "" for r, d in zip(ids, per_entry, strict=True)]
-            expanded_ids = [
-                r for r, d in zip(row_ids, per_entry, strict=True) for _ in range(len(d) + 1)
-            ]
-            masks = step_bitmask(grammar_bitmask, expanded_ids, batch.device)
+        if grammar_bitmask:  # a drafted request's entry holds a row per verified position
+            masks = step_bitmask(
+                grammar_bitmask, ids, batch.device, [len(d) + 1 for d in per_entry]
+            )
             if masks is not None:
                 md.token_bitmask, md.bitmask_rows = masks
         out = verify(logits, md, per_entry)

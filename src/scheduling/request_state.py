@@ -17,6 +17,7 @@ from ..protocol.params import LoRARequest, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from ..structured.grammar import GrammarState
+    from .draft_policy import DraftLength
 
 
 class RequestStatus(enum.IntEnum):
@@ -42,7 +43,8 @@ class Request:
     ``reset_step`` is the last step planned when a preemption restarted the
     request: answers of that step and earlier ones are stale for it.
     ``spec_token_ids`` (speculative decoding) are the drafts the runner proposed with
-    its last sample, verified in the request's next step (if it is a plain decode).
+    its last sample, verified in the request's next step (if it is a plain decode), as
+    many as its ``draft_length`` (:mod:`.draft_policy`) admits.
 
     Figures fixed at admission that keep the per-step checks cheap:
     ``token_limit`` is the length of ``all_token_ids`` at which the request
@@ -93,6 +95,7 @@ class Request:
         "runner_params",
         "seed",
         "spec_token_ids",
+        "draft_length",
     )
 
     def __init__(
@@ -160,6 +163,7 @@ class Request:
         self.reset_step: int = 0
         self.grammar = grammar
         self.spec_token_ids: list[int] = []  # drafts the runner proposed for its next step
+        self.draft_length: DraftLength | None = None  # made by the scheduler's first proposal
 
     @property
     def num_tokens(self) -> int:

@@ -67,6 +67,7 @@ from ..protocol.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
+from .draft_policy import DraftLength
 from .pause_gate import PauseMode
 from .request_book import RequestBook
 from .request_state import Request, RequestStatus
@@ -94,12 +95,30 @@ class Scheduler(RequestBook):
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
+        spec = config.speculative_config
+        self.spec_config = spec
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
         The engine core then plans no step ahead of the one in flight: a request with a
         sample in flight verifies no drafts. O(running)."""
-        return any(req.spec_token_ids for req in self.running)
+        return self._max_drafts() > 0 and any(req.spec_token_ids for req in self.running)
+
+    def _max_drafts(self) -> int:
+        """The most drafts a request verifies at the current batch size (vLLM's
+        ``disable_by_batch_size`` and ``num_speculative_tokens_per_batch_size``: at larger
+        batches each draft costs more of a step)."""
+        spec = self.spec_config
+        return spec.drafts_at(len(self.running)) if spec is not None else 0
+
+    def _take_proposal(self, req: Request, proposal: list[int]) -> None:
+        """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with
+        its latest sample; it replaces older ones), as its draft length admits."""
+        policy = req.draft_length
+        if policy is None:
+            policy = req.draft_length = DraftLength(self.num_speculative_tokens)
+        req.spec_token_ids = policy.admit(proposal)
 
     def _settle_drafts(self, req: Request, num_drafts: int, count: int) -> None:
         """A verified request's answer: ``count - 1`` of its ``num_drafts`` drafts were
@@ -114,6 +133,8 @@ class Scheduler(RequestBook):
             )
         req.num_computed_tokens -= num_drafts - (count - 1)
         self.counters.verified(num_drafts, count - 1)
+        if req.draft_length is not None:
+            req.draft_length.settle(num_drafts, count - 1)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix. Returns whether the cache was reset.
@@ -159,6 +180,7 @@ class Scheduler(RequestBook):
         budget = plan.budget
         num_decode = 0
         preempted = False
+        max_drafts = self._max_drafts()
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -184,9 +206,12 @@ class Scheduler(RequestBook):
             num_drafts = 0
             if drafts:  # speculative decoding: a plain decode verifies its drafts
                 req.spec_token_ids = []
-                if num_new == 1 and not placeholders and req.grammar is None:
+                if num_new == 1 and not placeholders:
                     room = min(budget, req.token_limit - num_tokens) - 1
-                    num_drafts = max(0, min(len(drafts), room))
+                    num_drafts = max(0, min(len(drafts), room, max_drafts))
+                    if num_drafts and req.grammar is not None:
+                        # Drafts its grammar refuses would be rejected: verify up to the first.
+                        num_drafts = req.grammar.validate(drafts[:num_drafts])
                     num_new += num_drafts
             if computed + num_new > req.num_kv_slots:  # its blocks are full: it needs more
                 new_ids = kv.allocate_slots(req, num_new)
@@ -379,8 +404,8 @@ class Scheduler(RequestBook):
             pooled: list[float] | None = None
             if num_drafts_of:
                 self._settle_drafts(req, num_drafts_of.get(request_id, 0), count)
-            if proposed or req.spec_token_ids:  # the latest proposal replaces older ones
-                req.spec_token_ids = proposed.get(request_id, [])
+            if sampling and self.num_speculative_tokens:
+                self._take_proposal(req, proposed.get(request_id, []))
             if count == 1 and sampling and req.pooling_params is None:  # the common case
                 token_id = sampled[start]
                 all_ids = req.all_token_ids

@@ -88,31 +88,62 @@ class EngineGrammars:
 
         ``requests`` maps ids to scheduler ``Request`` objects (``.grammar``). A
         partial prefill chunk gets a row too (the runner ignores rows of requests that
-        do not sample this step; computing one does not advance the grammar).
+        do not sample this step; computing one does not advance the grammar). A request
+        verifying ``k`` drafts (speculative decoding) gets ``k + 1`` rows, one after the
+        other in its bytes (:meth:`draft_rows`).
         """
         constrained: list[tuple[str, GrammarState]] = []
+        rows: dict[str, bytes] = {}
+        failed: dict[str, GrammarFailure] = {}
+        drafts_of = plan.scheduled_spec_decode_tokens
         for request_id in plan.num_scheduled_tokens:
             req = requests.get(request_id)
             grammar = getattr(req, "grammar", None)
-            if grammar is not None:
+            if grammar is None:
+                continue
+            drafts = drafts_of.get(request_id)
+            if not drafts:
                 constrained.append((request_id, grammar))
+                continue
+            try:
+                rows[request_id] = self.draft_rows(grammar, drafts)
+            except GrammarError as exc:
+                failed[request_id] = GrammarFailure(grammar.field, _message(str(exc)))
         if not constrained:
-            return {}, {}
+            return rows, failed
         compiler = self.compiler
         bitmask = allocate_bitmask(len(constrained), compiler.vocab_size)
         failed_rows = compiler.fill_bitmasks(
             [(grammar, row) for row, (_, grammar) in enumerate(constrained)], bitmask
         )
-        rows = {
-            request_id: bitmask[row].tobytes()
-            for row, (request_id, _) in enumerate(constrained)
-            if row not in failed_rows
-        }
-        failed = {
-            constrained[row][0]: GrammarFailure(constrained[row][1].field, _message(text))
-            for row, text in failed_rows.items()
-        }
+        for row, (request_id, _) in enumerate(constrained):
+            if row not in failed_rows:
+                rows[request_id] = bitmask[row].tobytes()
+        for row, text in failed_rows.items():
+            request_id, grammar = constrained[row]
+            failed[request_id] = GrammarFailure(grammar.field, _message(text))
         return rows, failed
+
+    def draft_rows(self, grammar: GrammarState, drafts: Sequence[int]) -> bytes:
+        """A drafted request's rows, one per verified position: row ``j`` is the mask after
+        the drafts before it, so a draft the grammar refuses is rejected at its position
+        and the token chosen there obeys the grammar. The state walks over the drafts it
+        accepts and rolls back, so it stays where it was (GrammarError if it fails)."""
+        bitmask = allocate_bitmask(len(drafts) + 1, self.compiler.vocab_size)
+        valid = grammar.validate(drafts)  # rows past the first refused draft are never used
+        before = grammar.num_accepted  # (EOS after a complete grammar is not consumed)
+        try:
+            for j in range(len(drafts) + 1):
+                if j > valid:
+                    bitmask[j] = bitmask[valid]
+                    continue
+                grammar.fill_bitmask(bitmask[j])
+                if j < valid:
+                    grammar.accept(drafts[j : j + 1])
+        finally:
+            if grammar.error is None:
+                grammar.rollback(grammar.num_accepted - before)
+        return bitmask.tobytes()
 
     def accept(
         self, outputs: Sequence[EngineCoreOutput], requests: Mapping[str, Any]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import threading
 from collections import OrderedDict
@@ -444,6 +445,19 @@ class GrammarState:
                 self.error = f"token {token_id} was rejected by the grammar"
                 raise GrammarError(self.error)
             self.num_accepted += 1
+
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids``, in order, this state would accept (it consumes none):
+        speculative drafts are cut there. 0 once the grammar is complete or failed (never
+        raises: a failure is reported where the bitmask is computed)."""
+        vocab = self.compiler.vocab_size
+        tokens = list(itertools.takewhile(lambda t: 0 <= t < vocab, token_ids))
+        try:
+            if self.error is not None or self.is_terminated or not tokens:
+                return 0
+            return int(self._call(functools.partial(self.matcher.validate_tokens, tokens)))
+        except GrammarError:
+            return 0
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding, retries)."""

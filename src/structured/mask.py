@@ -91,18 +91,33 @@ def apply_token_bitmask_bytes(
 
 
 def step_bitmask(
-    rows_by_id: Mapping[str, bytes], sampled_ids: Sequence[str], device: torch.device
+    rows_by_id: Mapping[str, bytes],
+    sampled_ids: Sequence[str],
+    device: torch.device,
+    num_rows: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The sampler's ``(token_bitmask, bitmask_rows)`` for one step, or None if no row is
     constrained. ``rows_by_id`` is ``SchedulerOutput.grammar_bitmask``; ``sampled_ids`` are the
-    request ids of the logits rows, in order."""
-    picked = [(i, rows_by_id[r]) for i, r in enumerate(sampled_ids) if r in rows_by_id]
+    request ids of the logits rows, in order. With ``num_rows`` (speculative decoding),
+    request ``sampled_ids[i]`` has ``num_rows[i]`` logits rows one after the other, and its
+    entry holds as many bitmask rows (one per verified position)."""
+    counts = num_rows if num_rows is not None else [1] * len(sampled_ids)
+    picked: list[tuple[int, int, bytes]] = []  # (first logits row, rows, their bitmask)
+    first = 0
+    for request_id, count in zip(sampled_ids, counts, strict=True):
+        data = rows_by_id.get(request_id)
+        if data is not None:
+            picked.append((first, count, data))
+        first += count
     if not picked:
         return None
-    data = b"".join(row for _, row in picked)
-    words = len(picked[0][1]) // 4
-    if any(len(row) != words * 4 for _, row in picked) or words == 0:
-        raise ValueError("grammar_bitmask: rows must all have the same non-zero length")
-    bitmask = bitmask_tensor(data, words, device)
-    rows = torch.tensor([i for i, _ in picked], dtype=torch.long, device=device)
+    words = len(picked[0][2]) // (4 * picked[0][1])
+    if words == 0 or any(len(data) != words * 4 * count for _, count, data in picked):
+        raise ValueError(
+            "grammar_bitmask: each request needs one row per sampled position, "
+            "all rows of the same non-zero length"
+        )
+    bitmask = bitmask_tensor(b"".join(data for _, _, data in picked), words, device)
+    logits_rows = [start + j for start, count, _ in picked for j in range(count)]
+    rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
     return bitmask, rows

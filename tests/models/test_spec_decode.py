@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from legato.config import SpeculativeConfig
 from legato.models.ngram_proposer import NgramProposer
@@ -105,3 +107,30 @@ def test_seeded_rows_verify_the_same_whatever_shares_the_batch() -> None:
         return verify(logits, md, [[2]] * batch_size).tokens[0]
 
     assert run(1) == run(5) == run(9)
+
+
+def _reference_propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
+    """Prompt lookup by comparing every window: the longest suffix of ``lo..hi`` tokens
+    that occurs earlier, its latest occurrence's continuation."""
+    length = len(tokens)
+    for n in range(min(hi, length - 1), lo - 1, -1):
+        suffix = list(tokens[length - n :])
+        starts = [s for s in range(length - n) if list(tokens[s : s + n]) == suffix]
+        if starts:
+            return [int(t) for t in tokens[starts[-1] + n : starts[-1] + n + k]]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=0, max_size=40),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+def test_ngram_proposals_match_the_window_by_window_reference(
+    tokens: list[int], k: int, lo: int, extra: int
+) -> None:
+    array = np.array(tokens, dtype=np.int64)
+    got = proposer(k=k, lo=lo, hi=lo + extra).propose(array)
+    assert got == _reference_propose(array, k, lo, lo + extra)

@@ -398,3 +398,41 @@ _LLGUIDANCE_SNIFF = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")
 def test_is_lark_agrees_with_llguidance_in_one_linear_pass(text: str) -> None:
     """Same verdict as llguidance's sniffing regex (quadratic on blank lines: F2)."""
     assert is_lark(text) == (_LLGUIDANCE_SNIFF.search(text) is not None)
+
+
+# ------------------------------------------------------------------ speculative drafts
+
+
+def test_drafts_are_cut_where_the_grammar_refuses_and_masked_per_position(
+    toy_tokenizer: Any, grammar_compiler: GrammarCompiler
+) -> None:
+    """``validate`` counts the drafts the grammar accepts without consuming them; a drafted
+    request's rows are the masks after each prefix of its drafts, rows past a refused draft
+    repeat the row that refuses it, and the state ends where it started."""
+    from legato.structured.engine import EngineGrammars
+
+    grammars = EngineGrammars(
+        toy_tokenizer, grammar_compiler.vocab_size, list(grammar_compiler.eos_token_ids)
+    )
+    compiler = grammars.compiler
+    tok = compiler.tokenizer
+    state = compiler.compile(_params(regex="ab(cd)+"))
+    state.accept(tok.tokenize_str("a"))
+    good, bad = tok.tokenize_str("bcd"), tok.tokenize_str("x")
+    assert state.validate(good) == len(good)
+    assert state.validate([*good[:1], *bad, *good[1:]]) == 1
+    assert state.validate([10**9, *good]) == 0  # outside the vocabulary: refused
+    assert state.num_accepted == 1  # nothing consumed
+
+    drafts = [*good[:1], *bad, *good[1:]]
+    rows = np.frombuffer(grammars.draft_rows(state, drafts), dtype=np.int32)
+    rows = rows.reshape(len(drafts) + 1, -1)
+    assert state.num_accepted == 1 and state.error is None  # rolled back
+    want = allocate_bitmask(2, compiler.vocab_size)
+    walker = state.fork()
+    walker.fill_bitmask(want[0])
+    walker.accept(good[:1])
+    walker.fill_bitmask(want[1])
+    assert (rows[0] == want[0]).all() and (rows[1] == want[1]).all()
+    assert bitmask_allows(rows[0], good[0]) and not bitmask_allows(rows[1], bad[0])
+    assert all((rows[j] == rows[1]).all() for j in range(2, len(drafts) + 1))
