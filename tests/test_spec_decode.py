@@ -270,7 +270,7 @@ def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
             "prompt_lookup_max": 2,
         },
         "prompt_lookup_max": {"num_speculative_tokens": 2, "prompt_lookup_max": 0},
-        "model": {"model": "/some/draft", "num_speculative_tokens": 2},
+        "model": {"method": "draft_model", "num_speculative_tokens": 2},
         "bogus": {"num_speculative_tokens": 2, "bogus": 1},
     }
     for name, spec in cases.items():
