@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from legato import SamplingParams
 from legato.config import EngineConfig
+from legato.engine import open_engine
 from legato.models.layer_cut import cut_layers
 
-from .test_spec_decode import PROMPTS, compare, run, tokens
+from .test_spec_decode import ARGS, PROMPTS, compare, run, tokens
 
 
 @pytest.fixture(scope="session")
@@ -89,3 +91,109 @@ def test_draft_model_configs_are_refused_naming_the_field(
     for draft, message in cases.items():
         with pytest.raises(Exception, match=rf"speculative_config\.model: {message}"):
             run(str(toy_model_dir), PROMPTS[:1], SamplingParams(max_tokens=2), draft_spec(draft))
+
+
+def test_logprobs_stop_strings_max_tokens_and_penalties_are_as_without_drafts(
+    toy_draft_dir: Path,
+) -> None:
+    """Every kind of request in one batch, with and without the draft model (the stop
+    string is one the plain greedy output holds, so it does stop there)."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    probe, _ = run("toy", PROMPTS[:1], greedy, None)
+    stop = probe[0].outputs[0].text[30:42]
+    assert stop.strip()
+    requests = {
+        "greedy": (PROMPTS[0], greedy),
+        "stop": (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, stop=[stop])),
+        "logprobs": (
+            PROMPTS[1],
+            SamplingParams(max_tokens=30, temperature=0.0, logprobs=3, ignore_eos=True),
+        ),
+        "short": (PROMPTS[2], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)),
+        "penalties": (
+            PROMPTS[1],
+            SamplingParams(
+                max_tokens=40,
+                temperature=0.0,
+                ignore_eos=True,
+                repetition_penalty=1.15,
+                frequency_penalty=0.4,
+                presence_penalty=0.2,
+            ),
+        ),
+        "min_tokens": (PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.0, min_tokens=30)),
+    }
+    names = list(requests)
+    plain_outs, draft_outs, _ = compare(
+        "toy",
+        [requests[n][0] for n in names],
+        [requests[n][1] for n in names],
+        draft_spec(toy_draft_dir),
+    )
+    plain, spec = dict(zip(names, plain_outs)), dict(zip(names, draft_outs))
+    for name in names:
+        assert tokens([spec[name]]) == tokens([plain[name]]), name
+    a, b = plain["stop"].outputs[0], spec["stop"].outputs[0]
+    assert a.stop_reason == stop and a.finish_reason == "stop"
+    assert (b.text, b.finish_reason, b.stop_reason) == (a.text, a.finish_reason, a.stop_reason)
+    assert len(spec["short"].outputs[0].token_ids) == 7
+    assert len(spec["min_tokens"].outputs[0].token_ids) == 30
+    got, want = spec["logprobs"].outputs[0].logprobs, plain["logprobs"].outputs[0].logprobs
+    assert got is not None and want is not None and len(got) == len(want) == 30
+    for g, w in zip(got, want, strict=True):
+        assert list(g) == list(w)  # the chosen token, then the same top 3
+        for token_id, lp in w.items():
+            assert g[token_id].logprob == pytest.approx(lp.logprob, abs=2e-3)
+
+
+def test_sampled_requests_finish_at_max_tokens_with_a_draft_model(toy_draft_dir: Path) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)
+    outs, counts = run("toy", PROMPTS, params, draft_spec(toy_draft_dir))
+    assert counts.accepted > 0
+    assert [len(t) for t in tokens(outs)] == [30, 30, 30]
+
+
+async def test_kv_usage_returns_to_zero_after_aborts(
+    toy_model_dir: Path, toy_draft_dir: Path
+) -> None:
+    async with open_engine(
+        str(toy_model_dir), executor="process", speculative_config=draft_spec(toy_draft_dir), **ARGS
+    ) as engine:
+        got: dict[int, int] = {}
+
+        async def one(i: int) -> None:
+            params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            with trio.CancelScope() as scope:
+                async with engine.generate(PROMPTS[i % 3], params, f"a{i}") as stream:
+                    async for out in stream:
+                        got[i] = len(out.outputs[0].token_ids)
+                        if got[i] >= 5 + i:
+                            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, i)
+        assert all(5 + i <= got[i] < 300 for i in range(6))
+        with trio.fail_after(30):
+            await engine.wait_until_idle()
+        assert engine.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "raise_on_step"])
+async def test_a_dead_worker_mid_verification_ends_every_stream(
+    toy_model_dir: Path, toy_draft_dir: Path, fault: str
+) -> None:
+    """The chaos harness with the draft model on: every stream ends with EngineDeadError,
+    nothing hangs or leaks (``run_chaos`` raises otherwise)."""
+    from legato.testing.chaos import ChaosConfig, check_round, run_chaos
+
+    config = ChaosConfig(
+        model=str(toy_model_dir),
+        num_streams=8,
+        max_tokens=(8, 40),
+        engine_args={**ARGS, "speculative_config": draft_spec(toy_draft_dir)},
+    )
+    results = await run_chaos(1, seed=5, faults=[fault], config=config, log=lambda _: None)
+    for result in results:
+        assert check_round(result) == []
+        assert result.dead_error is not None and result.count("hung") == 0
