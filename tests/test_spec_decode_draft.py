@@ -70,6 +70,11 @@ def test_draft_model_configs_are_refused_naming_the_field(
     assert config.speculative_config is not None
     assert config.speculative_config.method == "draft_model"
     assert EngineConfig(**config.to_dict()) == config  # the worker's copy
+    from legato.cli import build_parser, engine_kwargs
+
+    flag = json.dumps(draft_spec(toy_draft_dir))
+    args = build_parser().parse_args(["serve", "--speculative-config", flag])
+    assert EngineConfig(**engine_kwargs(args)) == config
 
     # At start: a draft whose vocabulary is not the target's.
     other_vocab = tmp_path / "other-vocab"

@@ -241,18 +241,23 @@ class DraftModelProposer:
         (each request's drafts, then a zero row for its bonus token): ``q`` of the drafts
         this proposer drew, a point mass for others (greedy, or not its proposal). None
         when every row is a point mass (verify's default)."""
+        held = [self._proposals.get(r) for r in req_ids]
+        drawn = [
+            h is not None and h.probs is not None and bool(d) and h.tokens[: len(d)] == d
+            for h, d in zip(held, drafts, strict=True)
+        ]
+        if not any(drawn):
+            return None
         pieces: list[torch.Tensor] = []
-        any_q = False
-        for req_id, d in zip(req_ids, drafts, strict=True):
+        for h, d, q in zip(held, drafts, drawn, strict=True):
             rows = torch.zeros(len(d) + 1, vocab_size, device=self.device)
-            held = self._proposals.get(req_id)
-            if d and held is not None and held.probs is not None and held.tokens[: len(d)] == d:
-                rows[: len(d)] = held.probs[: len(d)]
-                any_q = True
+            if q:
+                assert h is not None and h.probs is not None
+                rows[: len(d)] = h.probs[: len(d)]
             elif d:
                 rows[torch.arange(len(d)), torch.tensor(d)] = 1.0
             pieces.append(rows)
-        return torch.cat(pieces) if any_q else None
+        return torch.cat(pieces)
 
     def forget(self, req_id: str) -> None:
         """Drop a request's last proposal (it finished or was preempted)."""
