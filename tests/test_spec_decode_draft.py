@@ -12,18 +12,21 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from legato import SamplingParams
+from legato import RequestOutput, SamplingParams
 from legato.config import EngineConfig
 from legato.engine import open_engine
+from legato.llm import LLMEngine
+from legato.metrics.records import StepStats
 from legato.models.layer_cut import cut_layers
 
-from .test_spec_decode import ARGS, PROMPTS, compare, run, tokens
+from .test_spec_decode import ARGS, PROMPTS, SpecCounts, compare, run, tokens
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +60,51 @@ def test_a_draft_equal_to_the_target_is_always_accepted(
         outs, counts = run("toy", PROMPTS, params, draft_spec(whole))
         assert all(len(t) == 40 for t in tokens(outs))
         assert counts.draft_tokens > 60 and counts.accepted == counts.draft_tokens, counts
+
+
+@dataclass
+class Preemptions(SpecCounts):
+    preempted: int = 0
+
+    def record_step(self, step: StepStats) -> None:
+        super().record_step(step)
+        self.preempted += step.num_preempted_reqs
+
+
+def test_the_draft_cache_follows_the_target_through_preemptions(
+    toy_model_dir: Path, tmp_path: Path
+) -> None:
+    """With KV blocks for about half the requests, requests are preempted, recomputed
+    and their blocks reused by others: a draft equal to the target still has every
+    draft accepted (its cache, on the target's block ids, stays right), and the
+    outputs are as without it."""
+    whole = cut_layers(toy_model_dir, tmp_path / "whole", 4)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    prompts = [p[:150] for p in PROMPTS * 2]
+    outputs = []
+    for spec in (None, draft_spec(whole)):
+        counts = Preemptions()
+        config = EngineConfig(
+            model="toy",
+            speculative_config=spec,  # type: ignore[arg-type]
+            max_model_len=200,
+            num_kv_blocks=30,
+            disable_log_stats=True,
+        )
+        engine = LLMEngine(config, stat_loggers=[counts])
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        finals: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert isinstance(out, RequestOutput)
+                if out.finished:
+                    finals[out.request_id] = out
+        assert engine.scheduler.kv.num_used_blocks == 0
+        assert counts.preempted > 0, "nothing was preempted: the test proves nothing"
+        outputs.append(tokens([finals[f"r{i}"] for i in range(len(prompts))]))
+    assert counts.draft_tokens > 100 and counts.accepted == counts.draft_tokens, counts
+    assert outputs[0] == outputs[1]
 
 
 def test_draft_model_configs_are_refused_naming_the_field(
