@@ -124,14 +124,14 @@ async def run(args: argparse.Namespace) -> None:
 
     from legato.default_model import default_model_dir
     from legato.engine import open_engine
-    from legato.metrics.logger_base import StatLoggerBase
+    from legato.metrics.logger_base import StepStatLogger
     from legato.metrics.records import StepStats
 
-    class Acceptance(StatLoggerBase):
+    class Acceptance(StepStatLogger):
         def __init__(self) -> None:
             self.drafts = self.tokens = self.accepted = 0
 
-        def record(self, step: StepStats) -> None:
+        def record_step(self, step: StepStats) -> None:
             spec = step.scheduler.spec_decoding if step.scheduler is not None else None
             if spec is not None:
                 self.drafts += spec.num_drafts
