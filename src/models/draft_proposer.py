@@ -134,6 +134,13 @@ class DraftModelProposer:
             )
         _, mcfg = resolve_architecture(load_model_config(draft_dir))
         check_same_vocabulary(target, mcfg, target_tokenizer, draft_dir)
+        if target.uniform_window is not None and mcfg.uniform_window != target.uniform_window:
+            # the scheduler frees the blocks out of the target's window: the draft's too
+            raise ValueError(
+                "speculative_config.model: the target attends through a sliding window of "
+                f"{target.uniform_window} tokens (its older KV blocks are freed); the draft "
+                f"must too, and its window is {mcfg.uniform_window}"
+            )
         self.model_config = mcfg
         self.k = spec.num_speculative_tokens
         self.dtype, self.device = dtype, device
