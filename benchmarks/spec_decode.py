@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram drafts) against plain decoding, in one run, default model.
+"""Speculative decoding (n-gram drafts, or a draft model) against plain decoding, in one
+run, default model.
 
 Two workloads, each at 1 and at N concurrent streams, greedy:
 
@@ -12,7 +13,12 @@ Acceptance is vLLM's: accepted draft tokens / draft tokens, and the mean accepte
 length (1 + accepted / verifications). The outputs with and without drafts are
 compared too. Prints a table; never asserted in tests.
 
+``--draft-layers N`` proposes with a draft model instead: the default model's first
+``N`` layers (its embeddings, norm and LM head kept), cut once from its dequantized
+weights into ``$LEGATO_HOME`` (:func:`legato.models.layer_cut.cut_layers`).
+
     python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4 [--disable-by-batch-size 4]
+    python benchmarks/spec_decode.py --streams 8 --max-tokens 64 --k 3 --draft-layers 2
 """
 
 from __future__ import annotations
@@ -59,6 +65,29 @@ def prompts(workload: str, n: int, tokenizer: Any) -> list[str]:
         )
         for i in range(n)
     ]
+
+
+def draft_model_dir(num_layers: int) -> str:
+    """The default model's first ``num_layers`` layers as a draft model directory, made
+    once (the GGUF file's weights dequantized to fp32, then cut)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from legato.default_model import default_model_gguf
+    from legato.model_cache import legato_home
+    from legato.models.gguf_convert import convert_gguf
+    from legato.models.layer_cut import cut_layers
+
+    out = legato_home() / f"smollm2-draft-{num_layers}-layers"
+    if not (out / "config.json").exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            full = Path(tmp) / "full"
+            full.mkdir()
+            convert_gguf(default_model_gguf(), full, label="draft")
+            cut_layers(full, Path(tmp) / "cut", num_layers)
+            shutil.move(str(Path(tmp) / "cut"), out)
+    return str(out)
 
 
 async def measure(engine: Any, texts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -110,7 +139,7 @@ async def run(args: argparse.Namespace) -> None:
                 self.accepted += spec.num_accepted_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
-    spec = {
+    spec: dict[str, Any] = {
         "method": "ngram",
         "num_speculative_tokens": args.k,
         "prompt_lookup_max": args.lookup_max,
@@ -118,6 +147,10 @@ async def run(args: argparse.Namespace) -> None:
     }
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
+    proposer = f"n-gram k={args.k}, lookup {args.lookup_min}..{args.lookup_max}"
+    if args.draft_layers:
+        spec = {"model": draft_model_dir(args.draft_layers), "num_speculative_tokens": args.k}
+        proposer = f"draft model (the first {args.draft_layers} layers) k={args.k}"
     results: dict[tuple[str, int, bool], float] = {}
     rates: dict[tuple[str, int], tuple[float, float]] = {}
     same: dict[tuple[str, int], bool] = {}
@@ -160,8 +193,7 @@ async def run(args: argparse.Namespace) -> None:
         f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}"
     )
     print(
-        f"default model, greedy, max_tokens={args.max_tokens}, best of {args.repeats}; "
-        f"n-gram k={args.k}, lookup {args.lookup_min}..{args.lookup_max}, "
+        f"default model, greedy, max_tokens={args.max_tokens}, best of {args.repeats}; {proposer}, "
         f"disable_by_batch_size={args.disable_by_batch_size}"
     )
     print(
@@ -188,6 +220,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="no drafts while more run"
+    )
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="0: n-gram drafts; N: a draft model, the default model's first N layers",
     )
     args = parser.parse_args()
     import trio

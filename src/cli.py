@@ -49,7 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 flag,
                 type=_json_object,
                 default=None,
-                help='JSON, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 3}',
+                help='JSON, as vLLM\'s: {"method": "ngram", "num_speculative_tokens": 3} '
+                'or {"model": DRAFT_MODEL_DIR, "num_speculative_tokens": 3}',
             )
         else:
             group.add_argument(flag, default=default)

@@ -44,17 +44,21 @@ class SpeculativeConfig:
     speculative decoding): while ``start..end`` requests run, at most ``K`` drafts each
     (``K <= num_speculative_tokens``; 0: none; outside every range: ``k``).
     Each request also sizes its own drafts from its recent acceptance, down to none
-    while they keep missing (``legato.scheduling.draft_policy``). ``{"model": path, ...}`` (a draft
-    model) is refused: not implemented yet. Built by :meth:`of`; a bad value is a
-    ValueError naming the field (``speculative_config.<name>``).
+    while they keep missing (``legato.scheduling.draft_policy``). ``{"model": path,
+    "num_speculative_tokens": k}`` (method ``"draft_model"``): a smaller checkpoint
+    with the target's tokenizer proposes ``k`` tokens per step
+    (:mod:`legato.models.draft_proposer`); one process only (tensor parallelism
+    refuses it). Built by :meth:`of`; a bad value is a ValueError naming the field
+    (``speculative_config.<name>``).
     """
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int | None = None
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    model: str | None = None  # the draft model's directory (method "draft_model")
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -72,16 +76,22 @@ class SpeculativeConfig:
                 f"speculative_config.{unknown[0]}: unknown field; "
                 f"expected some of {', '.join(_SPEC_FIELDS)}"
             )
-        if value.get("model") is not None:
+        draft = value.get("model")
+        method = value.get("method", "ngram" if draft is None else "draft_model")
+        if method not in ("ngram", "[ngram]", "draft_model"):
             raise ValueError(
-                "speculative_config.model: draft-model speculation is not implemented yet; "
-                'use {"method": "ngram"}'
+                f"speculative_config.method: unknown method {method!r}; "
+                "legato has 'ngram' and 'draft_model'"
             )
-        method = value.get("method", "ngram")
-        if method not in ("ngram", "[ngram]"):
+        if method == "draft_model" and draft is None:
+            raise ValueError("speculative_config.model: required by method 'draft_model'")
+        if method != "draft_model" and draft is not None:
             raise ValueError(
-                f"speculative_config.method: unknown method {method!r}; legato has 'ngram'"
+                f"speculative_config.method: {method!r} takes no draft model; "
+                "leave method out or use 'draft_model'"
             )
+        if draft is not None and (not isinstance(draft, str) or not draft):
+            raise ValueError(f"speculative_config.model: expected a directory, got {draft!r}")
         k = value.get("num_speculative_tokens")
         if k is None:
             raise ValueError("speculative_config.num_speculative_tokens: required")
@@ -107,6 +117,8 @@ class SpeculativeConfig:
                     f"speculative_config.disable_by_batch_size: at least 2, got {by_batch}"
                 )
         table = _draft_table(value.get("num_speculative_tokens_per_batch_size"), k)
+        if draft is not None:
+            return cls("draft_model", k, hi, lo, by_batch, table, draft)
         return cls("ngram", k, hi, lo, by_batch, table)
 
     def drafts_at(self, num_running: int) -> int:
@@ -230,6 +242,12 @@ class EngineConfig:
             raise ValueError(f"master_port: not a port: {self.master_port}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("master_port: several nodes need an agreed port (not 0)")
+        if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative_config.model: a draft model runs in one process; "
+                f"tensor_parallel_size={self.tensor_parallel_size} cannot run it "
+                '(use {"method": "ngram"} there)'
+            )
         if self.tensor_parallel_size > 1 and self.executor != "process":
             raise ValueError("executor: tensor_parallel_size > 1 needs the process executor")
         _positive("max_loras", self.max_loras)

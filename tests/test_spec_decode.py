@@ -362,7 +362,7 @@ def test_bad_speculative_configs_are_refused_naming_the_field() -> None:
             "prompt_lookup_max": 2,
         },
         "prompt_lookup_max": {"num_speculative_tokens": 2, "prompt_lookup_max": 0},
-        "model": {"model": "/some/draft", "num_speculative_tokens": 2},
+        "model": {"method": "draft_model", "num_speculative_tokens": 2},
         "bogus": {"num_speculative_tokens": 2, "bogus": 1},
         "disable_by_batch_size": {"num_speculative_tokens": 2, "disable_by_batch_size": 1},
         "num_speculative_tokens_per_batch_size": {

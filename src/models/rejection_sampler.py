@@ -10,15 +10,17 @@ followed by one more token, so every step yields between 1 and ``k + 1``:
 * greedy rows accept ``d_j`` while it is the row's argmax, then take the argmax
   of the first row that disagrees (or of row ``k``): the tokens greedy decoding
   without drafts would give.
-* random rows use rejection sampling (Leviathan et al., 2023) against a point-mass
-  draft: accept ``d_j`` with probability ``p_j(d_j)``; at the first rejection draw
-  from ``p_j`` with ``d_j`` removed (the normalised residual ``(p_j - q_j)^+``); if
-  every draft is accepted, draw the bonus token from ``p_k``. Each emitted token is
-  then distributed exactly as ``p`` (the target), whatever the drafts.
+* random rows use rejection sampling (Leviathan et al., 2023): accept ``d_j``
+  with probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection draw
+  from the normalised residual ``(p_j - q_j)^+``; if every draft is accepted, draw
+  the bonus token from ``p_k``. Each emitted token is then distributed exactly as
+  ``p`` (the target), whatever the drafts, provided ``d_j`` was drawn from ``q_j``.
+  ``q`` is a point mass unless given (``draft_probs``: a draft model's sampled
+  drafts): then the test is ``u < p_j(d_j)`` and the residual ``p_j`` without
+  ``d_j``, as for the n-gram proposer's drafts.
 
-A draft model's proposals (a full draft distribution ``q``) would take the
-general residual; the n-gram proposer's are point masses. Seeded rows draw from
-their own generator (seeded per output position), others from the engine's.
+Seeded rows draw from their own generator (seeded per output position), others
+from the engine's.
 
 Never imports trio.
 """
@@ -42,10 +44,17 @@ class Verified:
     logprobs: dict[int, list[TokenLogprobs]]
 
 
-def verify(logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]]) -> Verified:
+def verify(
+    logits: torch.Tensor,
+    md: SamplingMetadata,
+    drafts: list[list[int]],
+    draft_probs: torch.Tensor | None = None,
+) -> Verified:
     """Verify ``drafts[i]`` against its ``len(drafts[i]) + 1`` rows of ``logits``
     ``[R, V]`` (the requests' rows one after another; ``md`` built for those rows, with
-    the drafts before each row pending). Modifies ``logits`` when it is fp32."""
+    the drafts before each row pending). ``draft_probs`` ``[R, V]``: the distribution
+    each row's draft was drawn from (any row for a bonus token; None: point masses).
+    Modifies ``logits`` when it is fp32."""
     device = logits.device
     logits, pending_logprobs = process_logits(logits, md)
     num_rows = logits.shape[0]
@@ -73,7 +82,11 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]]) 
             uniform.uniform_(generator=md.engine_generator)
         for i, gen in md.generators.items():
             uniform[i : i + 1].uniform_(generator=gen)
-        accept = uniform < probs.gather(1, safe_ids)[:, 0]
+        target_p = probs.gather(1, safe_ids)[:, 0]
+        if draft_probs is None:
+            accept = uniform < target_p
+        else:  # u < p / q, without dividing
+            accept = uniform * draft_probs.gather(1, safe_ids)[:, 0] < target_p
         if greedy_ids is not None and md.greedy is not None:
             accept = torch.where(md.greedy, greedy_ids == draft_ids, accept)
     accept_l = (accept & has_draft).tolist()
@@ -93,7 +106,14 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, drafts: list[list[int]]) 
         residual = probs.index_select(0, final_rows)
         rejected = has_draft.index_select(0, final_rows)  # its draft was refused: remove it
         rejected_ids = safe_ids.index_select(0, final_rows)
-        residual.scatter_(1, rejected_ids, residual.gather(1, rejected_ids) * ~rejected[:, None])
+        if draft_probs is None:
+            kept = residual.gather(1, rejected_ids) * ~rejected[:, None]
+            residual.scatter_(1, rejected_ids, kept)
+        else:
+            diff = (residual - draft_probs.index_select(0, final_rows)).clamp_(min=0.0)
+            # (p - q)^+ sums to 0 only where rounding met p == q: p itself then
+            usable = rejected[:, None] & (diff.sum(1, keepdim=True) > 0)
+            residual = torch.where(usable, diff, residual)
         generators = {
             k: md.generators[r] for k, r in enumerate(final_rows.tolist()) if r in md.generators
         }

@@ -41,6 +41,7 @@ from .attention_backend import select_backend
 from .config import load_model_config, resolve_device, resolve_dtype
 from .cpu_linear import pack_linears
 from .cuda_graphs import CaptureMode, DecodeGraphRunner, wants_decode_graphs
+from .draft_proposer import DraftModelProposer
 from .gguf_checkpoint import gguf_weights_file
 from .input_batch import InputBatch
 from .llama import KVCache, LlamaForCausalLM
@@ -183,7 +184,20 @@ class ModelRunner(RunnerMemory):
             )
         self.pooler = Pooler(config.pooling_type)
         spec = config.speculative_config
-        self.spec_decoder = SpecDecoder(spec) if spec is not None else None
+        self.draft: DraftModelProposer | None = None
+        if spec is not None and spec.model is not None:
+            # its KV cache shares the target's block ids (see .draft_proposer)
+            self.draft = DraftModelProposer(
+                spec,
+                mcfg,
+                config.tokenizer or config.model,
+                backend=self.backend,
+                dtype=self.dtype,
+                device=self.device,
+                max_positions=wanted_len + 1,
+                seed=config.seed,
+            )
+        self.spec_decoder = SpecDecoder(spec, self.draft) if spec is not None else None
         self.kv_block_bytes = (
             2
             * mcfg.num_layers
@@ -191,7 +205,7 @@ class ModelRunner(RunnerMemory):
             * mcfg.num_kv_heads
             * mcfg.head_dim
             * self.dtype.itemsize
-        )
+        ) + (self.draft.kv_block_bytes(self.block_size) if self.draft is not None else 0)
         self.num_kv_blocks = self._count_kv_blocks(wanted_len)
         self.max_model_len = min(wanted_len, self.num_kv_blocks * self.block_size)
         if self.max_model_len < wanted_len:
@@ -202,6 +216,8 @@ class ModelRunner(RunnerMemory):
                 self.block_size,
             )
         self.kv_caches: list[KVCache] = self._allocate_kv_cache()
+        if self.draft is not None:
+            self.draft.allocate(self.num_kv_blocks, config.max_num_seqs, self.block_size)
         self.input_batch = InputBatch(
             config.max_num_seqs,
             self.max_model_len,
@@ -216,6 +232,8 @@ class ModelRunner(RunnerMemory):
         self._graph_settings: tuple[CaptureMode, list[int]] | None = None
         if parallel is not None and self.device.type == "cuda" and not config.enforce_eager:
             logger.info("tensor parallel: decode runs eagerly (no CUDA graphs)")
+        elif self.draft is not None and self.device.type == "cuda":
+            logger.info("draft model: decode runs eagerly (the graphs hold the target only)")
         elif not self.model.graph_capturable and self.device.type == "cuda":
             logger.info("%s: decode runs eagerly (its forward syncs with the host)",
                         mcfg.architecture)  # fmt: skip
@@ -254,6 +272,8 @@ class ModelRunner(RunnerMemory):
         for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
             batch.remove(req_id)
             self.pooler.remove(req_id)
+            if self.draft is not None:
+                self.draft.forget(req_id)
             if self.lora is not None:
                 self.lora.forget(req_id)
         for new in step.new_requests:
@@ -304,6 +324,8 @@ class ModelRunner(RunnerMemory):
                 batch.token_ids[rows[seq_of_token], positions].astype(np.int64)
             ).to(self.device)
             hidden = self.model(input_ids, self.kv_caches, meta)
+            if self.draft is not None:  # its KV over the same tokens and slots
+                self.draft.observe(input_ids, meta, hidden)
             query_start_loc = meta.query_start_loc_host
 
         sampling = np.flatnonzero(ends == known)
@@ -414,6 +436,11 @@ class ModelRunner(RunnerMemory):
         what fits before ``max_model_len``, into ``out.spec_token_ids``."""
         assert self.spec_decoder is not None
         batch = self.input_batch
+        if self.draft is not None:
+            rooms = self.max_model_len - batch.num_tokens[rows] - 1
+            for row, drafts in self.draft.propose(batch, rows, rooms).items():
+                out.spec_token_ids[batch.state(row).req_id] = drafts
+            return
         for row in rows.tolist():
             room = self.max_model_len - int(batch.num_tokens[row]) - 1
             if room > 0:

@@ -7,7 +7,9 @@ request's known tokens (its known count stays put: drafts become tokens only
 once accepted), :func:`logits_rows` picks the hidden rows to score (every
 position of a drafted request, the last one of the others), and
 :class:`SpecDecoder` verifies them (:mod:`.rejection_sampler`) and proposes the
-next step's drafts (:mod:`.ngram_proposer`).
+next step's drafts (:mod:`.ngram_proposer`; or, given a draft model, the runner
+asks its :class:`~.draft_proposer.ModelProposer`, whose draft distributions the
+verification then uses).
 
 Never imports trio.
 """
@@ -22,6 +24,7 @@ import torch
 from ..config import SpeculativeConfig
 from ..protocol.messages import TokenLogprobs
 from ..structured.mask import step_bitmask
+from .draft_proposer import ModelProposer
 from .input_batch import InputBatch
 from .ngram_proposer import NgramProposer
 from .rejection_sampler import verify
@@ -71,10 +74,14 @@ class VerifiedStep:
 
 
 class SpecDecoder:
-    """Verifies a step's drafts and proposes the next ones (n-gram proposals)."""
+    """Verifies a step's drafts and proposes the next ones (n-gram proposals, unless a
+    ``model_proposer`` proposes: the runner then asks it directly)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, model_proposer: ModelProposer | None = None
+    ) -> None:
         self.proposer = NgramProposer(config)
+        self.model_proposer = model_proposer
 
     def verify(
         self,
@@ -99,7 +106,10 @@ class SpecDecoder:
             )
             if masks is not None:
                 md.token_bitmask, md.bitmask_rows = masks
-        out = verify(logits, md, per_entry)
+        q = None
+        if self.model_proposer is not None:
+            q = self.model_proposer.draft_probs(ids, per_entry, logits.shape[1])
+        out = verify(logits, md, per_entry, q)
         return VerifiedStep(out.tokens, out.logprobs)
 
     def propose(self, batch: InputBatch, row: int, limit: int) -> list[int]:

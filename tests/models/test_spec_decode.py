@@ -134,3 +134,36 @@ def test_ngram_proposals_match_the_window_by_window_reference(
     array = np.array(tokens, dtype=np.int64)
     got = proposer(k=k, lo=lo, hi=lo + extra).propose(array)
     assert got == _reference_propose(array, k, lo, lo + extra)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rejection_sampling_with_draft_probabilities_keeps_the_target_distribution(
+    temperature: float,
+) -> None:
+    """A draft model's drafts are drawn from its own distribution q (not a point mass):
+    accepting ``d`` with probability min(1, p(d)/q(d)) and drawing rejections from
+    (p - q)^+ still emits every token as the target's p. The first draft is accepted
+    sum(min(p, q)) of the time (what a point-mass test, p(d), would not give)."""
+    vocab, n = 6, 12000
+    rows0 = torch.tensor([0.2, -1.0, 1.5, 0.3, -0.5, 0.0])
+    rows1 = torch.tensor([1.0, 0.5, -0.3, 0.2, 0.0, -1.2])
+    rows2 = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.4, 0.5])
+    q0 = torch.tensor([0.05, 0.30, 0.25, 0.10, 0.20, 0.10])
+    q1 = torch.tensor([0.40, 0.05, 0.05, 0.20, 0.10, 0.20])
+    gen = torch.Generator().manual_seed(11)
+    d0 = torch.multinomial(q0, n, replacement=True, generator=gen).tolist()
+    d1 = torch.multinomial(q1, n, replacement=True, generator=gen).tolist()
+    logits = torch.stack([rows0, rows1, rows2]).repeat(n, 1)
+    draft_probs = torch.stack([q0, q1, torch.zeros(vocab)]).repeat(n, 1)
+    drafts = [[a, b] for a, b in zip(d0, d1, strict=True)]
+    out = verify(logits, _md(3 * n, temperature, seed=2), drafts, draft_probs)
+    p0 = torch.softmax(rows0 / temperature, -1).numpy()
+    p1 = torch.softmax(rows1 / temperature, -1).numpy()
+    first = np.array([t[0] for t in out.tokens])
+    counts0 = np.bincount(first, minlength=vocab)
+    assert _chi_square(counts0, p0) < CHI2_DF5_999, (counts0 / n, p0)
+    second = np.array([t[1] for t in out.tokens if len(t) > 1])  # after an accepted draft
+    counts1 = np.bincount(second, minlength=vocab)
+    assert _chi_square(counts1, p1) < CHI2_DF5_999, (counts1 / counts1.sum(), p1)
+    accepted = np.mean([len(t) > 1 for t in out.tokens])
+    assert abs(accepted - np.minimum(p0, q0.numpy()).sum()) < 0.02
