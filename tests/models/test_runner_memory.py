@@ -1,0 +1,62 @@
+"""The runner's memory: the CPU KV cache costs resident memory only where it is written,
+and a reset hands its pages back (Linux: figures from /proc/self/status)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from legato.models.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+
+KV_MB = 256  # a cache far larger than anything else the test allocates
+
+
+def _anon_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_cpu_kv_cache_is_resident_only_where_written(
+    llama: Any, make_runner: Callable[..., ModelRunner], mini_scheduler: Any
+) -> None:
+    before = _anon_mb()
+    runner = make_runner(llama, num_kv_blocks=None, kv_cache_memory=KV_MB << 20)
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+    assert kv_bytes > (KV_MB - 1) << 20
+    assert _anon_mb() - before < KV_MB / 4  # torch.zeros would make all of it resident
+
+    sched = mini_scheduler(runner)
+    sched.add("a", list(range(5, 40)), max_tokens=8)
+    first = sched.run()["a"]
+    assert _anon_mb() - before < KV_MB / 4  # one request writes a few blocks
+    assert all(bool(k.any()) for k, _ in runner.kv_caches)  # ... and they hold its KV
+
+    for key, value in runner.kv_caches:  # every page written
+        key.fill_(1.0)
+        value.fill_(1.0)
+    assert _anon_mb() - before > KV_MB * 3 / 4
+    runner.reset_kv_cache()
+    assert _anon_mb() - before < KV_MB / 4  # the pages went back to the kernel
+    assert not any(bool(k.any()) or bool(v.any()) for k, v in runner.kv_caches)
+
+    again = mini_scheduler(runner)
+    again.add("a", list(range(5, 40)), max_tokens=8)
+    assert again.run()["a"] == first
+
+
+def test_kv_cache_tensors_keep_their_addresses_across_a_reset(
+    llama: Any, make_runner: Callable[..., ModelRunner]
+) -> None:
+    """The fused decode stack and the decode graphs hold the cache's addresses."""
+    runner = make_runner(llama)
+    addresses = [t.data_ptr() for pair in runner.kv_caches for t in pair]
+    runner.reset_kv_cache()
+    assert [t.data_ptr() for pair in runner.kv_caches for t in pair] == addresses
