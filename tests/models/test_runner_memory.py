@@ -1,14 +1,19 @@
 """The runner's memory: the CPU KV cache costs resident memory only where it is written,
-and a reset hands its pages back (Linux: figures from /proc/self/status)."""
+a reset hands its pages back (Linux: figures from /proc/self/status), and a GGUF file's
+weights are held as their quantized blocks alone once loaded."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from legato.config import EngineConfig
 from legato.models.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
@@ -60,3 +65,29 @@ def test_kv_cache_tensors_keep_their_addresses_across_a_reset(
     addresses = [t.data_ptr() for pair in runner.kv_caches for t in pair]
     runner.reset_kv_cache()
     assert [t.data_ptr() for pair in runner.kv_caches for t in pair] == addresses
+
+
+def _live_storages() -> dict[int, int]:
+    """Every CPU tensor storage a Python tensor object holds now: data pointer -> bytes."""
+    found = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def test_no_dequantized_copy_survives_load(smollm2_gguf: Path) -> None:
+    """The default model's weights held after load are its quantized blocks (Q4_1 repacked:
+    1.2x the file's bytes) plus the norms and the rotary table: no fp32 copy of a matrix
+    (the tied embedding alone would be 113 MB in fp32)."""
+    gc.collect()
+    before = _live_storages()
+    runner = ModelRunner(EngineConfig(model=str(smollm2_gguf), device="cpu", num_kv_blocks=16))
+    gc.collect()
+    kv = {t.untyped_storage().data_ptr() for pair in runner.kv_caches for t in pair}
+    held = sum(n for ptr, n in _live_storages().items() if ptr not in before and ptr not in kv)
+    quantized = runner.model.quantized_bytes()
+    size = smollm2_gguf.stat().st_size
+    assert 1.1 * size < quantized < 1.25 * size
+    assert held - quantized < 4 << 20, f"{(held - quantized) / 2**20:.0f} MB beyond the blocks"
