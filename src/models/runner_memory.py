@@ -229,6 +229,7 @@ class RunnerMemory:
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
         self.decode_graphs = None  # they hold the cache and weight addresses
+        self.model.release_decode_stack()  # so does the fused decode stack
         self.kv_caches = []
         self._kv_maps = []  # unmapped once the last tensor over them is gone
         if level == 2:

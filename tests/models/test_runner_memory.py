@@ -91,3 +91,23 @@ def test_no_dequantized_copy_survives_load(smollm2_gguf: Path) -> None:
     size = smollm2_gguf.stat().st_size
     assert 1.1 * size < quantized < 1.25 * size
     assert held - quantized < 4 << 20, f"{(held - quantized) / 2**20:.0f} MB beyond the blocks"
+
+
+def test_sleep_frees_the_kv_cache_the_decode_stack_held(
+    smollm2_gguf: Path, mini_scheduler: Any
+) -> None:
+    """The default model decodes through the fused decode stack, which holds the KV cache:
+    sleeping must let its pages go all the same."""
+    config = EngineConfig(model=str(smollm2_gguf), device="cpu", kv_cache_memory=KV_MB << 20)
+    runner = ModelRunner(config)
+    sched = mini_scheduler(runner)
+    sched.add("a", list(range(5, 40)), max_tokens=4)
+    sched.run()
+    for key, value in runner.kv_caches:
+        key.fill_(1.0)
+        value.fill_(1.0)
+    gc.collect()
+    filled = _anon_mb()
+    runner.sleep(1)
+    gc.collect()
+    assert filled - _anon_mb() > KV_MB * 3 / 4
