@@ -183,6 +183,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden
 
+    def release_decode_stack(self) -> None:
+        """Forget the fused decode stack: it holds the KV cache (and the weights' addresses),
+        which a runner going to sleep frees. Built again by the next decode step."""
+        self._stack = None
+
     def _decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
         """The one-call decoder stack for a decode-only step, when this model and these
         caches qualify and ``fused_decode`` is on (:mod:`.decode_stack`); else None."""

@@ -1,5 +1,6 @@
 """``RunnerMemory``: the model runner's memory: sizing and allocating the paged KV
-cache (after a profile run on CUDA), capturing the decode CUDA graphs over it,
+cache (after a profile run on CUDA; on the CPU in anonymous memory maps, zero pages
+the kernel supplies on first write, so an unused block costs no resident memory), capturing the decode CUDA graphs over it,
 ``sleep`` / ``wake_up`` (drop or offload the KV cache and weights, and bring
 them back), ``reload_weights`` (new weights from a checkpoint) and ``reset_kv_cache``. A mixin of ``ModelRunner``, which holds the state
 declared here. Never imports trio.
@@ -8,6 +9,8 @@ declared here. Never imports trio.
 from __future__ import annotations
 
 import gc
+import math
+import mmap
 import resource
 import time
 from collections.abc import Sequence
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 
 _CPU_KV_BUDGET = 1 << 30  # bytes for the KV cache on CPU when nothing says otherwise
 _CUDA_MEMORY_FRACTION = 0.9  # of the free GPU memory, after weights and activations
+_PRIVATE_ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 
 class RunnerMemory:
@@ -53,6 +57,7 @@ class RunnerMemory:
     _keep_quantized: bool
     _checkpoint_config: ModelConfig
     _graph_settings: tuple[CaptureMode, list[int]] | None
+    _kv_maps: list[mmap.mmap]  # the CPU KV cache's memory maps (empty on CUDA)
     num_kv_blocks: int
     max_model_len: int
 
@@ -78,15 +83,29 @@ class RunnerMemory:
         return int(blocks)
 
     def _allocate_kv_cache(self) -> list[KVCache]:
+        """Every layer's zeroed ``(key, value)`` blocks. On the CPU each tensor lies in its
+        own private anonymous memory map: it reads as zeros, and a page becomes resident
+        only when a KV write first lands on it (``torch.zeros`` would touch every page at
+        start: the whole budget resident before the first request)."""
         mcfg = self.model_config
         shape = (self.num_kv_blocks, self.block_size, mcfg.num_kv_heads, mcfg.head_dim)
+        self._kv_maps = []
+        if self.device.type != "cpu":
+            return [
+                (
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device),
+                )
+                for _ in range(mcfg.num_layers)
+            ]
         return [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(mcfg.num_layers)
+            (self._mapped_zeros(shape), self._mapped_zeros(shape)) for _ in range(mcfg.num_layers)
         ]
+
+    def _mapped_zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        memory = mmap.mmap(-1, math.prod(shape) * self.dtype.itemsize, flags=_PRIVATE_ANONYMOUS)
+        self._kv_maps.append(memory)
+        return torch.frombuffer(memory, dtype=torch.uint8).view(self.dtype).view(shape)
 
     # ------------------------------------------------------- decode graphs
 
@@ -210,7 +229,9 @@ class RunnerMemory:
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
         self.decode_graphs = None  # they hold the cache and weight addresses
+        self.model.release_decode_stack()  # so does the fused decode stack
         self.kv_caches = []
+        self._kv_maps = []  # unmapped once the last tensor over them is gone
         if level == 2:
             unpack_linears(self.model)
             self.model.drop_quantized()
@@ -283,7 +304,13 @@ class RunnerMemory:
 
     @torch.inference_mode()
     def reset_kv_cache(self) -> None:
-        """Zero every KV block (the contents of the prefix cache are gone)."""
+        """Zero every KV block (the contents of the prefix cache are gone). On the CPU the
+        pages go back to the kernel (``MADV_DONTNEED``: they read as zeros again and are no
+        longer resident), in place: the tensors keep their addresses."""
+        if self._kv_maps:
+            for memory in self._kv_maps:
+                memory.madvise(mmap.MADV_DONTNEED)
+            return
         for key_cache, value_cache in self.kv_caches:
             key_cache.zero_()
             value_cache.zero_()
