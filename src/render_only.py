@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import trio
 
-from .actors.frontend import chat_renders_inline, thread_renderer
+from .actors.frontend import (
+    INLINE_MAX_PROMPT_CHARS,
+    INLINE_MAX_PROMPT_TOKENS,
+    chat_renders_inline,
+    thread_renderer,
+)
 from .config import EngineConfig
 from .config_views import VllmConfigViews
 from .frontend.input_processor import InputProcessor
@@ -35,6 +40,8 @@ from .protocol.outputs import PoolingRequestOutput
 from .protocol.params import LoRARequest, PoolingParams, SamplingParams
 from .tokenizer_loading import load_tokenizer
 from .vllm_config import VllmConfig
+
+_T = TypeVar("_T")
 
 
 def _no_model(what: str) -> NotImplementedError:
@@ -145,10 +152,15 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
         if chat_renders_inline(messages):
             await trio.lowlevel.checkpoint()
             return render(self.renderer)
+        return await self._offload(render)
+
+    async def _offload(self, work: Callable[[Renderer], _T]) -> _T:
+        """``work`` with the worker thread's own renderer, one at a time (the rule of the
+        engine's front end: a large input never holds the event loop)."""
         if self._thread_renderer is None:
             self._thread_renderer = thread_renderer(self.renderer)
         return await trio.to_thread.run_sync(
-            render, self._thread_renderer, abandon_on_cancel=True, limiter=self._offload_limiter
+            work, self._thread_renderer, abandon_on_cancel=True, limiter=self._offload_limiter
         )
 
     def model_info(self) -> ModelInfo:
@@ -161,10 +173,21 @@ class RenderOnlyClient(VllmConfigViews, EngineClient):
         return b""
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text``. A checkpoint; a large text is tokenized in the worker
+        thread, as the engine does."""
+        if len(text) > INLINE_MAX_PROMPT_CHARS:
+            return await self._offload(
+                lambda r: r.encode(text, add_special_tokens=add_special_tokens)
+            )
         await trio.lowlevel.checkpoint()
         return self.renderer.encode(text, add_special_tokens=add_special_tokens)
 
     async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``. A checkpoint; many ids decode in the worker thread."""
+        if len(token_ids) > INLINE_MAX_PROMPT_TOKENS // 4:
+            return await self._offload(
+                lambda r: r.decode(token_ids, skip_special_tokens=skip_special_tokens)
+            )
         await trio.lowlevel.checkpoint()
         return self.renderer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

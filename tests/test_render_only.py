@@ -63,7 +63,9 @@ async def test_vllm_config_surface(toy_model_dir: Any) -> None:
     assert again.model_config.max_model_len == 200 == again.renderer.max_model_len
     assert await again.tokenize("hello") == await client.tokenize("hello")
     direct = RenderOnlyClient(args.create_engine_config())  # vLLM's __init__(vllm_config)
-    assert direct.renderer.max_model_len == 200 and await direct.tokenize("hi") == await client.tokenize("hi")
+    assert direct.renderer.max_model_len == 200 and await direct.tokenize(
+        "hi"
+    ) == await client.tokenize("hi")
 
 
 async def test_input_and_io_processors_as_vllms(toy_model_dir: Any) -> None:
@@ -73,3 +75,25 @@ async def test_input_and_io_processors_as_vllms(toy_model_dir: Any) -> None:
     request = client.input_processor.process_inputs("r", "hello", legato.SamplingParams())
     assert request.prompt_token_ids == await client.tokenize("hello")
     assert client.io_processor is None
+
+
+async def test_large_inputs_tokenize_off_the_event_loop(toy_model_dir: Any) -> None:
+    """A large text (or many ids) is tokenized in the worker thread with its own
+    renderer, never on the event loop: the loop's renderer is made to refuse."""
+    import threading
+
+    client = RenderOnlyClient(str(toy_model_dir))
+    text = "the quick brown fox jumps over the lazy dog. " * 2000  # 90k characters
+    expected = client.renderer.encode(text)
+    assert await client.tokenize(text) == expected  # makes the thread's own renderer
+    loop_thread = threading.current_thread()
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        assert threading.current_thread() is not loop_thread, "ran on the event loop"
+        raise AssertionError("the event loop's renderer was used")
+
+    client.renderer.encode = refuse  # type: ignore[method-assign]
+    client.renderer.decode = refuse  # type: ignore[method-assign]
+    ids = await client.tokenize(text)
+    assert ids == expected
+    assert await client.detokenize(ids) == text

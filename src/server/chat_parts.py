@@ -83,9 +83,11 @@ class ChatMessage(OpenAIModel):
 
 
 def _json_or_text(text: str) -> Any:
+    """``text`` parsed as JSON, or as it is when it is not JSON (or nested too deep to
+    parse: a hostile arguments string must not fail the request)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
