@@ -57,6 +57,7 @@ def check_inputs(
         raise ValueError("query_start_loc must have num_seqs + 1 entries")
 
 
+@triton.jit
 def window_start(seq_len, window):
     """The first key a sequence's last query sees: ``seq_len - window``, or 0 (no window: 0)."""
     return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)

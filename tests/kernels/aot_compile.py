@@ -29,7 +29,15 @@ from conftest import build_paged_batch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from legato.kernels import activation, attention, kv_write, norm, rotary
+from legato.kernels import (
+    activation,
+    attention,
+    attention_decode,
+    attention_prefill,
+    kv_write,
+    norm,
+    rotary,
+)
 
 _TYPES = {
     torch.float32: "fp32",
@@ -39,7 +47,8 @@ _TYPES = {
     torch.int64: "i64",
 }
 _KERNELS = {
-    attention: ("_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel"),
+    attention_decode: ("_decode_split_kernel", "_decode_reduce_kernel"),
+    attention_prefill: ("_prefill_kernel",),
     kv_write: ("_write_kv_kernel",),
     norm: ("_rms_norm_kernel",),
     rotary: ("_rotary_kernel",),
