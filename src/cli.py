@@ -179,6 +179,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds a client may take to send a request body (408 after)",
     )
     group.add_argument(
+        "--send-timeout",
+        type=float,
+        default=d.send_timeout,
+        help="seconds an HTTP client may take to read each 128 KiB of an answer "
+        "(then the connection closes and its request is aborted)",
+    )
+    group.add_argument(
         "--max-connections",
         type=int,
         default=d.max_connections,
@@ -374,6 +381,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ws_max_requests=args.ws_max_requests,
             shutdown_grace=args.shutdown_grace,
             body_timeout=args.body_timeout,
+            send_timeout=args.send_timeout,
             max_connections=args.max_connections,
             max_requests_in_flight=args.max_requests_in_flight,
             max_sequences_in_flight=args.max_sequences_in_flight,

@@ -701,10 +701,17 @@ void rows_portable(const ActivationCodes& a, int64_t M, int64_t K, const uint8_t
 
 // AVX-512 VNNI: 64 codes a step; lanes of 4 codes, so with G = 32 lanes 0-7 / 8-15 are the
 // step's two groups, with G = 16 lanes 4g..4g+3 its four.
+// How far ahead (in weight rows) a tile prefetches. A decode step streams every weight from
+// memory once (the model is larger than the L3 cache) in small matrices (K = 576 is 9 steps a
+// row), so the hardware prefetcher alone left the batch-1 matmuls at about half the measured
+// read bandwidth; software prefetch of the rows 16 ahead measured 1.2-1.4x faster (8 and 32 less).
+constexpr int64_t kPrefetchRows = 16;
+
 template <int BITS, int G, bool HAS_MIN, int NR, int MR>
 LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int64_t K,
                            const uint8_t* q, int64_t q_stride, const float* scales,
-                           const float* mins, int64_t n0, int64_t nr, float* y, int64_t ldy) {
+                           const float* mins, int64_t n0, int64_t nr, int64_t n_total, float* y,
+                           int64_t ldy) {
   const int64_t groups = K / G, kp = a.kp, steps = kp / 64;
   const bool partial = (K % 64) != 0;  // the last step holds 32 codes
   constexpr int per_step = 64 / G;     // scales a step uses
@@ -738,6 +745,18 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
                         : _mm512_setzero_si512();
     }
     const __mmask16 smask = half ? __mmask16((1u << (per_step / 2)) - 1) : __mmask16((1u << per_step) - 1);
+    if (n0 + kPrefetchRows + NR <= n_total) {  // the tile kPrefetchRows ahead: codes, scales
+      constexpr int step_bytes = 64 * BITS / 8;
+      for (int i = 0; i < NR; ++i) {
+        const char* ahead = reinterpret_cast<const char*>(rows[i] + kPrefetchRows * q_stride);
+        for (int b = 0; b < step_bytes; b += 64) _mm_prefetch(ahead + s * step_bytes + b, _MM_HINT_T0);
+        if (s % (64 / per_step) == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(srow[i] + kPrefetchRows * groups + s * per_step), _MM_HINT_T0);
+          if constexpr (HAS_MIN)
+            _mm_prefetch(reinterpret_cast<const char*>(mins + (n0 + i + kPrefetchRows) * groups + s * per_step), _MM_HINT_T0);
+        }
+      }
+    }
     for (int i = 0; i < NR; ++i) {
       __m512i w;
       if constexpr (BITS == 4) {
@@ -879,7 +898,7 @@ int qmatmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_
     auto call = [&](auto nr_tag, auto mr_tag) {
       constexpr int NR = decltype(nr_tag)::value, MR = decltype(mr_tag)::value;
       auto tile = [&](int64_t m0, int64_t mr, int64_t n0, int64_t nr) {
-        tile_vnni<BITS, G, HAS_MIN, NR, MR>(a, m0, mr, K, q, q_stride, scales, mins, n0, nr, y, ldy);
+        tile_vnni<BITS, G, HAS_MIN, NR, MR>(a, m0, mr, K, q, q_stride, scales, mins, n0, nr, N, y, ldy);
       };
       over_tiles<decltype(tile), NR, MR>(tile, M, N, num_threads);
     };

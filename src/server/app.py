@@ -151,7 +151,9 @@ async def open_server(
         host=settings.host,
         port=settings.port,
         # header_timeout is also how long a keep-alive connection may idle
-        limits=ConnectionLimits(header_timeout=settings.header_timeout),
+        limits=ConnectionLimits(
+            header_timeout=settings.header_timeout, send_timeout=settings.send_timeout
+        ),
         max_connections=settings.max_connections,
     )
     stop_http = trio.Event()

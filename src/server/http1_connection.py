@@ -21,7 +21,10 @@ WebSocket upgrade is served as the plain HTTP/1.1 request it also is, and
 h11 takes the upgrade as declined; ``PRI * HTTP/2.0`` is a request for ``*``);
 keep a client that has hung up once its answers are written; wait more than
 ``header_timeout`` seconds for a request's head (from the connection's start or
-the previous answer's end: slow-header clients go). Bytes that are not HTTP
+the previous answer's end: slow-header clients go); wait more than
+``send_timeout`` seconds for a client to take the next piece of an answer (a
+client that stops reading is closed, and the app gets ``http.disconnect``, as
+for a hang-up). Bytes that are not HTTP
 get a short error answer and the connection closes. ``run`` never raises for
 anything a client sends or for what the app raises: the caller's other
 connections are never touched.
@@ -49,18 +52,28 @@ logger = logging.getLogger("legato.server")
 
 READ_SIZE = 64 * 1024
 """Bytes asked of the socket per read."""
+WRITE_PIECE = 128 * 1024
+"""Bytes of an answer each of which must be taken within ``send_timeout``."""
 
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """What one connection may cost: head size and the wait for a head."""
+    """What one connection may cost: head size, the wait for a head, the wait for the
+    client to read its answer."""
 
     header_timeout: float = 10.0
     """Seconds a client has to send a request's head (and a keep-alive connection may idle)."""
     max_header_bytes: int = 64 * 1024
     """A request head (or pipelined bytes read ahead) past this gets ``431`` and a close."""
+    send_timeout: float = 60.0
+    """Seconds the kernel may take to accept each ``WRITE_PIECE`` of an answer, i.e. for
+    the client to read on once the socket's send buffer is full (nginx's
+    ``send_timeout``, 60 s by default too: a deadline on progress, not on the whole
+    answer, so a slow reader of a long stream is kept). Past it the connection is
+    closed and the app gets ``http.disconnect``: a client that stops reading cannot
+    hold its request (and the engine's KV blocks) for longer."""
 
 
 @dataclass
@@ -332,12 +345,28 @@ class HTTP1Connection:
         self._h11.receive_data(data)
 
     async def _write(self, data: bytes) -> None:
+        """Write ``data``, each ``WRITE_PIECE`` of it within ``send_timeout``. A client that
+        does not take them in time is cut off: the stream is closed, which also wakes a
+        ``receive`` waiting for the hang-up, so the app gets ``http.disconnect``."""
         if self._broken:
             return
-        try:
-            await self._stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self._broken = True
+        view = memoryview(data)
+        for start in range(0, len(view), WRITE_PIECE):
+            with trio.move_on_after(self._limits.send_timeout) as deadline:
+                try:
+                    await self._stream.send_all(view[start : start + WRITE_PIECE])
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._broken = True
+                    return
+            if deadline.cancelled_caught:
+                logger.info(
+                    "closing a connection from %s: its client took no answer bytes for %g s",
+                    self._addresses[0],
+                    self._limits.send_timeout,
+                )
+                self._broken = True
+                await trio.aclose_forcefully(self._stream)
+                return
 
     async def _write_error(self, exc: h11.RemoteProtocolError) -> None:
         status = exc.error_status_hint

@@ -61,6 +61,9 @@ class ServerSettings:
     header_timeout: float = 10.0  # seconds to send a request's headers / WebSocket handshake
     body_timeout: float = 60.0
     """Seconds a client may take to send a request's body (then 408)."""
+    send_timeout: float = 60.0
+    """Seconds an HTTP client may take to read each 128 KiB of an answer; past it the
+    connection closes and its request is aborted, as on a hang-up."""
     max_connections: int = 1024
     """Connections served at once, per port; one more gets 503 (HTTP) or is refused."""
     max_requests_in_flight: int = 512
@@ -170,6 +173,8 @@ class ServerSettings:
             raise ValueError(f"body_timeout: must be > 0, got {self.body_timeout!r}")
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout: must be > 0, got {self.header_timeout!r}")
+        if not self.send_timeout > 0:
+            raise ValueError(f"send_timeout: must be > 0, got {self.send_timeout!r}")
         if self.api_key == "":
             raise ValueError("api_key: must not be empty")
         if self.tool_call_parser is not None:

@@ -150,8 +150,10 @@ def test_int8_activation_matmul_matches_dequantize_then_linear(
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0"])
 def test_int8_activation_odd_widths(isa: str, kind: str) -> None:
-    """Widths of 32 * odd (a half step at the end of the 64-code VNNI loop) and one row."""
-    for rows, out_features, in_features in [(1, 5, 32), (3, 11, 96), (2, 7, 608)]:
+    """Widths of 32 * odd (a half step at the end of the 64-code VNNI loop) and one row; one
+    row over 45 outputs reaches the tiles that prefetch the rows 16 ahead."""
+    shapes = [(1, 5, 32), (3, 11, 96), (2, 7, 608), (1, 45, 608)]
+    for rows, out_features, in_features in shapes:
         raw = random_blocks(kind, out_features, in_features, seed=in_features)
         weight = from_gguf(raw, kind, out_features, in_features)
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))

@@ -1,5 +1,6 @@
-"""The HTTP port's connections (legato.server.http_server): HTTP/1.x only, and a
-connection is let go as soon as its client has hung up and has its answer.
+"""The HTTP port's connections (legato.server.http_server): HTTP/1.x only, a
+connection is let go as soon as its client has hung up and has its answer, and
+one whose client stops reading is closed after ``send_timeout``.
 
 The servers here get a header (keep-alive) timeout of an hour, so a connection
 that is closed was closed by the server's reading of the client, not by a timer;
@@ -8,12 +9,16 @@ that is closed was closed by the server's reading of the client, not by a timer;
 
 from __future__ import annotations
 
+import json
+import socket
+from typing import Any
+
 import httpx
 import trio
 
 from legato.engine import AsyncEngine
 
-from .conftest import serving
+from .conftest import serving, wait_kv_used
 
 NO_TIMER = 3600.0  # header_timeout, which is also the keep-alive timeout
 
@@ -89,3 +94,60 @@ async def test_a_client_that_hangs_up_after_its_answer_is_let_go(engine: AsyncEn
                     assert await stream.receive_some() == b"", upgrade
             assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
             assert b"connection: close" not in answer.lower()  # kept alive until the hang-up
+
+
+STALLED_STEPS = 60
+"""Engine steps the stalled request may run (of its 450), so that it cannot end by itself:
+16 choices with 20 logprobs make ~13 KB of SSE a step, ~800 KB in all, more than the
+loopback socket buffers take for a reader that reads nothing."""
+
+
+async def test_a_client_that_stops_reading_is_closed_and_its_request_aborted(
+    engine: AsyncEngine, gate_steps: Any
+) -> None:
+    """A client that starts a long stream and then reads nothing (a small receive window,
+    soon full) holds neither its connection nor the engine: once a write has waited
+    ``send_timeout`` the server closes the connection, the request is aborted and its KV
+    blocks are freed; other clients are served meanwhile. The engine may run only
+    ``STALLED_STEPS`` steps, so the request cannot end by itself: only the abort lets
+    the server go idle. (Without a deadline ``wait_idle`` never returns: fail_after.)"""
+    gate = gate_steps(engine)
+    gate.close()
+    gate.allow(STALLED_STEPS)
+    body = json.dumps(
+        {
+            "prompt": "Hello",
+            "max_tokens": 450,
+            "ignore_eos": True,
+            "stream": True,
+            "n": 16,
+            "logprobs": 20,
+        }
+    ).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    async with serving(engine, send_timeout=1.0, header_timeout=NO_TIMER) as server:
+        with trio.fail_after(60):
+            sock = trio.socket.socket()
+            # Set before connecting: the window the client offers stays small.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await sock.connect(("127.0.0.1", server.http_port))
+            async with trio.SocketStream(sock) as stalled:
+                await stalled.send_all(request)
+                async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as other:
+                    await wait_kv_used(other)  # the request runs (another client is served)
+                    assert (await other.get("/health")).json() == {"status": "ok"}
+                await server.state.wait_idle()  # the server let go of the request
+                await gate.assert_done_within_one_step()  # its abort reached the engine
+                # The connection was closed: what the kernel had taken arrives, then the end.
+                answer = b""
+                try:
+                    while chunk := await stalled.receive_some():
+                        answer += chunk
+                except trio.BrokenResourceError:  # a reset also ends it
+                    pass
+                assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+                assert not answer.endswith(b"data: [DONE]\r\n\r\n0\r\n\r\n")
+        await assert_health(server.http_url)
