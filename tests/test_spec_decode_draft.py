@@ -31,8 +31,10 @@ from .test_spec_decode import ARGS, PROMPTS, SpecCounts, compare, run, tokens
 
 @pytest.fixture(scope="session")
 def toy_draft_dir(toy_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The toy model's first layer, as a draft model directory."""
-    return cut_layers(toy_model_dir, tmp_path_factory.mktemp("toy-draft"), 1)
+    """The toy model's first three layers (of four), as a draft model directory: close
+    enough to the target that some drafts survive the per-request back-off, not so
+    close that none is rejected."""
+    return cut_layers(toy_model_dir, tmp_path_factory.mktemp("toy-draft"), 3)
 
 
 def draft_spec(draft_dir: Path, k: int = 4) -> dict[str, Any]:
