@@ -282,14 +282,18 @@ class StreamingGeneration(ABC):
             self.outcome = f"error: {type(exc).__name__}"
             raise
         finally:
-            prompt_tokens, completion_tokens = self.token_counts(jobs)
-            state.log_request(
-                self.request_id,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                started=self.started,
-                outcome=self.outcome or "?",
-            )
+            self._log_request(jobs)
+
+    def _log_request(self, jobs: list[Job]) -> None:
+        """The request's line in the request log: its token counts and its outcome."""
+        prompt_tokens, completion_tokens = self.token_counts(jobs)
+        self.state.log_request(
+            self.request_id,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            started=self.started,
+            outcome=self.outcome or "?",
+        )
 
     async def run_detached(self, jobs: list[Job], on_accepted: Callable[[], None]) -> None:
         """Serve the request with no client to answer (a background response).
@@ -334,14 +338,7 @@ class StreamingGeneration(ABC):
             self.outcome = f"error: {type(exc).__name__}"
             raise
         finally:
-            prompt_tokens, completion_tokens = self.token_counts(jobs)
-            state.log_request(
-                self.request_id,
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                started=self.started,
-                outcome=self.outcome or "?",
-            )
+            self._log_request(jobs)
 
     @staticmethod
     def _accumulate(job: Job, output: RequestOutput) -> list[CompletionOutput]:
