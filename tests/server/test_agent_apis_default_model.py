@@ -94,6 +94,27 @@ def test_responses_with_the_openai_client(server_url: str) -> None:
         temperature=0,
     )  # fmt: skip
     assert second.status in ("completed", "incomplete") and second.output_text
+    # Chained by previous_response_id: the stored turn is part of the new prompt.
+    chained = client.responses.create(
+        model=MODEL,
+        previous_response_id=answer.id,
+        input="What is the capital of France?",
+        max_output_tokens=24,
+        temperature=0,
+    )
+    assert chained.output_text
+    assert chained.usage is not None and answer.usage is not None
+    assert chained.usage.input_tokens > answer.usage.input_tokens + answer.usage.output_tokens
+    # text.format with a JSON schema: the answer parses and satisfies it.
+    formatted = client.responses.create(
+        model=MODEL,
+        input="Name a city, as JSON.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}},
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert formatted.status == "completed", formatted
+    jsonschema.validate(json.loads(formatted.output_text), SCHEMA)
 
 
 def test_messages_with_the_anthropic_client(server_url: str) -> None:
