@@ -25,9 +25,8 @@ group), then every rank handles it: every rank runs the same step, only rank
 every rank's answer (msgpack bytes on the gloo group, :func:`every_rank_result`),
 so ``collective_rpc`` gets every rank's result, in rank order, and a rank's
 failure. A health ping is also a barrier, so rank 0's pong means that every
-rank is alive. When the engine closes rank 0's
-stdin, rank 0 broadcasts an empty frame and every rank exits 0 (at once, see
-:func:`leave`). A rank whose
+rank is alive. When the engine closes rank 0's stdin, rank 0 broadcasts an
+empty frame and every rank exits 0 (at once, see :func:`leave`). A rank whose
 step fails exits non-zero; the others then fail in their next collective
 (a peer gone, or the group's timeout), so a dead or stopped rank always
 ends the engine: the engine also watches its local ranks' processes, and its
