@@ -290,9 +290,11 @@ def test_sampled_requests_finish_at_max_tokens_with_drafts() -> None:
     assert [len(t) for t in tokens(outs)] == [30, 30]
 
 
-async def test_kv_usage_returns_to_zero_after_aborts(toy_model_dir: Any) -> None:
+async def assert_kv_freed_after_aborts(model_dir: Any, spec: dict[str, Any]) -> None:
+    """Six requests with ``spec`` cancelled at different lengths (aborts mid-draft):
+    the engine goes idle with no KV block in use."""
     async with open_engine(
-        str(toy_model_dir), executor="process", speculative_config=NGRAM, **ARGS
+        str(model_dir), executor="process", speculative_config=spec, **ARGS
     ) as engine:
         got: dict[int, int] = {}
 
@@ -312,6 +314,10 @@ async def test_kv_usage_returns_to_zero_after_aborts(toy_model_dir: Any) -> None
         with trio.fail_after(30):
             await engine.wait_until_idle()
         assert engine.num_kv_blocks_used == 0
+
+
+async def test_kv_usage_returns_to_zero_after_aborts(toy_model_dir: Any) -> None:
+    await assert_kv_freed_after_aborts(toy_model_dir, NGRAM)
 
 
 def test_disable_by_batch_size_verifies_no_drafts_while_more_requests_run() -> None:
@@ -410,15 +416,19 @@ def test_serve_takes_speculative_config_as_json() -> None:
 async def test_a_dead_worker_mid_verification_ends_every_stream(
     toy_model_dir: Any, fault: str
 ) -> None:
-    """The chaos harness with drafts on: every stream ends with EngineDeadError, nothing
-    hangs or leaks (``run_chaos`` raises otherwise)."""
+    await assert_chaos_ends_every_stream(toy_model_dir, NGRAM, fault)
+
+
+async def assert_chaos_ends_every_stream(model_dir: Any, spec: dict[str, Any], fault: str) -> None:
+    """The chaos harness with ``spec`` on: every stream ends with EngineDeadError,
+    nothing hangs or leaks (``run_chaos`` raises otherwise)."""
     from legato.testing.chaos import ChaosConfig, check_round, run_chaos
 
     config = ChaosConfig(
-        model=str(toy_model_dir),
+        model=str(model_dir),
         num_streams=8,
         max_tokens=(8, 40),
-        engine_args={**ARGS, "speculative_config": NGRAM},
+        engine_args={**ARGS, "speculative_config": spec},
     )
     results = await run_chaos(1, seed=5, faults=[fault], config=config, log=lambda _: None)
     for result in results:

@@ -17,16 +17,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 
 from legato import RequestOutput, SamplingParams
 from legato.config import EngineConfig
-from legato.engine import open_engine
 from legato.llm import LLMEngine
 from legato.metrics.records import StepStats
 from legato.models.layer_cut import cut_layers
 
-from .test_spec_decode import ARGS, PROMPTS, SpecCounts, compare, run, tokens
+from .test_spec_decode import (
+    PROMPTS,
+    SpecCounts,
+    assert_chaos_ends_every_stream,
+    assert_kv_freed_after_aborts,
+    compare,
+    run,
+    tokens,
+)
 
 
 @pytest.fixture(scope="session")
@@ -211,44 +217,12 @@ def test_sampled_requests_finish_at_max_tokens_with_a_draft_model(toy_draft_dir:
 async def test_kv_usage_returns_to_zero_after_aborts(
     toy_model_dir: Path, toy_draft_dir: Path
 ) -> None:
-    async with open_engine(
-        str(toy_model_dir), executor="process", speculative_config=draft_spec(toy_draft_dir), **ARGS
-    ) as engine:
-        got: dict[int, int] = {}
-
-        async def one(i: int) -> None:
-            params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
-            with trio.CancelScope() as scope:
-                async with engine.generate(PROMPTS[i % 3], params, f"a{i}") as stream:
-                    async for out in stream:
-                        got[i] = len(out.outputs[0].token_ids)
-                        if got[i] >= 5 + i:
-                            scope.cancel()
-
-        async with trio.open_nursery() as nursery:
-            for i in range(6):
-                nursery.start_soon(one, i)
-        assert all(5 + i <= got[i] < 300 for i in range(6))
-        with trio.fail_after(30):
-            await engine.wait_until_idle()
-        assert engine.num_kv_blocks_used == 0
+    await assert_kv_freed_after_aborts(toy_model_dir, draft_spec(toy_draft_dir))
 
 
 @pytest.mark.parametrize("fault", ["sigkill", "raise_on_step"])
 async def test_a_dead_worker_mid_verification_ends_every_stream(
     toy_model_dir: Path, toy_draft_dir: Path, fault: str
 ) -> None:
-    """The chaos harness with the draft model on: every stream ends with EngineDeadError,
-    nothing hangs or leaks (``run_chaos`` raises otherwise)."""
-    from legato.testing.chaos import ChaosConfig, check_round, run_chaos
-
-    config = ChaosConfig(
-        model=str(toy_model_dir),
-        num_streams=8,
-        max_tokens=(8, 40),
-        engine_args={**ARGS, "speculative_config": draft_spec(toy_draft_dir)},
-    )
-    results = await run_chaos(1, seed=5, faults=[fault], config=config, log=lambda _: None)
-    for result in results:
-        assert check_round(result) == []
-        assert result.dead_error is not None and result.count("hung") == 0
+    """The chaos harness with the draft model on (see ``assert_chaos_ends_every_stream``)."""
+    await assert_chaos_ends_every_stream(toy_model_dir, draft_spec(toy_draft_dir), fault)
