@@ -159,6 +159,7 @@ async def run(args: argparse.Namespace) -> None:
         acceptance = Acceptance()
         async with open_engine(
             None,
+            gguf_dequantize=args.dequantize,
             speculative_config=spec if use_spec else None,
             max_num_seqs=max(args.streams, 1),
             disable_log_stats=True,
@@ -189,11 +190,16 @@ async def run(args: argparse.Namespace) -> None:
                         same[(workload, n)] = outs == outputs[(workload, n, False)]
     import torch
 
+    if torch.cuda.is_available():
+        print(f"device: {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    else:
+        print(
+            f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, "
+            f"threads {torch.get_num_threads()}"
+        )
     print(
-        f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()}"
-    )
-    print(
-        f"default model, greedy, max_tokens={args.max_tokens}, best of {args.repeats}; {proposer}, "
+        f"default model ({'dequantized' if args.dequantize else 'kept quantized'}), greedy, "
+        f"max_tokens={args.max_tokens}, best of {args.repeats}; {proposer}, "
         f"disable_by_batch_size={args.disable_by_batch_size}"
     )
     print(
@@ -220,6 +226,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="no drafts while more run"
+    )
+    parser.add_argument(
+        "--dequantize", action="store_true", help="gguf_dequantize: dense weights, not the file's"
     )
     parser.add_argument(
         "--draft-layers",

@@ -28,13 +28,13 @@ the weight is anything with the :class:`QuantizedLayout` attributes.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["QuantizedLayout", "quantized_matmul"]
+__all__ = ["LaunchConfig", "QuantizedLayout", "launch_config", "quantized_matmul"]
 
 
 class QuantizedLayout(Protocol):
@@ -73,18 +73,24 @@ def _quantized_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; each program one ``[BLOCK_M, BLOCK_N]``
-    tile of the output, walking K in ``BLOCK_K`` steps (a multiple of 32, dividing K)."""
+    """Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``; each program one
+    ``[BLOCK_M, BLOCK_N]`` tile of the output over its ``K // SPLIT_K`` slice of K,
+    walked in ``BLOCK_K`` steps (a multiple of 32 dividing the slice). ``SPLIT_K > 1``
+    adds the slices' partial sums into a zeroed fp32 ``out`` atomically (small M, where
+    the ``N`` tiles alone are too few programs to stream the weight at full bandwidth)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
     col_mask = cols < N
     cols64 = cols.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_slice = K // SPLIT_K
+    for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
@@ -115,12 +121,30 @@ def _quantized_matmul_kernel(
             acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols64[None, :],
-        out,
-        mask=row_mask[:, None] & col_mask[None, :],
-    )
+    at = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols64[None, :]
+    if SPLIT_K == 1:
+        tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    else:
+        tl.atomic_add(at, acc, mask=row_mask[:, None] & col_mask[None, :], sem="relaxed")
+
+
+class LaunchConfig(NamedTuple):
+    """How one call is tiled and launched (``num_warps`` / ``num_stages``: Triton's)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def launch_config(m: int, n: int, k: int, bits: int, device_type: str) -> LaunchConfig:
+    """The default tiling of an ``[m, k] x [n, k]^T`` call on ``device_type``
+    (``benchmarks/gpu/quantized_matmul.py --sweep`` times the alternatives)."""
+    block_k = 64 if k % 64 == 0 else 32
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return LaunchConfig(block_m, 64, block_k)
 
 
 def _check(x: torch.Tensor, weight: QuantizedLayout) -> tuple[int, int]:
@@ -151,25 +175,32 @@ def _check(x: torch.Tensor, weight: QuantizedLayout) -> tuple[int, int]:
     return n, k
 
 
-def quantized_matmul(x: torch.Tensor, weight: QuantizedLayout) -> torch.Tensor:
+def quantized_matmul(
+    x: torch.Tensor, weight: QuantizedLayout, config: LaunchConfig | None = None
+) -> torch.Tensor:
     """``x @ W^T`` for ``x`` ``[M, K]`` (fp32, fp16 or bf16) and a quantized ``W``
-    ``[N, K]``: an ``[M, N]`` tensor in ``x``'s dtype. Raises ValueError for shapes,
-    dtypes or devices the kernel does not take. Launches asynchronously on CUDA."""
+    ``[N, K]``: an ``[M, N]`` tensor in ``x``'s dtype. ``config`` overrides
+    :func:`launch_config` (its ``block_k * split_k`` must divide K). Raises ValueError
+    for shapes, dtypes, devices or a config the kernel does not take. Launches
+    asynchronously on CUDA."""
     n, k = _check(x, weight)
     m = int(x.shape[0])
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    config = config or launch_config(m, n, k, weight.bits, x.device.type)
+    if config.block_k % 32 or k % (config.block_k * config.split_k):
+        raise ValueError(f"quantized_matmul: {config} does not divide in_features {k}")
+    split = config.split_k > 1
+    out = (torch.zeros if split else torch.empty)(
+        m, n, dtype=torch.float32 if split else x.dtype, device=x.device
+    )
     x = x if x.stride(1) == 1 else x.contiguous()
     codes = weight.codes.contiguous()
     if weight.bits == 8:
         codes = codes.view(torch.int8)
     scales = weight.scales.contiguous()
     offsets = weight.offsets.contiguous() if weight.offsets is not None else scales
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64
-    block_k = 64 if k % 64 == 0 else 32
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
     _quantized_matmul_kernel[grid](
         x,
         codes,
@@ -187,8 +218,11 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedLayout) -> torch.Tensor:
         GROUP=weight.group,
         HAS_OFFSET=weight.offsets is not None,
         FP32_DOT=x.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_K=config.split_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
-    return out
+    return out.to(x.dtype) if split else out

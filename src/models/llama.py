@@ -297,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
                 offset += part.out_features
             return
         module = self.get_submodule(target.rsplit(".", 1)[0])
+        parts = [part.to(param.device) for part in parts]
         if isinstance(module, Embedding):
             module.quantized = parts[0]
             if self.config.tie_word_embeddings:

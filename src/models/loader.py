@@ -110,7 +110,7 @@ def fill_weights(
 ) -> None:
     """Fill ``model``'s parameters from ``model_dir``: its checkpoint, or random weights
     when the directory carries the :data:`RANDOM_WEIGHTS_FILE` marker. ``keep_quantized``:
-    a GGUF file's quantized matrices stay quantized (CPU only: see :mod:`.quantized`)."""
+    a GGUF file's quantized matrices stay quantized (see :mod:`.quantized`)."""
     marker = Path(model_dir) / RANDOM_WEIGHTS_FILE
     if marker.exists():
         spec = read_json(marker)

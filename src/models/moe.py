@@ -81,7 +81,7 @@ def grouped_experts(
     launches over the pairs sorted by expert, no host sync); the others group on the
     host, reading the per-expert counts back (one sync on a GPU). ``quantized``: each
     expert's weights kept quantized (``w13`` / ``w2`` are then unused), run by
-    :meth:`~.quantized.QuantizedWeight.matmul` on fp32 activations (CPU, one rank).
+    :meth:`~.quantized.QuantizedWeight.matmul` on fp32 activations (one rank).
     """
     if backend.name == "triton" and quantized is None:
         from ..kernels.fused_moe import fused_moe  # imports triton: only on this path
@@ -220,7 +220,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             projs = [
                 [kept.get((prefix, e, p)) for p in ("gate", "up", "down")] for e in range(experts)
             ]
-            whole = [[w for w in part if w is not None] for part in projs]
+            device = block.w13.device
+            whole = [[w.to(device) for w in part if w is not None] for part in projs]
             if all(len(part) == 3 for part in whole):
                 block.quantized = QuantizedExperts(
                     tuple(stack_rows(part[:2]) for part in whole),

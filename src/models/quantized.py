@@ -114,6 +114,16 @@ class QuantizedWeight:
             self.kind,
         )
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """This weight on ``device`` (itself when it is there already)."""
+        if self.codes.device == device:
+            return self
+        offsets = self.offsets.to(device) if self.offsets is not None else None
+        return QuantizedWeight(
+            self.codes.to(device), self.scales.to(device), offsets, self.bits, self.group,
+            self.kind,
+        )  # fmt: skip
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weight (only ``rows``, int64, when given): ``code * scale (+ offset)``."""
         codes, scales, offsets = self.codes, self.scales, self.offsets
@@ -138,7 +148,13 @@ class QuantizedWeight:
         (``[M, N]`` fp32, unit column stride: a column slice of a wider tensor is fine)
         when given, and returns it. ``int8_activations``: the native kernel rounds ``x`` to
         int8 per block of 32 first (:func:`.cpu_kernels.quantized_matmul`); the plain-torch
-        fallback always computes in fp32."""
+        fallback always computes in fp32. On CUDA ``x`` may also be fp16 or bf16 (``out``
+        then in its dtype): the Triton kernel :func:`legato.kernels.quantized_matmul`."""
+        if x.device.type == "cuda":
+            from ..kernels.quantized_matmul import quantized_matmul  # triton: on first use
+
+            result = quantized_matmul(x, self)
+            return result if out is None else out.copy_(result)
         if out is None:
             out = x.new_empty(x.shape[0], self.out_features)
         if cpu_kernels.available() and x.device.type == "cpu":
@@ -222,6 +238,8 @@ class QuantizedLinear:
         return self._direct
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            return self._call_triton(x)
         direct = self._direct_calls()
         if direct and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
             return self._call_direct(x, direct)
@@ -242,6 +260,13 @@ class QuantizedLinear:
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out.view(*lead, self.out_features)
+
+    def _call_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """CUDA: each part through the Triton kernel in ``x``'s dtype, parts side by side."""
+        flat = x.reshape(-1, self.in_features)
+        outs = [part.matmul(flat) for part in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def _call_direct(self, x: torch.Tensor, direct: list[tuple[Any, ...]]) -> torch.Tensor:
         """The decode hot path: a contiguous fp32 ``[M, K]`` input, one ctypes call per part."""

@@ -133,10 +133,11 @@ class ModelRunner(RunnerMemory):
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
         self.backend = select_backend(attention_backend or config.attention_backend, self.device)
         wanted_len = config.max_model_len or mcfg.max_position_embeddings
-        # CPU, one rank, no LoRA: a GGUF file's quantized matrices stay quantized
+        # One rank, no LoRA: a GGUF file's quantized matrices stay quantized (native
+        # kernels on CPU, Triton's on CUDA: models.quantized)
         self._keep_quantized = (
             gguf_weights_file(self.model_dir) is not None
-            and self.device.type == "cpu"
+            and self.device.type in ("cpu", "cuda")
             and parallel is None
             and not config.enable_lora
             and not config.gguf_dequantize
@@ -155,9 +156,11 @@ class ModelRunner(RunnerMemory):
             if quantized:
                 self.model.set_int8_max_rows(1 if config.gguf_activations == "int8" else 0)
                 logger.info(
-                    "GGUF weights kept quantized: %.0f MB, %s activations",
+                    "GGUF weights kept quantized: %.0f MB, %s",
                     quantized / 2**20,
-                    config.gguf_activations,
+                    f"{config.gguf_activations} activations"
+                    if self.device.type == "cpu"
+                    else "Triton weight-only kernels",
                 )
         else:
             self.model = parallel.load_model(

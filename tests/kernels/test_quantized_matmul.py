@@ -9,38 +9,14 @@ not the hardware's), on a GPU where one is present.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
-from legato.kernels.quantized_matmul import quantized_matmul
+from legato.kernels.quantized_matmul import LaunchConfig, quantized_matmul
 from legato.models.quantized import QuantizedWeight, from_gguf
-
-_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
-_BLOCK |= {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-_HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
-_HALF_FIELDS |= {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fp16 scales / mins
-
-
-def random_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """``[rows, bytes]`` GGUF blocks of ``kind``: random codes and sub-scales, fp16
-    scales in a sane range (random bytes there would be NaN or huge)."""
-    rng = np.random.default_rng(seed)
-    per, size = _BLOCK[kind]
-    blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
-    for at in _HALF_FIELDS[kind]:
-        half = rng.uniform(-0.05, 0.05, size=(rows, cols // per)).astype(np.float16)
-        blocks[..., at : at + 2] = half.view(np.uint8).reshape(rows, cols // per, 2)
-    return blocks.reshape(rows, -1)
-
-
-def gguf_weight(raw: np.ndarray, kind: str) -> torch.Tensor:
-    """gguf's own dequantization of ``raw``: the fp32 weight the blocks stand for."""
-    values = dequantize(raw, GGMLQuantizationType[kind])
-    return torch.from_numpy(np.asarray(values, dtype=np.float32).copy())
+from legato.testing.gguf_blocks import random_blocks
+from legato.testing.gguf_blocks import reference_weight as gguf_weight
 
 
 def on(weight: QuantizedWeight, device: str) -> QuantizedWeight:
@@ -103,3 +79,25 @@ def test_refuses_what_it_cannot_take(device: str) -> None:
     bad = QuantizedWeight(weight.codes, weight.scales[:, :1], None, 8, 32, "Q8_0")
     with pytest.raises(ValueError, match="scales must be fp32"):
         quantized_matmul(torch.zeros(2, 64, device=device), bad)
+
+
+@pytest.mark.parametrize(
+    ("kind", "config"),
+    [
+        ("Q4_1", LaunchConfig(16, 16, 64, split_k=4)),
+        ("Q6_K", LaunchConfig(16, 32, 32, split_k=2)),
+        ("Q8_0", LaunchConfig(32, 128, 128)),
+    ],
+)
+def test_launch_configs_agree(device: str, kind: str, config: LaunchConfig) -> None:
+    """Every tiling the GPU sweep may pick (split K summed atomically in fp32, wide tiles
+    masked at the edges) gives the reference's result; fp16 in, fp16 out."""
+    raw = random_blocks(kind, 50, 512, seed=7)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(7)).half()
+    weight = on(from_gguf(raw, kind, 50, 512), device)
+    got = quantized_matmul(x.to(device), weight, config)
+    assert got.dtype == torch.float16
+    expected = F.linear(x.float(), gguf_weight(raw, kind).half().float())
+    torch.testing.assert_close(got.cpu().float(), expected, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="does not divide in_features 512"):
+        quantized_matmul(x.to(device), weight, config._replace(split_k=3))
