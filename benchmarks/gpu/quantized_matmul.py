@@ -122,11 +122,9 @@ def sweep_configs(m: int) -> list[Any]:
 
     if m <= 16:
         return [
-            LaunchConfig(16, bn, bk, split, warps, 3)
-            for bn, bk, split, warps in itertools.product(
-                (16, 32, 64, 128), (128, 256), (1, 4, 8), (4,)
-            )
-        ] + [LaunchConfig(16, bn, 128, split, 8, 4) for bn in (64, 128) for split in (1, 4)]
+            LaunchConfig(16, bn, bk, split, 4, 3)
+            for bn, bk, split in itertools.product((16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8))
+        ] + [LaunchConfig(16, bn, 128, split, 8, 2) for bn in (32, 64) for split in (1, 4)]
     return [
         LaunchConfig(bm, bn, 64, 1, warps, 3)
         for bm, bn, warps in itertools.product((64, 128), (64, 128), (4, 8))

@@ -77,7 +77,9 @@ def _quantized_matmul_kernel(
 ):
     """Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``; each program one
     ``[BLOCK_M, BLOCK_N]`` tile of the output over its ``K // SPLIT_K`` slice of K,
-    walked in ``BLOCK_K`` steps (a multiple of 32 dividing the slice). ``SPLIT_K > 1``
+    walked in ``BLOCK_K`` steps (a multiple of 32 dividing the slice). Per step, each
+    weight row's codes are one contiguous run of bytes and each group's scale (and
+    offset) one load, widened in registers. ``SPLIT_K > 1``
     adds the slices' partial sums into a zeroed fp32 ``out`` atomically (small M, where
     the ``N`` tiles alone are too few programs to stream the weight at full bandwidth)."""
     pid_m = tl.program_id(0)
@@ -88,39 +90,42 @@ def _quantized_matmul_kernel(
     row_mask = rows < M
     col_mask = cols < N
     cols64 = cols.to(tl.int64)
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    BYTES: tl.constexpr = BLOCK_K * BITS // 8
+    code_row = codes_ptr + cols64[:, None] * codes_row_bytes  # [BLOCK_N, 1]
+    group_row = cols64[:, None] * groups_per_row  # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_slice = K // SPLIT_K
     for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
-            x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
+            x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
             mask=row_mask[:, None],
             other=0.0,
         )
+        # Each weight row's codes for this K step are contiguous bytes: one coalesced load.
+        packed = tl.load(
+            code_row + (k0 * BITS // 8 + tl.arange(0, BYTES))[None, :],
+            mask=col_mask[:, None],
+            other=0,
+        )
         if BITS == 4:
-            byte = (ks // 32) * 16 + (ks % 16)
-            shift = ((ks % 32) // 16) * 4
-            packed = tl.load(
-                codes_ptr + cols64[None, :] * codes_row_bytes + byte[:, None],
-                mask=col_mask[None, :],
-                other=0,
-            )
-            code = ((packed.to(tl.int32) >> shift[:, None]) & 0x0F).to(tl.float32)
+            # byte j of a 32-run holds code j (low nibble) and code j + 16 (high nibble)
+            nibbles = tl.reshape(packed.to(tl.int32), (BLOCK_N, GROUPS, 16))
+            pair = tl.join(nibbles & 0x0F, nibbles >> 4)  # [BLOCK_N, GROUPS, 16, 2]
+            code = tl.reshape(tl.permute(pair, (0, 1, 3, 2)), (BLOCK_N, GROUPS, GROUP))
         else:
-            code = tl.load(
-                codes_ptr + cols64[None, :] * codes_row_bytes + ks[:, None],
-                mask=col_mask[None, :],
-                other=0,
-            ).to(tl.float32)
-        group_at = cols64[None, :] * groups_per_row + (ks // GROUP)[:, None]
-        scale = tl.load(scales_ptr + group_at, mask=col_mask[None, :], other=0.0)
-        w = code * scale  # [BLOCK_K, BLOCK_N], fp32, as dequantize forms it
+            code = tl.reshape(packed.to(tl.int32), (BLOCK_N, GROUPS, GROUP))
+        group_at = group_row + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]  # [BLOCK_N, GROUPS]
+        scale = tl.load(scales_ptr + group_at, mask=col_mask[:, None], other=0.0)
+        w3 = code.to(tl.float32) * scale[:, :, None]  # as dequantize forms it, in fp32
         if HAS_OFFSET:
-            w = w + tl.load(offsets_ptr + group_at, mask=col_mask[None, :], other=0.0)
+            offset = tl.load(offsets_ptr + group_at, mask=col_mask[:, None], other=0.0)
+            w3 = w3 + offset[:, :, None]
+        w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
         if FP32_DOT:
-            acc = tl.dot(x.to(tl.float32), w, acc, input_precision="ieee")
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w.to(x.dtype), acc)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     at = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols64[None, :]
     if SPLIT_K == 1:
         tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -141,10 +146,23 @@ class LaunchConfig(NamedTuple):
 
 def launch_config(m: int, n: int, k: int, bits: int, device_type: str) -> LaunchConfig:
     """The default tiling of an ``[m, k] x [n, k]^T`` call on ``device_type``
-    (``benchmarks/gpu/quantized_matmul.py --sweep`` times the alternatives)."""
+    (``benchmarks/gpu/quantized_matmul.py --sweep`` times the alternatives).
+
+    CUDA, up to 16 rows (decode): narrow tiles 128 code bytes deep, K split until there
+    are about two programs per SM of an H100 / H200 (132), so that the weight streams
+    from every SM at once. More rows: 64- or 128-row tiles. CPU (the interpreter, tests
+    only): small tiles keep the run short."""
+    if device_type != "cuda":
+        return LaunchConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, 64 if k % 64 == 0 else 32)
+    if m <= 16:
+        block_k = next(b for b in (1024 // bits, 128, 64, 32) if k % b == 0)
+        tiles = triton.cdiv(n, 32)
+        split = 1
+        while split < 8 and tiles * split * 2 <= 264 and k % (block_k * split * 2) == 0:
+            split *= 2
+        return LaunchConfig(16, 32, block_k, split)
     block_k = 64 if k % 64 == 0 else 32
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return LaunchConfig(block_m, 64, block_k)
+    return LaunchConfig(64 if m <= 64 else 128, 64, block_k)
 
 
 def _check(x: torch.Tensor, weight: QuantizedLayout) -> tuple[int, int]:

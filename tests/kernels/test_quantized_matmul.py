@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from legato.kernels.quantized_matmul import LaunchConfig, quantized_matmul
+from legato.kernels.quantized_matmul import LaunchConfig, launch_config, quantized_matmul
 from legato.models.quantized import QuantizedWeight, from_gguf
 from legato.testing.gguf_blocks import random_blocks
 from legato.testing.gguf_blocks import reference_weight as gguf_weight
@@ -87,6 +87,8 @@ def test_refuses_what_it_cannot_take(device: str) -> None:
         ("Q4_1", LaunchConfig(16, 16, 64, split_k=4)),
         ("Q6_K", LaunchConfig(16, 32, 32, split_k=2)),
         ("Q8_0", LaunchConfig(32, 128, 128)),
+        ("Q4_K", launch_config(1, 50, 512, 4, "cuda")),  # CUDA's decode default: split K
+        ("Q5_K", launch_config(1, 50, 512, 8, "cuda")),
     ],
 )
 def test_launch_configs_agree(device: str, kind: str, config: LaunchConfig) -> None:
