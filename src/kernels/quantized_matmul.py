@@ -53,6 +53,15 @@ class QuantizedLayout(Protocol):
 
 
 @triton.jit
+def _dot_acc(x, w, acc, FP32_DOT: tl.constexpr):
+    """``acc + x @ w^T`` for ``x`` ``[BLOCK_M, K]`` and the fp32 weight tile ``w``
+    ``[BLOCK_N, K]``: in IEEE fp32, or on ``w`` rounded to ``x``'s dtype."""
+    if FP32_DOT:
+        return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
 def _quantized_matmul_kernel(
     x_ptr,
     codes_ptr,
@@ -96,36 +105,38 @@ def _quantized_matmul_kernel(
     group_row = cols64[:, None] * groups_per_row  # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_slice = K // SPLIT_K
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
-        x = tl.load(
-            x_ptr + rows.to(tl.int64)[:, None] * stride_xm + (k0 + tl.arange(0, BLOCK_K))[None, :],
-            mask=row_mask[:, None],
-            other=0.0,
-        )
         # Each weight row's codes for this K step are contiguous bytes: one coalesced load.
         packed = tl.load(
             code_row + (k0 * BITS // 8 + tl.arange(0, BYTES))[None, :],
             mask=col_mask[:, None],
             other=0,
-        )
-        if BITS == 4:
-            # byte j of a 32-run holds code j (low nibble) and code j + 16 (high nibble)
-            nibbles = tl.reshape(packed.to(tl.int32), (BLOCK_N, GROUPS, 16))
-            pair = tl.join(nibbles & 0x0F, nibbles >> 4)  # [BLOCK_N, GROUPS, 16, 2]
-            code = tl.reshape(tl.permute(pair, (0, 1, 3, 2)), (BLOCK_N, GROUPS, GROUP))
-        else:
-            code = tl.reshape(packed.to(tl.int32), (BLOCK_N, GROUPS, GROUP))
+        ).to(tl.int32)
         group_at = group_row + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]  # [BLOCK_N, GROUPS]
-        scale = tl.load(scales_ptr + group_at, mask=col_mask[:, None], other=0.0)
-        w3 = code.to(tl.float32) * scale[:, :, None]  # as dequantize forms it, in fp32
+        scale = tl.load(scales_ptr + group_at, mask=col_mask[:, None], other=0.0)[:, :, None]
+        offset = scale * 0.0
         if HAS_OFFSET:
-            offset = tl.load(offsets_ptr + group_at, mask=col_mask[:, None], other=0.0)
-            w3 = w3 + offset[:, :, None]
-        w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
-        if FP32_DOT:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            offset = tl.load(offsets_ptr + group_at, mask=col_mask[:, None], other=0.0)[:, :, None]
+        if BITS == 4:
+            # Byte j of a 32-run holds code j (low nibble) and code j + 16 (high nibble): the
+            # low nibbles meet x's first 16 columns of each group, the high ones the last 16.
+            HALF: tl.constexpr = BLOCK_K // 2
+            nibbles = tl.reshape(packed, (BLOCK_N, GROUPS, 16))
+            at_low = k0 + (tl.arange(0, HALF) // 16) * 32 + tl.arange(0, HALF) % 16
+            x_low = tl.load(x_row + at_low[None, :], mask=row_mask[:, None], other=0.0)
+            x_high = tl.load(x_row + (at_low + 16)[None, :], mask=row_mask[:, None], other=0.0)
+            w_low = tl.reshape((nibbles & 0x0F).to(tl.float32) * scale + offset, (BLOCK_N, HALF))
+            w_high = tl.reshape((nibbles >> 4).to(tl.float32) * scale + offset, (BLOCK_N, HALF))
+            acc = _dot_acc(x_low, w_low, acc, FP32_DOT)
+            acc = _dot_acc(x_high, w_high, acc, FP32_DOT)
         else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            x = tl.load(
+                x_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_mask[:, None], other=0.0
+            )
+            code = tl.reshape(packed, (BLOCK_N, GROUPS, GROUP)).to(tl.float32)
+            w = tl.reshape(code * scale + offset, (BLOCK_N, BLOCK_K))  # as dequantize forms it
+            acc = _dot_acc(x, w, acc, FP32_DOT)
     at = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols64[None, :]
     if SPLIT_K == 1:
         tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -148,19 +159,20 @@ def launch_config(m: int, n: int, k: int, bits: int, device_type: str) -> Launch
     """The default tiling of an ``[m, k] x [n, k]^T`` call on ``device_type``
     (``benchmarks/gpu/quantized_matmul.py --sweep`` times the alternatives).
 
-    CUDA, up to 16 rows (decode): narrow tiles 128 code bytes deep, K split until there
-    are about two programs per SM of an H100 / H200 (132), so that the weight streams
-    from every SM at once. More rows: 64- or 128-row tiles. CPU (the interpreter, tests
+    CUDA, up to 16 rows (decode): narrow tiles 128 code bytes deep (16 rows of 4-bit
+    codes, 32 of 8-bit), K split until there are about two programs per SM of an H100 /
+    H200 (132), so that the weight streams from every SM at once. More rows: 64- or 128-row tiles. CPU (the interpreter, tests
     only): small tiles keep the run short."""
     if device_type != "cuda":
         return LaunchConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, 64 if k % 64 == 0 else 32)
     if m <= 16:
+        block_n = 16 if bits == 4 else 32
         block_k = next(b for b in (1024 // bits, 128, 64, 32) if k % b == 0)
-        tiles = triton.cdiv(n, 32)
+        tiles = triton.cdiv(n, block_n)
         split = 1
         while split < 8 and tiles * split * 2 <= 264 and k % (block_k * split * 2) == 0:
             split *= 2
-        return LaunchConfig(16, 32, block_k, split)
+        return LaunchConfig(16, block_n, block_k, split)
     block_k = 64 if k % 64 == 0 else 32
     return LaunchConfig(64 if m <= 64 else 128, 64, block_k)
 
