@@ -166,8 +166,8 @@ def launch_config(m: int, n: int, k: int, bits: int, device_type: str) -> Launch
     if device_type != "cuda":
         return LaunchConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, 64 if k % 64 == 0 else 32)
     if m <= 16:
-        block_n = 16 if bits == 4 else 32
-        block_k = next(b for b in (1024 // bits, 128, 64, 32) if k % b == 0)
+        block_n = 32
+        block_k = next(b for b in (256, 128, 64, 32) if k % b == 0)
         tiles = triton.cdiv(n, block_n)
         split = 1
         while split < 8 and tiles * split * 2 <= 264 and k % (block_k * split * 2) == 0:
