@@ -7,11 +7,13 @@
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are repacked into at load):
 
 - ``codes`` uint8 ``[N, K * bits // 8]``. ``bits == 8``: one signed byte per
-  weight (the unsigned 5-bit codes are below 128, so a signed read is the same).
-  ``bits == 4``: each run of 32 codes is 16 bytes, code ``j`` in the low nibble
-  of byte ``j`` and code ``j + 16`` in its high nibble.
+  weight. ``bits == 4``: each run of 32 codes is 16 bytes, code ``j`` in the low
+  nibble of byte ``j`` and code ``j + 16`` in its high nibble. ``bits == 5`` / ``6``:
+  the low 4 bits of every code so (``K / 2`` bytes), then a bit plane of ``K / 8``
+  bytes per high bit (bit ``k % 8`` of byte ``k / 8`` is bit 4, then 5, of code ``k``).
 - ``scales`` fp32 ``[N, K // group]`` and optional ``offsets`` of the same
-  shape: ``w[n, k] = code * scales[n, k // group] (+ offsets[n, k // group])``.
+  shape: ``w[n, k] = (code - centre) * scales[n, k // group] (+ offsets[n, k // group])``,
+  the centre ``2 ** (bits - 1)`` for 5- and 6-bit codes without offsets, else 0.
 
 The weight is formed in fp32 inside the kernel, tile by tile, and never
 written out: a weight-only kernel whose memory traffic is the codes and
@@ -50,6 +52,8 @@ class QuantizedLayout(Protocol):
     def bits(self) -> int: ...
     @property
     def group(self) -> int: ...
+    @property
+    def centre(self) -> int: ...
 
 
 @triton.jit
@@ -67,6 +71,7 @@ def _quantized_matmul_kernel(
     codes_row_bytes,
     groups_per_row,
     BITS: tl.constexpr,
+    CENTRE: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -91,7 +96,7 @@ def _quantized_matmul_kernel(
             mask=row_mask[:, None],
             other=0.0,
         )
-        if BITS == 4:
+        if BITS != 8:
             byte = (ks // 32) * 16 + (ks % 16)
             shift = ((ks % 32) // 16) * 4
             packed = tl.load(
@@ -99,7 +104,17 @@ def _quantized_matmul_kernel(
                 mask=col_mask[None, :],
                 other=0,
             )
-            code = ((packed.to(tl.int32) >> shift[:, None]) & 0x0F).to(tl.float32)
+            bits = (packed.to(tl.int32) >> shift[:, None]) & 0x0F
+            for plane in tl.static_range(BITS - 4):
+                high = tl.load(
+                    codes_ptr
+                    + cols64[None, :] * codes_row_bytes
+                    + (K // 2 + plane * (K // 8) + ks // 8)[:, None],
+                    mask=col_mask[None, :],
+                    other=0,
+                )
+                bits = bits | (((high.to(tl.int32) >> (ks % 8)[:, None]) & 1) << (4 + plane))
+            code = (bits - CENTRE).to(tl.float32)
         else:
             code = tl.load(
                 codes_ptr + cols64[None, :] * codes_row_bytes + ks[:, None],
@@ -126,8 +141,8 @@ def _quantized_matmul_kernel(
 def _check(x: torch.Tensor, weight: QuantizedLayout) -> tuple[int, int]:
     """(N, K) of ``weight`` after checking it against ``x``; ValueError naming what is wrong."""
     bits, group = weight.bits, weight.group
-    if bits not in (4, 8):
-        raise ValueError(f"quantized_matmul: bits must be 4 or 8, got {bits}")
+    if bits not in (4, 5, 6, 8):
+        raise ValueError(f"quantized_matmul: bits must be 4, 5, 6 or 8, got {bits}")
     if group not in (16, 32):
         raise ValueError(f"quantized_matmul: group must be 16 or 32, got {group}")
     codes, scales, offsets = weight.codes, weight.scales, weight.offsets
@@ -184,6 +199,7 @@ def quantized_matmul(x: torch.Tensor, weight: QuantizedLayout) -> torch.Tensor:
         codes.shape[1],
         scales.shape[1],
         BITS=weight.bits,
+        CENTRE=weight.centre,
         GROUP=weight.group,
         HAS_OFFSET=weight.offsets is not None,
         FP32_DOT=x.dtype == torch.float32,
