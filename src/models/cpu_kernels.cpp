@@ -426,6 +426,27 @@ inline void codes_chunk(const uint8_t* row, int64_t K, int64_t c, f32x16& q0, f3
     q0 = int8_to_f32(row + c * 32);
     q1 = int8_to_f32(row + c * 32 + 16);
   } else {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    // in bytes: the nibbles, each plane's bits added by a masked byte add, then widened
+    constexpr int centre = code_centre<BITS, HAS_MIN>();
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    for (int p = 0; p < BITS - 4; ++p) {
+      uint32_t plane;
+      std::memcpy(&plane, row + K / 2 + p * (K / 8) + c * 4, sizeof(plane));
+      const __m128i bit = _mm_set1_epi8(char(16 << p));
+      lo = _mm_mask_add_epi8(lo, static_cast<__mmask16>(plane & 0xFFFFu), lo, bit);
+      hi = _mm_mask_add_epi8(hi, static_cast<__mmask16>(plane >> 16), hi, bit);
+    }
+    __m512i lo32 = _mm512_cvtepu8_epi32(lo), hi32 = _mm512_cvtepu8_epi32(hi);
+    if constexpr (centre != 0) {
+      lo32 = _mm512_sub_epi32(lo32, _mm512_set1_epi32(centre));
+      hi32 = _mm512_sub_epi32(hi32, _mm512_set1_epi32(centre));
+    }
+    q0 = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(lo32));
+    q1 = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(hi32));
+#else
     u8x16 b;
     std::memcpy(&b, row + c * 16, 16);
     i32x16 lo = __builtin_convertvector(b & 0x0F, i32x16);
@@ -446,6 +467,7 @@ inline void codes_chunk(const uint8_t* row, int64_t K, int64_t c, f32x16& q0, f3
     }
     q0 = __builtin_convertvector(lo, f32x16);
     q1 = __builtin_convertvector(hi, f32x16);
+#endif
   }
 }
 
