@@ -7,11 +7,13 @@
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K are repacked into at load):
 
 - ``codes`` uint8 ``[N, K * bits // 8]``. ``bits == 8``: one signed byte per
-  weight (the unsigned 5-bit codes are below 128, so a signed read is the same).
-  ``bits == 4``: each run of 32 codes is 16 bytes, code ``j`` in the low nibble
-  of byte ``j`` and code ``j + 16`` in its high nibble.
+  weight. ``bits == 4``: each run of 32 codes is 16 bytes, code ``j`` in the low
+  nibble of byte ``j`` and code ``j + 16`` in its high nibble. ``bits == 5`` / ``6``:
+  the low 4 bits of every code so (``K / 2`` bytes), then a bit plane of ``K / 8``
+  bytes per high bit (bit ``k % 8`` of byte ``k / 8`` is bit 4, then 5, of code ``k``).
 - ``scales`` fp32 ``[N, K // group]`` and optional ``offsets`` of the same
-  shape: ``w[n, k] = code * scales[n, k // group] (+ offsets[n, k // group])``.
+  shape: ``w[n, k] = (code - centre) * scales[n, k // group] (+ offsets[n, k // group])``,
+  the centre ``2 ** (bits - 1)`` for 5- and 6-bit codes without offsets, else 0.
 
 The weight is formed in fp32 inside the kernel, tile by tile, and never
 written out: a weight-only kernel whose memory traffic is the codes and
@@ -50,6 +52,8 @@ class QuantizedLayout(Protocol):
     def bits(self) -> int: ...
     @property
     def group(self) -> int: ...
+    @property
+    def centre(self) -> int: ...
 
 
 @triton.jit
@@ -76,6 +80,7 @@ def _quantized_matmul_kernel(
     codes_row_bytes,
     groups_per_row,
     BITS: tl.constexpr,
+    CENTRE: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -99,44 +104,65 @@ def _quantized_matmul_kernel(
     row_mask = rows < M
     col_mask = cols < N
     cols64 = cols.to(tl.int64)
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    BYTES: tl.constexpr = BLOCK_K * BITS // 8
     code_row = codes_ptr + cols64[:, None] * codes_row_bytes  # [BLOCK_N, 1]
     group_row = cols64[:, None] * groups_per_row  # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_slice = K // SPLIT_K
     x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     for k0 in range(pid_k * k_slice, (pid_k + 1) * k_slice, BLOCK_K):
-        # Each weight row's codes for this K step are contiguous bytes: one coalesced load.
-        packed = tl.load(
-            code_row + (k0 * BITS // 8 + tl.arange(0, BYTES))[None, :],
-            mask=col_mask[:, None],
-            other=0,
-        ).to(tl.int32)
-        group_at = group_row + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]  # [BLOCK_N, GROUPS]
-        scale = tl.load(scales_ptr + group_at, mask=col_mask[:, None], other=0.0)[:, :, None]
-        offset = scale * 0.0
-        if HAS_OFFSET:
-            offset = tl.load(offsets_ptr + group_at, mask=col_mask[:, None], other=0.0)[:, :, None]
-        if BITS == 4:
-            # Byte j of a 32-run holds code j (low nibble) and code j + 16 (high nibble): the
-            # low nibbles meet x's first 16 columns of each group, the high ones the last 16.
-            HALF: tl.constexpr = BLOCK_K // 2
-            nibbles = tl.reshape(packed, (BLOCK_N, GROUPS, 16))
-            at_low = k0 + (tl.arange(0, HALF) // 16) * 32 + tl.arange(0, HALF) % 16
-            x_low = tl.load(x_row + at_low[None, :], mask=row_mask[:, None], other=0.0)
-            x_high = tl.load(x_row + (at_low + 16)[None, :], mask=row_mask[:, None], other=0.0)
-            w_low = tl.reshape((nibbles & 0x0F).to(tl.float32) * scale + offset, (BLOCK_N, HALF))
-            w_high = tl.reshape((nibbles >> 4).to(tl.float32) * scale + offset, (BLOCK_N, HALF))
-            acc = _dot_acc(x_low, w_low, acc, FP32_DOT)
-            acc = _dot_acc(x_high, w_high, acc, FP32_DOT)
-        else:
+        if BITS == 8:
+            GROUPS: tl.constexpr = BLOCK_K // GROUP
+            # Each weight row's codes for this K step are contiguous bytes: one coalesced load.
+            packed = tl.load(
+                code_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=col_mask[:, None], other=0
+            )
+            group_at = group_row + (k0 // GROUP + tl.arange(0, GROUPS))[None, :]
+            scale = tl.load(scales_ptr + group_at, mask=col_mask[:, None], other=0.0)
+            w3 = tl.reshape(packed.to(tl.float32), (BLOCK_N, GROUPS, GROUP)) * scale[:, :, None]
+            if HAS_OFFSET:
+                offset = tl.load(offsets_ptr + group_at, mask=col_mask[:, None], other=0.0)
+                w3 = w3 + offset[:, :, None]
             x = tl.load(
                 x_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_mask[:, None], other=0.0
             )
-            code = tl.reshape(packed, (BLOCK_N, GROUPS, GROUP)).to(tl.float32)
-            w = tl.reshape(code * scale + offset, (BLOCK_N, BLOCK_K))  # as dequantize forms it
-            acc = _dot_acc(x, w, acc, FP32_DOT)
+            acc = _dot_acc(x, tl.reshape(w3, (BLOCK_N, BLOCK_K)), acc, FP32_DOT)
+        else:
+            # Byte j of a 32-run holds the low 4 bits of code j (low nibble) and of code
+            # j + 16 (high nibble): the low nibbles meet x's first 16 columns of each run,
+            # the high ones the last 16. 5/6-bit codes add bits 4 and 5 from their planes.
+            RUNS: tl.constexpr = BLOCK_K // 32
+            HALF: tl.constexpr = BLOCK_K // 2
+            nibbles = tl.load(
+                code_row + (k0 // 2 + tl.arange(0, HALF))[None, :], mask=col_mask[:, None], other=0
+            ).to(tl.int32)
+            at_low = k0 + (tl.arange(0, HALF) // 16) * 32 + tl.arange(0, HALF) % 16  # [HALF]
+            low = nibbles & 0x0F
+            high = nibbles >> 4
+            for plane in tl.static_range(BITS - 4):
+                plane_row = code_row + K // 2 + plane * (K // 8)
+                bits_low = tl.load(plane_row + (at_low // 8)[None, :], mask=col_mask[:, None])
+                bits_high = tl.load(plane_row + (at_low // 8 + 2)[None, :], mask=col_mask[:, None])
+                shift = (at_low % 8)[None, :]
+                low = low | (((bits_low.to(tl.int32) >> shift) & 1) << (4 + plane))
+                high = high | (((bits_high.to(tl.int32) >> shift) & 1) << (4 + plane))
+            run_k = k0 + tl.arange(0, RUNS) * 32  # each run's first column
+            at_low_group = group_row + (run_k // GROUP)[None, :]  # [BLOCK_N, RUNS]
+            at_high_group = group_row + ((run_k + 16) // GROUP)[None, :]
+            scale_low = tl.load(scales_ptr + at_low_group, mask=col_mask[:, None], other=0.0)
+            scale_high = tl.load(scales_ptr + at_high_group, mask=col_mask[:, None], other=0.0)
+            w_low = tl.reshape((low - CENTRE).to(tl.float32), (BLOCK_N, RUNS, 16))
+            w_high = tl.reshape((high - CENTRE).to(tl.float32), (BLOCK_N, RUNS, 16))
+            w_low = w_low * scale_low[:, :, None]
+            w_high = w_high * scale_high[:, :, None]
+            if HAS_OFFSET:
+                off_low = tl.load(offsets_ptr + at_low_group, mask=col_mask[:, None], other=0.0)
+                off_high = tl.load(offsets_ptr + at_high_group, mask=col_mask[:, None], other=0.0)
+                w_low = w_low + off_low[:, :, None]
+                w_high = w_high + off_high[:, :, None]
+            x_low = tl.load(x_row + at_low[None, :], mask=row_mask[:, None], other=0.0)
+            x_high = tl.load(x_row + (at_low + 16)[None, :], mask=row_mask[:, None], other=0.0)
+            acc = _dot_acc(x_low, tl.reshape(w_low, (BLOCK_N, HALF)), acc, FP32_DOT)
+            acc = _dot_acc(x_high, tl.reshape(w_high, (BLOCK_N, HALF)), acc, FP32_DOT)
     at = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols64[None, :]
     if SPLIT_K == 1:
         tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -180,8 +206,8 @@ def launch_config(m: int, n: int, k: int, bits: int, device_type: str) -> Launch
 def _check(x: torch.Tensor, weight: QuantizedLayout) -> tuple[int, int]:
     """(N, K) of ``weight`` after checking it against ``x``; ValueError naming what is wrong."""
     bits, group = weight.bits, weight.group
-    if bits not in (4, 8):
-        raise ValueError(f"quantized_matmul: bits must be 4 or 8, got {bits}")
+    if bits not in (4, 5, 6, 8):
+        raise ValueError(f"quantized_matmul: bits must be 4, 5, 6 or 8, got {bits}")
     if group not in (16, 32):
         raise ValueError(f"quantized_matmul: group must be 16 or 32, got {group}")
     codes, scales, offsets = weight.codes, weight.scales, weight.offsets
@@ -245,6 +271,7 @@ def quantized_matmul(
         codes.shape[1],
         scales.shape[1],
         BITS=weight.bits,
+        CENTRE=weight.centre,
         GROUP=weight.group,
         HAS_OFFSET=weight.offsets is not None,
         FP32_DOT=x.dtype == torch.float32,

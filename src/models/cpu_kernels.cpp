@@ -340,13 +340,16 @@ int argmax_rows(const float* x, int64_t stride, int64_t rows, int64_t cols, int6
 // ---------------------------------------------------------------- weight-only quantized matmul
 //
 // y[m, n] = sum_k x[m, k] * w[n, k], with w held quantized (quantized.py repacks GGUF blocks
-// into this layout once, at load): per output row n, K codes q (BITS = 8: int8, one a byte;
-// BITS = 4: unsigned nibbles, 16 bytes per 32 codes, byte j holding code j in its low and code
-// j + 16 in its high nibble) and per group of G codes an fp32 scale s (and, with HAS_MIN, an
-// fp32 offset m): w = q * s (+ m). The weight is formed exactly so, in fp32 without fusing,
-// which is what gguf's dequantize computes, so the dequantized values are bit-identical; the
-// products are summed in fp32 (fused multiply-add where the CPU has it) in another order than
-// a BLAS would, as any two fp32 matmuls differ.
+// into this layout once, at load): per output row n, K unsigned codes q (BITS = 8: int8, one
+// a byte; BITS = 4: 16 bytes per 32 codes, byte j holding code j in its low and code j + 16 in
+// its high nibble; BITS = 5 / 6: the low nibbles as for 4 bits, K / 2 bytes, then one bit
+// plane of K / 8 bytes per high bit, bit k % 8 of byte k / 8 being bit 4 (then 5) of code k)
+// and per group of G codes an fp32 scale s (and, with HAS_MIN, an fp32 offset m):
+// w = (q - C) * s (+ m), where the centre C is 2^(BITS-1) for 5- and 6-bit codes without
+// offsets (Q5_0, Q6_K) and 0 otherwise. The weight is formed exactly so, in fp32 without
+// fusing, which is what gguf's dequantize computes, so the dequantized values are
+// bit-identical; the products are summed in fp32 (fused multiply-add where the CPU has it) in
+// another order than a BLAS would, as any two fp32 matmuls differ.
 //
 // The kernel is written on GCC vector types of 16 floats: with AVX-512 each is one register,
 // with AVX2 or SSE the compiler splits it (the build is -march=native, so the machine that runs
@@ -396,20 +399,84 @@ inline float hsum(f32x16 v) {
   return total;
 }
 
-// The 32 weights of chunk c (codes c*32 .. c*32+31) of one row, as two vectors.
-template <int BITS, int G, bool HAS_MIN>
-inline void dequant_chunk(const uint8_t* row, const float* scales, const float* mins, int64_t c,
-                          f32x16& w0, f32x16& w1) {
-  f32x16 q0, q1;
-  if constexpr (BITS == 4) {
-    u8x16 b;
-    std::memcpy(&b, row + c * 16, 16);
-    q0 = __builtin_convertvector(__builtin_convertvector(b & 0x0F, i32x16), f32x16);
-    q1 = __builtin_convertvector(__builtin_convertvector(b >> 4, i32x16), f32x16);
+// The centre C taken from every code (see above).
+template <int BITS, bool HAS_MIN>
+constexpr int code_centre() {
+  return (BITS == 5 || BITS == 6) && !HAS_MIN ? 1 << (BITS - 1) : 0;
+}
+
+// Code k of a row of K codes, centred (the portable paths).
+template <int BITS, bool HAS_MIN>
+inline int code_at(const uint8_t* row, int64_t K, int64_t k) {
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(row[k]);
   } else {
+    const uint8_t byte = row[(k / 32) * 16 + (k % 16)];
+    int code = (k % 32) < 16 ? (byte & 0x0F) : (byte >> 4);
+    for (int p = 0; p < BITS - 4; ++p)
+      code |= ((row[K / 2 + p * (K / 8) + k / 8] >> (k % 8)) & 1) << (4 + p);
+    return code - code_centre<BITS, HAS_MIN>();
+  }
+}
+
+// The 32 codes of chunk c (codes c*32 .. c*32+31) of a row of K codes, centred, as floats.
+template <int BITS, bool HAS_MIN>
+inline void codes_chunk(const uint8_t* row, int64_t K, int64_t c, f32x16& q0, f32x16& q1) {
+  if constexpr (BITS == 8) {
     q0 = int8_to_f32(row + c * 32);
     q1 = int8_to_f32(row + c * 32 + 16);
+  } else {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    // in bytes: the nibbles, each plane's bits added by a masked byte add, then widened
+    constexpr int centre = code_centre<BITS, HAS_MIN>();
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 16));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    for (int p = 0; p < BITS - 4; ++p) {
+      uint32_t plane;
+      std::memcpy(&plane, row + K / 2 + p * (K / 8) + c * 4, sizeof(plane));
+      const __m128i bit = _mm_set1_epi8(char(16 << p));
+      lo = _mm_mask_add_epi8(lo, static_cast<__mmask16>(plane & 0xFFFFu), lo, bit);
+      hi = _mm_mask_add_epi8(hi, static_cast<__mmask16>(plane >> 16), hi, bit);
+    }
+    __m512i lo32 = _mm512_cvtepu8_epi32(lo), hi32 = _mm512_cvtepu8_epi32(hi);
+    if constexpr (centre != 0) {
+      lo32 = _mm512_sub_epi32(lo32, _mm512_set1_epi32(centre));
+      hi32 = _mm512_sub_epi32(hi32, _mm512_set1_epi32(centre));
+    }
+    q0 = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(lo32));
+    q1 = reinterpret_cast<f32x16>(_mm512_cvtepi32_ps(hi32));
+#else
+    u8x16 b;
+    std::memcpy(&b, row + c * 16, 16);
+    i32x16 lo = __builtin_convertvector(b & 0x0F, i32x16);
+    i32x16 hi = __builtin_convertvector(b >> 4, i32x16);
+    if constexpr (BITS >= 5) {
+      const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      for (int p = 0; p < BITS - 4; ++p) {
+        uint32_t plane;
+        std::memcpy(&plane, row + K / 2 + p * (K / 8) + c * 4, sizeof(plane));
+        lo |= (((i32x16{} + static_cast<int32_t>(plane & 0xFFFFu)) >> lane) & 1) << (4 + p);
+        hi |= (((i32x16{} + static_cast<int32_t>(plane >> 16)) >> lane) & 1) << (4 + p);
+      }
+    }
+    constexpr int centre = code_centre<BITS, HAS_MIN>();
+    if constexpr (centre != 0) {
+      lo -= centre;
+      hi -= centre;
+    }
+    q0 = __builtin_convertvector(lo, f32x16);
+    q1 = __builtin_convertvector(hi, f32x16);
+#endif
   }
+}
+
+// The 32 weights of chunk c (codes c*32 .. c*32+31) of one row, as two vectors.
+template <int BITS, int G, bool HAS_MIN>
+inline void dequant_chunk(const uint8_t* row, int64_t K, const float* scales, const float* mins,
+                          int64_t c, f32x16& w0, f32x16& w1) {
+  f32x16 q0, q1;
+  codes_chunk<BITS, HAS_MIN>(row, K, c, q0, q1);
   const int64_t g0 = (c * 32) / G, g1 = (c * 32 + 16) / G;
   w0 = q0 * splat(scales[g0]);
   w1 = q1 * splat(scales[g1]);
@@ -446,26 +513,12 @@ void qmatmul_tile(const float* x, int64_t ldx, int64_t m0, int64_t mr, const uin
     }
     for (int i = 0; i < NR; ++i) {
       f32x16 w0, w1;
-      dequant_chunk<BITS, G, HAS_MIN>(rows[i], srow[i], mrow[i], c, w0, w1);
+      dequant_chunk<BITS, G, HAS_MIN>(rows[i], K, srow[i], mrow[i], c, w0, w1);
       for (int j = 0; j < MR; ++j) acc[i][j] = fma16(w1, xb[j], fma16(w0, xa[j], acc[i][j]));
     }
   }
   for (int i = 0; i < nr; ++i)
     for (int j = 0; j < mr; ++j) y[(m0 + j) * ldy + n0 + i] = hsum(acc[i][j]);
-}
-
-// The 32 codes of chunk c of one row, as floats (not yet scaled).
-template <int BITS>
-inline void codes_chunk(const uint8_t* row, int64_t c, f32x16& q0, f32x16& q1) {
-  if constexpr (BITS == 4) {
-    u8x16 b;
-    std::memcpy(&b, row + c * 16, 16);
-    q0 = __builtin_convertvector(__builtin_convertvector(b & 0x0F, i32x16), f32x16);
-    q1 = __builtin_convertvector(__builtin_convertvector(b >> 4, i32x16), f32x16);
-  } else {
-    q0 = int8_to_f32(row + c * 32);
-    q1 = int8_to_f32(row + c * 32 + 16);
-  }
 }
 
 // One input row (decode): sum_g s_g * (q_g . x_g) + sum_g m_g * sum(x_g), with the group
@@ -490,7 +543,7 @@ void qmatmul_vec_tile(const float* x, const float* xsum, const uint8_t* q, int64
     const f32x16 xa = load16(x + c * 32), xb = load16(x + c * 32 + 16);
     for (int i = 0; i < NR; ++i) {
       f32x16 q0, q1;
-      codes_chunk<BITS>(rows[i], c, q0, q1);
+      codes_chunk<BITS, HAS_MIN>(rows[i], K, c, q0, q1);
       if constexpr (G == 32) {
         acc[i] = fma16(splat(srow[i][c]), fma16(q1, xb, q0 * xa), acc[i]);
       } else {
@@ -557,7 +610,13 @@ int quantized_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const ui
   if (bits == 8 && group == 32)
     return has_min ? qmatmul<8, 32, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
                    : qmatmul<8, 32, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
-  if (bits == 8 && group == 16)
+  if (bits == 5 && group == 32)
+    return has_min ? qmatmul<5, 32, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
+                   : qmatmul<5, 32, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
+  if (bits == 6 && group == 16)
+    return has_min ? qmatmul<6, 16, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
+                   : qmatmul<6, 16, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
+  if (bits == 8 && group == 16)  // (no GGUF type repacks so today; kept for callers' layouts)
     return has_min ? qmatmul<8, 16, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
                    : qmatmul<8, 16, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
   return -2;
@@ -682,10 +741,8 @@ void rows_portable(const ActivationCodes& a, int64_t M, int64_t K, const uint8_t
         for (int j = 0; j < 16; ++j)
           dot += (b[j] & 0x0F) * (256 * xg[j] + rg[j]) + (b[j] >> 4) * (256 * xg[j + 16] + rg[j + 16]);
       } else {
-        const int8_t* w = reinterpret_cast<const int8_t*>(row) + g * G;
-        const int8_t* xg = xq + g * G;
-        const int8_t* rg = xr + g * G;
-        for (int j = 0; j < G; ++j) dot += w[j] * (256 * xg[j] + rg[j]);
+        for (int64_t k = g * G; k < (g + 1) * G; ++k)
+          dot += code_at<BITS, HAS_MIN>(row, K, k) * (256 * xq[k] + xr[k]);
       }
       total += scales[n * groups + g] * xd[g * G / 32] * static_cast<float>(dot);
     }
@@ -720,6 +777,11 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
       : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i dup = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);  // 16-byte chunks a, a, b, b
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x80));
+  // Signed codes (8-bit, or 5/6-bit centred) go in biased by 128, which the lanes' starting
+  // sums (bias_q, bias_r) take back; unsigned codes go in as they are.
+  constexpr int centre = code_centre<BITS, HAS_MIN>();
+  constexpr bool biased = BITS == 8 || centre != 0;
+  const __m512i rebias = _mm512_set1_epi8(char(128 - centre));
   __m512 acc[NR][MR];
   const uint8_t* rows[NR];
   const float* srow[NR];
@@ -739,17 +801,20 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
       xq[j] = _mm512_loadu_si512(a.q.data() + xm[j] * kp + s * 64);
       xr[j] = _mm512_loadu_si512(a.r.data() + xm[j] * kp + s * 64);
       xd[j] = _mm512_loadu_ps(a.lane_d.data() + xm[j] * kp / 4 + s * 16);
-      bq[j] = BITS == 8 ? _mm512_loadu_si512(a.bias_q.data() + xm[j] * kp / 4 + s * 16)
-                        : _mm512_setzero_si512();
-      br[j] = BITS == 8 ? _mm512_loadu_si512(a.bias_r.data() + xm[j] * kp / 4 + s * 16)
-                        : _mm512_setzero_si512();
+      bq[j] = biased ? _mm512_loadu_si512(a.bias_q.data() + xm[j] * kp / 4 + s * 16)
+                     : _mm512_setzero_si512();
+      br[j] = biased ? _mm512_loadu_si512(a.bias_r.data() + xm[j] * kp / 4 + s * 16)
+                     : _mm512_setzero_si512();
     }
     const __mmask16 smask = half ? __mmask16((1u << (per_step / 2)) - 1) : __mmask16((1u << per_step) - 1);
     if (n0 + kPrefetchRows + NR <= n_total) {  // the tile kPrefetchRows ahead: codes, scales
-      constexpr int step_bytes = 64 * BITS / 8;
+      constexpr int step_bytes = BITS == 8 ? 64 : 32;  // of the bytes or nibbles
       for (int i = 0; i < NR; ++i) {
         const char* ahead = reinterpret_cast<const char*>(rows[i] + kPrefetchRows * q_stride);
-        for (int b = 0; b < step_bytes; b += 64) _mm_prefetch(ahead + s * step_bytes + b, _MM_HINT_T0);
+        _mm_prefetch(ahead + s * step_bytes, _MM_HINT_T0);
+        if constexpr (BITS == 5 || BITS == 6)  // a line of a bit plane covers 8 steps
+          if (s % 8 == 0)
+            for (int p = 0; p < BITS - 4; ++p) _mm_prefetch(ahead + K / 2 + p * (K / 8) + s * 8, _MM_HINT_T0);
         if (s % (64 / per_step) == 0) {
           _mm_prefetch(reinterpret_cast<const char*>(srow[i] + kPrefetchRows * groups + s * per_step), _MM_HINT_T0);
           if constexpr (HAS_MIN)
@@ -759,10 +824,23 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
     }
     for (int i = 0; i < NR; ++i) {
       __m512i w;
-      if constexpr (BITS == 4) {
+      if constexpr (BITS != 8) {  // byte p of w: code p of the step
         const __m256i bytes = _mm256_maskz_loadu_epi8(half ? 0xFFFFu : 0xFFFFFFFFu, rows[i] + s * 32);
         const __m512i twice = _mm512_permutexvar_epi64(dup, _mm512_castsi256_si512(bytes));
         w = _mm512_and_si512(_mm512_mask_srli_epi16(twice, 0xFF00FF00u, twice, 4), low_nibbles);
+        for (int p = 0; p < BITS - 4; ++p) {  // bit plane p: one bit per code, a mask per step
+          const uint8_t* plane = rows[i] + K / 2 + p * (K / 8) + s * 8;
+          uint64_t high = 0;
+          if (half) {
+            uint32_t part;
+            std::memcpy(&part, plane, sizeof(part));
+            high = part;
+          } else {
+            std::memcpy(&high, plane, sizeof(high));
+          }
+          w = _mm512_mask_add_epi8(w, static_cast<__mmask64>(high), w, _mm512_set1_epi8(char(16 << p)));
+        }
+        if constexpr (centre != 0) w = _mm512_add_epi8(w, rebias);
       } else {
         const __mmask64 bmask = half ? 0xFFFFFFFFull : ~0ull;
         w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bmask, rows[i] + s * 64), flip);
@@ -800,6 +878,12 @@ LEGATO_AVX2 void tile_avx2(const ActivationCodes& a, int64_t m0, int64_t mr, int
   const int64_t groups = K / G, kp = a.kp;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  constexpr int centre = code_centre<BITS, HAS_MIN>();
+  constexpr bool is_signed = BITS == 8 || centre != 0;  // else unsigned, below 64
+  // a bit plane's 32 bits of one block to 32 bytes: byte j takes plane byte j / 8, bit j % 8
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit_of = _mm256_set1_epi64x(0x8040201008040201ll);
   __m256 acc[NR][MR];
   const uint8_t* rows[NR];
   const float* srow[NR];
@@ -821,20 +905,29 @@ LEGATO_AVX2 void tile_avx2(const ActivationCodes& a, int64_t m0, int64_t mr, int
     }
     for (int i = 0; i < NR; ++i) {
       __m256i w;
-      if constexpr (BITS == 4) {
+      if constexpr (BITS != 8) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + b * 16));
         w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles),
                              _mm_and_si128(bytes, low_nibbles));
+        for (int p = 0; p < BITS - 4; ++p) {
+          int32_t plane;
+          std::memcpy(&plane, rows[i] + K / 2 + p * (K / 8) + b * 4, sizeof(plane));
+          const __m256i bits = _mm256_and_si256(
+              _mm256_shuffle_epi8(_mm256_set1_epi32(plane), spread), bit_of);
+          const __m256i set = _mm256_cmpeq_epi8(bits, bit_of);
+          w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(char(16 << p))));
+        }
+        if constexpr (centre != 0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(char(centre)));
       } else {
         w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + b * 32));
       }
       const __m256 ws = G == 32 ? _mm256_set1_ps(srow[i][b])
                                 : _mm256_set_m128(_mm_set1_ps(srow[i][2 * b + 1]),
                                                   _mm_set1_ps(srow[i][2 * b]));
-      const __m256i aw = BITS == 8 ? _mm256_abs_epi8(w) : w;
+      const __m256i aw = is_signed ? _mm256_abs_epi8(w) : w;
       for (int j = 0; j < MR; ++j) {
-        const __m256i sq = BITS == 8 ? _mm256_sign_epi8(xq[j], w) : xq[j];
-        const __m256i sr = BITS == 8 ? _mm256_sign_epi8(xr[j], w) : xr[j];
+        const __m256i sq = is_signed ? _mm256_sign_epi8(xq[j], w) : xq[j];
+        const __m256i sr = is_signed ? _mm256_sign_epi8(xr[j], w) : xr[j];
         const __m256i high = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sq), ones);
         const __m256i low = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sr), ones);
         const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(high, 8), low);
@@ -936,6 +1029,8 @@ int quantized_matmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, con
                  : qmatmul_int8<B, G, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
   if (bits == 4 && group == 32) LEGATO_Q8A(4, 32);
   if (bits == 8 && group == 32) LEGATO_Q8A(8, 32);
+  if (bits == 5 && group == 32) LEGATO_Q8A(5, 32);
+  if (bits == 6 && group == 16) LEGATO_Q8A(6, 16);
   if (bits == 8 && group == 16) LEGATO_Q8A(8, 16);
 #undef LEGATO_Q8A
   return -2;

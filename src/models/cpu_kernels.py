@@ -420,6 +420,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+QUANTIZED_LAYOUTS = ((4, 32), (5, 32), (6, 16), (8, 32), (8, 16))
+"""The (bits, group) pairs the quantized matmul takes (layout: :mod:`legato.models.quantized`)."""
+
 QUANTIZED_ISAS = ("portable", "avx2", "avx512_vnni")
 """The int8-activation kernel's paths, by the number the library uses."""
 
@@ -461,7 +464,7 @@ def quantized_matmul(
         and x.dtype == out.dtype == torch.float32
         and codes.dtype == torch.uint8
         and scales.dtype == torch.float32
-        and (bits, group) in ((4, 32), (8, 32), (8, 16))
+        and (bits, group) in QUANTIZED_LAYOUTS
         and width % 32 == 0
         and x.stride(1) == 1
         and out.stride(1) == 1

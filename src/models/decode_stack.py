@@ -94,7 +94,7 @@ def _supported(linear: QuantizedLinear | None) -> bool:
         linear is not None
         and len(linear.parts) <= _MAX_PARTS
         and all(
-            p.layout()[:2] in ((4, 32), (8, 32), (8, 16)) and p.codes.device.type == "cpu"
+            p.layout()[:2] in cpu_kernels.QUANTIZED_LAYOUTS and p.codes.device.type == "cpu"
             for p in linear.parts
         )
     )

@@ -2,29 +2,42 @@
 
 A GGUF tensor of a type in :data:`KEPT_TYPES` is repacked once, at load, into
 one layout that the native kernels (``legato_quantized_matmul_int8`` and
-``legato_quantized_matmul_f32`` in ``cpu_kernels.cpp``) read: per output row, K integer codes and, per group of
-``group`` codes, an fp32 scale and (for the types with an offset) an fp32
-offset, so that ``w = code * scale (+ offset)``:
+``legato_quantized_matmul_f32`` in ``cpu_kernels.cpp``) read: per output row, K unsigned
+integer codes and, per group of ``group`` codes, an fp32 scale and (for the types with an
+offset) an fp32 offset, so that ``w = (code - centre) * scale (+ offset)``:
 
-========  =====================  =====  =====  ======  ==========================
-type      codes                  bits   group  offset  bytes / file bytes
-========  =====================  =====  =====  ======  ==========================
-Q4_0      nibble 0..15           4      32     -8 d    24 / 18 (1.33x)
-Q4_1      nibble 0..15           4      32     m       24 / 20 (1.2x)
-Q5_0      int8 -16..15           8      32     none    36 / 22 (1.64x)
-Q5_1      byte 0..31             8      32     m       40 / 24 (1.67x)
-Q4_K      nibble 0..15           4      32     -dmin m 24 / 18 (1.33x)
-Q5_K      byte 0..31             8      32     -dmin m 40 / 22 (1.8x)
-Q6_K      int8 -32..31           8      16     none    48 / 26.25 (1.83x)
-Q8_0      int8                   8      32     none    36 / 34 (1.06x)
-========  =====================  =====  =====  ======  ==========================
+========  =====  =====  ======  ======  ================================
+type      bits   group  offset  centre  bytes / file bytes (per 32)
+========  =====  =====  ======  ======  ================================
+Q4_0      4      32     -8 d    0       24 / 18 (1.33x)
+Q4_1      4      32     m       0       24 / 20 (1.2x)
+Q5_0      5      32     none    16      24 / 22 (1.09x)
+Q5_1      5      32     m       0       28 / 24 (1.17x)
+Q4_K      4      32     -dmin m 0       24 / 18 (1.33x)
+Q5_K      5      32     -dmin m 0       28 / 22 (1.27x)
+Q6_K      6      16     none    32      32 / 26.25 (1.22x)
+Q8_0      8      32     none    0       36 / 34 (1.06x)
+========  =====  =====  ======  ======  ================================
 
-Why this layout and not the file's blocks as they are: one kernel (two code
-widths) serves six types, the per-group scale is decoded once at load instead
+Code bytes of one row (``K * bits / 8`` of them):
+
+- ``bits == 8``: one signed byte per code (Q8_0's own int8 values; centre 0).
+- ``bits == 4``: per run of 32 codes 16 bytes, code ``j`` in the low nibble of byte ``j``
+  and code ``j + 16`` in its high nibble.
+- ``bits == 5`` / ``6``: the low 4 bits of every code as in ``bits == 4`` (``K / 2``
+  bytes), then one bit plane per high bit (``K / 8`` bytes each: bit ``k % 8`` of byte
+  ``k / 8`` is bit 4, then bit 5, of code ``k``). The 5- and 6-bit codes without offsets
+  (Q5_0, Q6_K) are centred (``centre = 2 ** (bits - 1)``); with offsets they are not.
+
+Why this layout and not the file's blocks as they are: one kernel (four code
+widths) serves eight types, the per-group scale is decoded once at load instead
 of on every token (the K-quants pack 6-bit sub-scales), and the scales are fp32
 so the weight the kernel forms is bit-identical to what ``gguf.quants.dequantize``
-returns. The price is memory above the file's for the 5- and 6-bit types (a
-nibble-plus-high-bits layout would bring them back to about 1.1x; not done).
+returns. The 5/6-bit split into a nibble part and bit planes (ggml keeps the high
+bits apart too) keeps them near the file's size: the VNNI kernel turns the planes
+into 64-lane byte masks with one load (a ``__mmask64`` per 64 codes) and adds the high
+bits with one masked add, so the extra bits cost two instructions per 64 codes, not a
+byte per code (the 8-bit repacking before held them at 1.64-1.83x the file).
 Q5_0 / Q5_1 are kept too: llama.cpp's Q4_K_M falls back to them for tensors whose
 rows are not a multiple of 256 (every matrix of SmolLM2-135M, 576 wide).
 
@@ -74,8 +87,8 @@ class QuantizedWeight:
     """A ``[out_features, in_features]`` weight as codes plus per-group scales (and offsets).
 
     ``codes`` uint8 ``[N, K * bits // 8]`` (see the module docstring for the
-    nibble order), ``scales`` / ``offsets`` fp32 ``[N, K // group]``; ``kind``
-    names the GGUF type it came from.
+    nibble order and the bit planes), ``scales`` / ``offsets`` fp32 ``[N, K // group]``;
+    ``kind`` names the GGUF type it came from.
     """
 
     codes: torch.Tensor
@@ -92,6 +105,11 @@ class QuantizedWeight:
     @property
     def in_features(self) -> int:
         return int(self.codes.shape[1]) * 8 // self.bits
+
+    @property
+    def centre(self) -> int:
+        """What is taken from every code before scaling (5/6-bit codes without offsets)."""
+        return 1 << (self.bits - 1) if self.bits in (5, 6) and self.offsets is None else 0
 
     @property
     def nbytes(self) -> int:
@@ -125,17 +143,13 @@ class QuantizedWeight:
         )  # fmt: skip
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp32 weight (only ``rows``, int64, when given): ``code * scale (+ offset)``."""
+        """The fp32 weight (only ``rows``, int64, when given): ``(code - centre) * scale (+ offset)``."""
         codes, scales, offsets = self.codes, self.scales, self.offsets
         if rows is not None:
             codes, scales = codes.index_select(0, rows), scales.index_select(0, rows)
             offsets = offsets.index_select(0, rows) if offsets is not None else None
+        values = unpack_codes(codes, self.bits).float() - float(self.centre)
         n = codes.shape[0]
-        if self.bits == 4:
-            chunks = codes.view(n, -1, 16)
-            values = torch.cat((chunks & 0x0F, chunks >> 4), dim=-1).view(n, -1).float()
-        else:
-            values = codes.view(torch.int8).float()  # unsigned codes (Q5_1, Q5_K) are < 128
         grouped = values.view(n, -1, self.group) * scales.unsqueeze(-1)
         if offsets is not None:
             grouped = grouped + offsets.unsqueeze(-1)
@@ -166,6 +180,24 @@ class QuantizedWeight:
             rows = torch.arange(start, min(start + _FALLBACK_ROWS, self.out_features))
             out[:, start : start + len(rows)] = F.linear(x, self.dequantize(rows).to(x.device))
         return out
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[N, K]`` int16 codes from their packed ``[N, K * bits // 8]`` bytes (module docstring);
+    8-bit codes come back signed, the others unsigned."""
+    n = codes.shape[0]
+    if bits == 8:
+        return codes.view(torch.int8).to(torch.int16)
+    k = codes.shape[1] * 8 // bits
+    chunks = codes[:, : k // 2].reshape(n, -1, 16)
+    values = torch.cat((chunks & 0x0F, chunks >> 4), dim=-1).reshape(n, k).to(torch.int16)
+    shifts = torch.arange(8, dtype=torch.int16)
+    for plane in range(bits - 4):
+        start = k // 2 + plane * (k // 8)
+        packed = codes[:, start : start + k // 8].to(torch.int16)
+        bit = (packed.unsqueeze(-1) >> shifts) & 1
+        values |= bit.reshape(n, k) << (4 + plane)
+    return values
 
 
 def stack_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
@@ -302,6 +334,18 @@ def _pack_nibbles(values: np.ndarray) -> np.ndarray:
     return packed
 
 
+def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """``[n, K]`` unsigned codes below ``2 ** bits`` (4, 5 or 6) -> ``[n, K * bits // 8]``
+    bytes: the low nibbles as :func:`_pack_nibbles` packs them, then a bit plane per high bit."""
+    n = codes.shape[0]
+    low = _pack_nibbles((codes & 0x0F).reshape(n, -1, 32)).reshape(n, -1)
+    planes = [
+        np.packbits((codes >> np.uint8(b)) & 1, axis=-1, bitorder="little") for b in range(4, bits)
+    ]
+    packed: np.ndarray = np.concatenate([low, *planes], axis=-1)
+    return packed
+
+
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K: the 8 six-bit sub-block scales and mins packed in 12 bytes."""
     from gguf.quants import Q4_K
@@ -329,12 +373,12 @@ def from_gguf(raw: np.ndarray, kind: str, out_features: int, in_features: int) -
             [0, 4], np.uint8
         ).reshape(1, 2, 1)
         codes: np.ndarray = (low.reshape(-1, 32) & 0x0F) | (high.astype(np.uint8) << np.uint8(4))
+        packed = _pack_codes(codes.reshape(n, -1), 5)
         d = _f16(flat[:, 0:2]).reshape(n, -1)
-        if kind == "Q5_0":
-            signed = (codes.astype(np.int8) - np.int8(16)).view(np.uint8)
-            return _weight(signed.reshape(n, -1), d, None, 8, 32, kind)
+        if kind == "Q5_0":  # centred: w = (code - 16) * d
+            return _weight(packed, d, None, 5, 32, kind)
         m = _f16(flat[:, 2:4]).reshape(n, -1)
-        return _weight(codes.reshape(n, -1), d, m, 8, 32, kind)
+        return _weight(packed, d, m, 5, 32, kind)
     if kind in ("Q8_0", "Q4_0", "Q4_1"):
         block = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
         blocks = rows.reshape(n, -1, block)
@@ -363,10 +407,9 @@ def from_gguf(raw: np.ndarray, kind: str, out_features: int, in_features: int) -
         high = (
             qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         ) & 3
-        codes = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << np.uint8(4))).astype(np.int8)
-        codes = codes - np.int8(32)
-        scale = (d * sc).reshape(n, -1)
-        return _weight(codes.view(np.uint8).reshape(n, -1), scale, None, 8, 16, kind)
+        codes = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << np.uint8(4))).astype(np.uint8)
+        scale = (d * sc).reshape(n, -1)  # centred: w = (code - 32) * scale
+        return _weight(_pack_codes(codes.reshape(n, -1), 6), scale, None, 6, 16, kind)
     d, dmin = _f16(flat[:, 0:2]), _f16(flat[:, 2:4])
     sc, mn = _k_scale_min(flat[:, 4:16])
     scale, offset = (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
@@ -378,7 +421,7 @@ def from_gguf(raw: np.ndarray, kind: str, out_features: int, in_features: int) -
     low = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
     codes = (low.reshape(-1, 8, 32) | (high << np.uint8(4))).astype(np.uint8)
-    return _weight(codes.reshape(n, -1), scale, offset, 8, 32, kind)
+    return _weight(_pack_codes(codes.reshape(n, -1), 5), scale, offset, 5, 32, kind)
 
 
 def _weight(

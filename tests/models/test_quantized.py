@@ -148,11 +148,14 @@ def test_int8_activation_matmul_matches_dequantize_then_linear(
     assert (out - exact).abs().max() <= 5e-4 * scale
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_int8_activation_odd_widths(isa: str, kind: str) -> None:
-    """Widths of 32 * odd (a half step at the end of the 64-code VNNI loop) and one row; one
-    row over 45 outputs reaches the tiles that prefetch the rows 16 ahead."""
+    """Widths of 32 * odd (a half step at the end of the 64-code VNNI loop, where a 5-bit
+    plane holds 4 bytes, not 8) and one row; one row over 45 outputs reaches the tiles that
+    prefetch the rows 16 ahead (and their bit planes). K-quants: widths of 256 * odd."""
     shapes = [(1, 5, 32), (3, 11, 96), (2, 7, 608), (1, 45, 608)]
+    if kind.endswith("_K"):
+        shapes = [(1, 5, 256), (3, 11, 768), (16, 7, 1280), (1, 45, 768)]
     for rows, out_features, in_features in shapes:
         raw = random_blocks(kind, out_features, in_features, seed=in_features)
         weight = from_gguf(raw, kind, out_features, in_features)
@@ -169,6 +172,21 @@ def test_int8_activation_odd_widths(isa: str, kind: str) -> None:
             expected += F.linear(group_sum, weight.offsets)
         scale = max(1.0, float(expected.abs().max()))
         torch.testing.assert_close(out, expected, atol=2e-4 * scale, rtol=1e-4)
+
+
+# bytes held per byte of the file's blocks, at most (the module docstring's table)
+_HELD_PER_FILE_BYTE = {"Q8_0": 1.06, "Q4_0": 1.34, "Q4_1": 1.2, "Q5_0": 1.1}
+_HELD_PER_FILE_BYTE |= {"Q5_1": 1.17, "Q4_K": 1.34, "Q5_K": 1.28, "Q6_K": 1.22}
+
+
+@pytest.mark.parametrize("kind", KEPT_TYPES)
+def test_held_bytes_stay_near_the_file(kind: str) -> None:
+    """Memory stays near the file: the 5- and 6-bit codes are a nibble plus bit planes (5 or
+    6 bits a code), not a byte each (which held Q5_0 at 1.64x and Q6_K at 1.83x the file)."""
+    raw = random_blocks(kind, 3, 512, seed=2)
+    weight = from_gguf(raw, kind, 3, 512)
+    assert weight.codes.shape == (3, 512 * weight.bits // 8)
+    assert weight.nbytes <= _HELD_PER_FILE_BYTE[kind] * raw.nbytes
 
 
 def test_mixed_layouts_fill_their_own_columns(native: bool) -> None:
