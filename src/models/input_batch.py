@@ -288,6 +288,21 @@ class InputBatch:
 
     # ------------------------------------------------------- sampling
 
+    def plain_greedy(self, rows: np.ndarray) -> bool:
+        """Whether every row at ``rows`` samples as the bare argmax of its logits: greedy,
+        with nothing :meth:`sampling_metadata` would make the sampler apply first
+        (penalties, allowed ids, bias, bad words, min_tokens' bans) and no logprobs."""
+        n_out = self.num_tokens[rows] - self.num_prompt[rows]
+        return bool(
+            (self.temperature[rows] < _EPS).all()
+            and not self.has_penalty[rows].any()
+            and not self.has_allowed[rows].any()
+            and not self.has_bias[rows].any()
+            and not self.has_bad_words[rows].any()
+            and (n_out >= self.min_tokens[rows]).all()
+            and (self.num_logprobs[rows] < -1).all()
+        )
+
     def sampling_metadata(
         self, rows: np.ndarray, pending: list[list[int]] | None = None
     ) -> SamplingMetadata:

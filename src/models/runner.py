@@ -50,7 +50,7 @@ from .lora import RunnerLoRA
 from .pooling import Pooler
 from .registry import resolve_architecture
 from .runner_memory import RunnerMemory
-from .sampler import SamplingMetadata, sample, token_logprobs
+from .sampler import SamplingMetadata, greedy, sample, token_logprobs
 from .spec_decode import SpecDecoder, logits_rows, place_drafts
 from .step_metadata import build_metadata
 
@@ -80,6 +80,8 @@ class StepForward:
     hidden: torch.Tensor | None = None
     sampling: np.ndarray = field(default_factory=_no_rows)  # indices into ``order`` that sample
     logits: torch.Tensor | None = None  # of the ``sampling`` rows, in order
+    # Their tokens instead of logits, when every one is plain greedy (``InputBatch.plain_greedy``).
+    greedy_tokens: torch.Tensor | None = None
     # Speculative decoding: drafts per entry of ``order`` (None: the step has none); a
     # drafted entry's logits are its last ``spec_lens[i] + 1`` rows.
     spec_lens: np.ndarray | None = None
@@ -338,7 +340,7 @@ class ModelRunner(RunnerMemory):
             )
             sampling = sampling[~pooling[sampling]]
             self._pool(out, req_ids, order, starts, query_start_loc, hidden, pooling)
-        logits = None
+        logits = greedy_tokens = None
         if len(sampling):
             if spec_lens is None:
                 last_rows = np.asarray(query_start_loc[1:], dtype=np.int64)[sampling] - 1
@@ -347,6 +349,13 @@ class ModelRunner(RunnerMemory):
             logits = self.model.compute_logits(
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
             )
+            if (
+                spec_lens is None
+                and not step.grammar_bitmask_follows
+                and not step.grammar_bitmask
+                and batch.plain_greedy(rows[sampling])
+            ):  # the sampler would take the argmax and nothing else: take it now
+                greedy_tokens, logits = greedy(logits.float()), None
         return StepForward(
             out,
             order,
@@ -357,6 +366,7 @@ class ModelRunner(RunnerMemory):
             hidden,
             sampling,
             logits,
+            greedy_tokens,
             spec_lens,
             drafts,
         )
@@ -378,20 +388,24 @@ class ModelRunner(RunnerMemory):
         sampling = forward.sampling
         if forward.logits is not None and forward.spec_lens is not None:
             self._sample_verified(forward, grammar_bitmask)
-        elif forward.logits is not None:
-            logits = forward.logits
-            md: SamplingMetadata = batch.sampling_metadata(rows[sampling])
-            if grammar_bitmask:  # structured outputs: this step's token bitmask rows
-                sampled_ids = [req_ids[int(order[i])] for i in sampling.tolist()]
-                masks = step_bitmask(grammar_bitmask, sampled_ids, self.device)
-                if masks is not None:
-                    md.token_bitmask, md.bitmask_rows = masks
-            result = sample(logits, md)
-            tokens = result.sampled.tolist()
+        elif forward.logits is not None or forward.greedy_tokens is not None:
+            logprobs: dict[int, TokenLogprobs] = {}
+            if forward.greedy_tokens is not None:
+                tokens = forward.greedy_tokens.tolist()
+            else:
+                assert forward.logits is not None
+                md: SamplingMetadata = batch.sampling_metadata(rows[sampling])
+                if grammar_bitmask:  # structured outputs: this step's token bitmask rows
+                    sampled_ids = [req_ids[int(order[i])] for i in sampling.tolist()]
+                    masks = step_bitmask(grammar_bitmask, sampled_ids, self.device)
+                    if masks is not None:
+                        md.token_bitmask, md.bitmask_rows = masks
+                result = sample(forward.logits, md)
+                tokens, logprobs = result.sampled.tolist(), result.logprobs
             for j, i in enumerate(sampling.tolist()):
                 batch.append_tokens(int(rows[i]), [tokens[j]])
-                if j in result.logprobs:
-                    out.logprobs[req_ids[int(order[i])]] = [result.logprobs[j]]
+                if j in logprobs:
+                    out.logprobs[req_ids[int(order[i])]] = [logprobs[j]]
             # One token per sampling request, flat in the step's request order.
             ks = order[sampling]
             by_k = np.argsort(ks, kind="stable")

@@ -224,3 +224,40 @@ def test_runs_the_embedded_toy_model(
             torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12
         )[0, len(prompt) :].tolist()
     assert sched.run()["a"] == expected
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=3.0),
+        SamplingParams(temperature=0.0, logit_bias={7: 1.5}),
+    ],
+)
+def test_plain_greedy_rows_skip_the_sampler_with_its_tokens(
+    params: SamplingParams,
+    llama: Any,
+    make_runner: Callable[..., Any],
+    mini_scheduler: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A greedy request that needs nothing but the argmax (no logprobs, penalties, bias,
+    bans) takes it right after the LM head; its tokens are the sampler's. One that needs
+    more still goes through the sampler."""
+    import legato.models.runner as runner_module
+
+    prompt = _prompt(11, 6)
+    # logprobs change no token, but only the sampler computes them
+    reference = mini_scheduler(make_runner(llama))
+    reference.add("a", prompt, params.clone(logprobs=0), max_tokens=16)
+    expected = reference.run()["a"]
+    assert len(set(expected)) > 1, "a degenerate reference proves nothing"
+
+    calls: list[int] = []
+    real = runner_module.sample
+    monkeypatch.setattr(runner_module, "sample", lambda *a: calls.append(1) or real(*a))
+    sched = mini_scheduler(make_runner(llama))
+    sched.add("a", prompt, params, max_tokens=16)
+    assert sched.run()["a"] == expected
+    plain = params.repetition_penalty == 1.0 and not params.logit_bias
+    assert (calls == []) == plain
