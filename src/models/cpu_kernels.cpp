@@ -119,6 +119,185 @@ inline void axpy(float a, const T* x, float* y, int n) {
 
 // ------------------------------------------------------------------ attention
 
+// Vectors of 16 floats for the attention kernels (GCC vector types: one register with
+// AVX-512, split by the compiler elsewhere; the build is -march=native).
+typedef float attn_f32x16 __attribute__((vector_size(64)));
+typedef uint16_t attn_u16x16 __attribute__((vector_size(32)));
+typedef uint32_t attn_u32x16 __attribute__((vector_size(64)));
+
+inline attn_f32x16 attn_load(const float* p) {
+  attn_f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline attn_f32x16 attn_load(const bf16* p) {  // 16 bf16 widened exactly
+  attn_u16x16 bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return reinterpret_cast<attn_f32x16>(__builtin_convertvector(bits, attn_u32x16) << 16);
+}
+
+inline attn_f32x16 attn_fma(attn_f32x16 a, attn_f32x16 b, attn_f32x16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<attn_f32x16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                       reinterpret_cast<__m512>(b),
+                                                       reinterpret_cast<__m512>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j]: a transpose-and-add tree of 15
+// shuffle pairs, instead of 16 horizontal sums.
+inline attn_f32x16 lane_sums(const attn_f32x16 (&v)[16]) {
+  attn_f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // halves: v[i] in lanes 0..7, v[i + 8] in 8..15
+    a[i] = __builtin_shufflevector(v[i], v[i + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                   21, 22, 23) +
+           __builtin_shufflevector(v[i], v[i + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                   28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // quarters: v[i], v[i + 4], v[i + 8], v[i + 12]
+    b[i] = __builtin_shufflevector(a[i], a[i + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24,
+                                   25, 26, 27) +
+           __builtin_shufflevector(a[i], a[i + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28,
+                                   29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // pairs: v[i], v[i + 2], v[i + 4], ..., v[i + 14]
+    c[i] = __builtin_shufflevector(b[i], b[i + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,
+                                   13, 28, 29) +
+           __builtin_shufflevector(b[i], b[i + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14,
+                                   15, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                 14, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                 15, 31);
+}
+
+// The rows of tokens first .. first + 15 of a sequence in a paged cache (a token past
+// len repeats the last one: its lanes are computed and never stored).
+template <typename T>
+inline void token_rows(const T* cache, const int32_t* table, int first, int len, int block_size,
+                       int64_t token_stride, int64_t block_stride, const T* (&rows)[16]) {
+  for (int t = 0; t < 16; ++t) {
+    const int token = std::min(first + t, len - 1);
+    rows[t] = cache + table[token / block_size] * block_stride + (token % block_size) * token_stride;
+  }
+}
+
+// Prefetch the share of part `part` of `parts` of the 16 rows (row_bytes each): the next
+// chunk's rows are fetched while this chunk computes (blocks lie anywhere in the pool, so
+// the hardware's stream prefetcher would start afresh at each one).
+template <typename T>
+inline void prefetch_rows(const T* const (&rows)[16], int64_t row_bytes, int part, int parts) {
+  for (int t = part * 16 / parts; t < (part + 1) * 16 / parts; ++t)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[t]) + b);
+}
+
+// Scores of one sequence, head_dim a multiple of 16: s[h * len + t] = q[h] . k_t (q already
+// scaled). 16 tokens at a time, in order (a block's rows are contiguous, all kv heads);
+// per query head each token keeps one accumulator, and one lane_sums adds all 16 up.
+template <typename T>
+void seq_scores(const float* q, const T* key_cache, const int32_t* table, int len,
+                int num_heads, int group, int head_dim, int block_size, int64_t token_stride,
+                int64_t block_stride, float* s) {
+  const int chunks = head_dim / 16;
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  const T* rows[16];
+  const T* next[16];
+  token_rows(key_cache, table, 0, len, block_size, token_stride, block_stride, next);
+  for (int first = 0; first < len; first += 16) {
+    const int n = std::min(16, len - first);
+    std::copy(next, next + 16, rows);
+    const bool more = first + 16 < len;
+    if (more) token_rows(key_cache, table, first + 16, len, block_size, token_stride, block_stride, next);
+    for (int h = 0; h < num_heads; ++h) {
+      if (more) prefetch_rows(next, row_bytes, h, num_heads);
+      const int64_t head = (h / group) * head_dim;
+      const float* qh = q + h * head_dim;
+      attn_f32x16 acc[16];
+      for (int t = 0; t < 16; ++t) acc[t] = attn_f32x16{};
+      for (int c = 0; c < chunks; ++c) {
+        const attn_f32x16 qc = attn_load(qh + c * 16);
+#pragma GCC unroll 16
+        for (int t = 0; t < 16; ++t) acc[t] = attn_fma(qc, attn_load(rows[t] + head + c * 16), acc[t]);
+      }
+      const attn_f32x16 sums = lane_sums(acc);
+      float lanes[16];
+      std::memcpy(lanes, &sums, sizeof(lanes));
+      std::memcpy(s + static_cast<int64_t>(h) * len + first, lanes, sizeof(float) * n);
+    }
+  }
+}
+
+// acc[h] (head_dim floats each) = sum over t of p[h * len + t] * v_t, head_dim a multiple of
+// 16; 16 tokens at a time as in seq_scores.
+template <typename T>
+void seq_weighted_values(const float* p, const T* value_cache, const int32_t* table, int len,
+                         int num_heads, int group, int head_dim, int block_size,
+                         int64_t token_stride, int64_t block_stride, float* acc) {
+  const int chunks = head_dim / 16;
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  std::fill(acc, acc + static_cast<int64_t>(num_heads) * head_dim, 0.f);
+  const T* rows[16];
+  const T* next[16];
+  token_rows(value_cache, table, 0, len, block_size, token_stride, block_stride, next);
+  for (int first = 0; first < len; first += 16) {
+    const int n = std::min(16, len - first);
+    std::copy(next, next + 16, rows);
+    const bool more = first + 16 < len;
+    if (more) token_rows(value_cache, table, first + 16, len, block_size, token_stride, block_stride, next);
+    for (int h = 0; h < num_heads; ++h) {
+      if (more) prefetch_rows(next, row_bytes, h, num_heads);
+      const int64_t head = (h / group) * head_dim;
+      const float* ph = p + static_cast<int64_t>(h) * len + first;
+      for (int c = 0; c < chunks; ++c) {
+        float* out = acc + h * head_dim + c * 16;
+        attn_f32x16 even = attn_load(out), odd = attn_f32x16{};
+        int t = 0;
+        for (; t + 2 <= n; t += 2) {  // two chains: the FMA latency, not its throughput
+          even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
+          odd = attn_fma(attn_f32x16{} + ph[t + 1], attn_load(rows[t + 1] + head + c * 16), odd);
+        }
+        if (t < n) even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
+        even += odd;
+        std::memcpy(out, &even, sizeof(even));
+      }
+    }
+  }
+}
+
+// The same two passes for any head_dim, one dot / axpy per token and head.
+template <typename T>
+void seq_scores_scalar(const float* q, const T* key_cache, const int32_t* table, int len,
+                       int num_heads, int group, int head_dim, int block_size,
+                       int64_t token_stride, int64_t block_stride, float* s) {
+  for (int start = 0; start < len; start += block_size) {
+    const T* keys = key_cache + table[start / block_size] * block_stride;
+    const int n = std::min(block_size, len - start);
+    for (int t = 0; t < n; ++t) {
+      const T* k = keys + t * token_stride;
+      for (int h = 0; h < num_heads; ++h)
+        s[h * len + start + t] = dot(&q[h * head_dim], k + (h / group) * head_dim, head_dim);
+    }
+  }
+}
+
+template <typename T>
+void seq_weighted_values_scalar(const float* p, const T* value_cache, const int32_t* table,
+                                int len, int num_heads, int group, int head_dim, int block_size,
+                                int64_t token_stride, int64_t block_stride, float* acc) {
+  std::fill(acc, acc + static_cast<int64_t>(num_heads) * head_dim, 0.f);
+  for (int start = 0; start < len; start += block_size) {
+    const T* values = value_cache + table[start / block_size] * block_stride;
+    const int n = std::min(block_size, len - start);
+    for (int t = 0; t < n; ++t) {
+      const T* v = values + t * token_stride;
+      for (int h = 0; h < num_heads; ++h)
+        axpy(p[h * len + start + t], v + (h / group) * head_dim, &acc[h * head_dim], head_dim);
+    }
+  }
+}
+
 // Attention of one query row per sequence (decode) over that sequence's paged K/V.
 //
 // query  [num_seqs, num_heads, head_dim] with strides (q_seq_stride, q_head_stride, 1)
@@ -131,7 +310,9 @@ inline void axpy(float a, const T* x, float* y, int n) {
 //
 // One work item per sequence, so each token's K/V row (all kv heads) is read once,
 // contiguously, by one thread. Two passes over the blocks, reading the cache in place:
-// scores (K), then the softmax-weighted sum (V). Accumulates in fp32.
+// scores (K), then the softmax-weighted sum (V). Accumulates in fp32. A head_dim that is a
+// multiple of 16 takes the vector passes (seq_scores, seq_weighted_values); others the
+// scalar ones.
 template <typename T>
 int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride,
                      const T* key_cache, const T* value_cache, const int32_t* block_table,
@@ -151,6 +332,7 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
   const int group = num_heads / num_kv_heads;
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
   const int64_t block_stride = token_stride * block_size;
+  const bool vector = head_dim % 16 == 0;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> q(static_cast<size_t>(num_heads) * head_dim);
@@ -167,15 +349,9 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
       }
       scores.resize(static_cast<size_t>(len) * num_heads);
       float* s = scores.data();
-      for (int start = 0; start < len; start += block_size) {
-        const T* keys = key_cache + table[start / block_size] * block_stride;
-        const int n = std::min(block_size, len - start);
-        for (int t = 0; t < n; ++t) {
-          const T* k = keys + t * token_stride;
-          for (int h = 0; h < num_heads; ++h)
-            s[h * len + start + t] = dot(&q[h * head_dim], k + (h / group) * head_dim, head_dim);
-        }
-      }
+      (vector ? seq_scores<T> : seq_scores_scalar<T>)(q.data(), key_cache, table, len,
+                                                      num_heads, group, head_dim, block_size,
+                                                      token_stride, block_stride, s);
       for (int h = 0; h < num_heads; ++h) {
         float* row = s + static_cast<int64_t>(h) * len;
         const float top = max_of(row, len);
@@ -187,16 +363,9 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
         }
         totals[h] = total;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int start = 0; start < len; start += block_size) {
-        const T* values = value_cache + table[start / block_size] * block_stride;
-        const int n = std::min(block_size, len - start);
-        for (int t = 0; t < n; ++t) {
-          const T* v = values + t * token_stride;
-          for (int h = 0; h < num_heads; ++h)
-            axpy(s[h * len + start + t], v + (h / group) * head_dim, &acc[h * head_dim], head_dim);
-        }
-      }
+      (vector ? seq_weighted_values<T> : seq_weighted_values_scalar<T>)(
+          s, value_cache, table, len, num_heads, group, head_dim, block_size, token_stride,
+          block_stride, acc.data());
       T* dst = out + seq * num_heads * static_cast<int64_t>(head_dim);
       for (int h = 0; h < num_heads; ++h) {
         const float inv = 1.f / totals[h];

@@ -31,13 +31,16 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block"), [(4, 2, 16, 4), (6, 6, 64, 16)]
+    ("heads", "kv_heads", "head_dim", "block"),
+    [(4, 2, 16, 4), (6, 6, 64, 16), (8, 2, 128, 32), (4, 4, 24, 16)],
 )
 def test_decode_attention_matches_reference(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block: int
 ) -> None:
     """Blocks shuffled over the pool, junk past each table's used entries, lengths that end
-    mid-block and one that is a single token."""
+    mid-block and one that is a single token. The kernel reads 16 tokens at a time (a block
+    of 4 spans four blocks, one of 32 two chunks); a head_dim that is not a multiple of 16
+    (24) takes its scalar loops."""
     lens = [1, block, 3 * block + 1, 5 * block - 1]
     num_blocks = sum(-(-n // block) for n in lens) + 2
     key_cache = _randn(num_blocks, block, kv_heads, head_dim, dtype=dtype, seed=1)
