@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from legato import LLM
 from legato.models import cpu_kernels
@@ -24,37 +23,7 @@ from legato.models.loader import load_model
 from legato.models.quantized import KEPT_TYPES, QuantizedLinear, from_gguf
 from legato.models.registry import resolve_architecture
 from legato.protocol.params import SamplingParams
-
-_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}
-_BLOCK |= {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-_HALF_FIELDS = {  # byte offsets of fp16 fields in a block (scales and mins)
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
-
-
-def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """``[rows, bytes]`` GGUF blocks of ``kind``: random codes and sub-scales, fp16 scales
-    drawn from a sane range (random bytes there would be NaN or huge)."""
-    rng = np.random.default_rng(seed)
-    per, size = _BLOCK[kind]
-    blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
-    for at in _HALF_FIELDS[kind]:
-        half = rng.uniform(-0.05, 0.05, size=(rows, cols // per)).astype(np.float16)
-        blocks[..., at : at + 2] = half.view(np.uint8).reshape(rows, cols // per, 2)
-    return blocks.reshape(rows, -1)
-
-
-def reference_weight(raw: np.ndarray, kind: str) -> torch.Tensor:
-    return torch.from_numpy(
-        np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).copy()
-    )
+from legato.testing.gguf_blocks import random_blocks, reference_weight
 
 
 @pytest.fixture(params=[True, False], ids=["native", "fallback"])
