@@ -20,7 +20,7 @@ Never imports trio. Sets no global torch state (threads, default dtype, grad mod
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -320,6 +320,10 @@ class ModelRunner(RunnerMemory):
             meta, seq_of_token, positions = build_metadata(
                 starts, q_lens, batch.block_table[rows], self.block_size, self.device
             )
+            if spec_lens is not None and bool(np.all(q_lens == spec_lens + 1)):
+                # a verification step: every row is a decode row (last token, then drafts),
+                # computed as a plain decode step computes it (.decode_stack)
+                meta = replace(meta, rows_as_decodes=True)
             input_ids = torch.from_numpy(
                 batch.token_ids[rows[seq_of_token], positions].astype(np.int64)
             ).to(self.device)
@@ -342,7 +346,8 @@ class ModelRunner(RunnerMemory):
             else:
                 last_rows = logits_rows(query_start_loc, sampling, spec_lens)
             logits = self.model.compute_logits(
-                hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
+                hidden.index_select(0, torch.from_numpy(last_rows).to(self.device)),
+                None if spec_lens is None else len(sampling),  # each row as a plain step's
             )
         return StepForward(
             out,
