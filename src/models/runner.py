@@ -20,6 +20,7 @@ Never imports trio. Sets no global torch state (threads, default dtype, grad mod
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,6 +199,7 @@ class ModelRunner(RunnerMemory):
                 seed=config.seed,
             )
         self.spec_decoder = SpecDecoder(spec, self.draft) if spec is not None else None
+        self._step_started = 0.0  # when the step in progress began (execute_model)
         self.kv_block_bytes = (
             2
             * mcfg.num_layers
@@ -268,6 +270,7 @@ class ModelRunner(RunnerMemory):
         (the next step computes its samples). Raises as ``execute``."""
         if self.sleeping:
             raise RuntimeError("the model runner is asleep: call wake_up() first")
+        self._step_started = time.perf_counter()  # sample_tokens reports the step's time
         batch = self.input_batch
         for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
             batch.remove(req_id)
@@ -406,6 +409,7 @@ class ModelRunner(RunnerMemory):
             batch.num_computed[rows] = ends
         if self.spec_decoder is not None and len(sampling):
             self._propose(out, rows[sampling])
+            out.step_seconds = time.perf_counter() - self._step_started
         return out
 
     def _sample_verified(self, forward: StepForward, grammar_bitmask: dict[str, bytes]) -> None:
