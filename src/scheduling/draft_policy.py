@@ -57,8 +57,9 @@ class DraftLength:
         self.accepted = 0.0
 
     def acceptance(self) -> float:
-        """The request's recent share of drafts accepted (0.5 before any verification)."""
-        return self.accepted / self.drafted if self.drafted else 0.5
+        """The request's recent share of drafts accepted (1 before any verification: a
+        request's drafts are tried, which is how its rate gets measured)."""
+        return self.accepted / self.drafted if self.drafted else 1.0
 
     def admit(self, proposal: list[int]) -> list[int]:
         """The drafts to verify out of ``proposal``, the runner's proposal with the request's
@@ -98,15 +99,20 @@ class StepCost:
     __slots__ = ("seconds", "declined")
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}  # rows -> running mean of the step time
+        # (sequences, rows) -> running mean of the step time: a row of a one-sequence step
+        # costs other than one of an eight-sequence step (the activation path follows the
+        # number of sequences)
+        self.seconds: dict[tuple[int, int], float] = {}
         self.declined = 0  # decisions against drafting since the last probe
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A step that computed ``rows`` rows took ``seconds`` (the runner's own time)."""
-        if rows <= 0 or seconds <= 0:
+    def observe(self, sequences: int, rows: int, seconds: float) -> None:
+        """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and
+        their drafts) took ``seconds`` (the runner's own time)."""
+        if sequences <= 0 or rows < sequences or seconds <= 0:
             return
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + _MEAN_WEIGHT * (seconds - old)
+        key = (sequences, rows)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + _MEAN_WEIGHT * (seconds - old)
 
     def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
         """Whether ``sequences`` decode rows plus ``drafts`` drafts, of which
@@ -114,7 +120,8 @@ class StepCost:
         the ``sequences`` rows alone. True while either row count is unmeasured."""
         if drafts <= 0:
             return False
-        plain, drafted = self.seconds.get(sequences), self.seconds.get(sequences + drafts)
+        plain = self.seconds.get((sequences, sequences))
+        drafted = self.seconds.get((sequences, sequences + drafts))
         if plain is None or drafted is None:
             return True
         if (sequences + expected_accepted) / drafted > sequences / plain:

@@ -134,7 +134,8 @@ class Scheduler(RequestBook):
         drafts = step.scheduled_spec_decode_tokens
         rows = step.total_num_scheduled_tokens
         if rows == len(step.num_scheduled_tokens) + sum(len(d) for d in drafts.values()):
-            cost.observe(rows, seconds)  # decode rows only: no prefill chunk in the step
+            # decode rows only: no prefill chunk in the step
+            cost.observe(len(step.num_scheduled_tokens), rows, seconds)
         k = self.num_speculative_tokens
         sequences = num_drafts = 0
         expected = 0.0
@@ -142,7 +143,7 @@ class Scheduler(RequestBook):
             sequences += 1
             n = min(len(req.spec_token_ids), k)
             if n:
-                p = req.draft_length.acceptance() if req.draft_length is not None else 0.5
+                p = req.draft_length.acceptance() if req.draft_length is not None else 1.0
                 num_drafts += n
                 expected += sum(p**i for i in range(1, n + 1))
         self._drafts_pay = not num_drafts or cost.drafts_pay(sequences, num_drafts, expected)

@@ -79,7 +79,7 @@ def _expected(p: float, drafts: int) -> float:
 def _measured() -> StepCost:
     cost = StepCost()
     for rows, seconds in MEASURED_SECONDS.items():
-        cost.observe(rows, seconds)
+        cost.observe(1 if rows <= 5 else 8, rows, seconds)
     return cost
 
 
@@ -107,5 +107,5 @@ def test_step_cost_tries_unmeasured_row_counts_and_probes_after_declining() -> N
 def test_step_cost_follows_new_measurements() -> None:
     cost = _measured()
     for _ in range(30):  # drafted 40-row steps become as cheap as 8-row ones
-        cost.observe(40, MEASURED_SECONDS[8])
+        cost.observe(8, 40, MEASURED_SECONDS[8])
     assert cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
