@@ -8,6 +8,12 @@ fp32 Llama-family model whose projections are all kept quantized
 module hands the whole stack to :mod:`legato.models.cpu_kernels` at once: the same
 kernels in the same order, so the numbers are the layer-by-layer path's.
 
+A speculative verification step (``AttentionMetadata.rows_as_decodes``: a sequence's
+last token and its drafts) runs here too: each row gets its sequence's block-table row
+and attends up to its own position, and the activation path follows the number of
+sequences, not of rows (``row_mode`` in the C++), so every verified row is computed
+bit for bit as a plain decode step of as many sequences computes it.
+
 :func:`DecodeStack.build` says whether a model qualifies (None if not); the weights'
 pointers are gathered once per KV-cache allocation. The model keeps its plain
 per-layer forward for prefill and for everything else (``fused_decode = False``
