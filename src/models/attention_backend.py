@@ -43,6 +43,12 @@ class AttentionMetadata:
     Sequences follow the reference layout (see ``legato.kernels.reference``);
     the first ``num_decodes`` of them have exactly one query row. Host copies of
     the lengths avoid device syncs.
+
+    ``rows_as_decodes``: every query row is to be computed as a decode row (one query
+    token attending to its sequence's keys up to itself), as in a speculative verification
+    step (a sequence's last token, then its drafts); a model may then run the step through
+    its decode path (:mod:`legato.models.decode_stack`), whose arithmetic per row is a plain
+    decode step's. Only a hint: any forward computes these rows correctly.
     """
 
     positions: torch.Tensor  # [T] int64
@@ -56,6 +62,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    rows_as_decodes: bool = False
 
 
 class StepContext(Protocol):

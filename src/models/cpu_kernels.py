@@ -71,7 +71,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_quantized_isa": [_I],
     # layers (an array of structs, legato.models.decode_stack), then as in the C++ source
     "legato_decode_layers_f32": [_P, _I, _P, _P, _L, _I, _I, _I, _I, _I, _P, _L, _L, _L, _I]
-    + [_P, _P, _P, _P, _L, _F, _F, _I, _I],
+    + [_P, _P, _P, _P, _L, _F, _F, _I, _I, _L],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 DTYPES = tuple(_SUFFIX)  # what the typed kernels take

@@ -8,6 +8,12 @@ fp32 Llama-family model whose projections are all kept quantized
 module hands the whole stack to :mod:`legato.models.cpu_kernels` at once: the same
 kernels in the same order, so the numbers are the layer-by-layer path's.
 
+A speculative verification step (``AttentionMetadata.rows_as_decodes``: a sequence's
+last token and its drafts) runs here too: each row gets its sequence's block-table row
+and attends up to its own position, and the activation path follows the number of
+sequences, not of rows (``row_mode`` in the C++), so every verified row is computed
+bit for bit as a plain decode step of as many sequences computes it.
+
 :func:`DecodeStack.build` says whether a model qualifies (None if not); the weights'
 pointers are gathered once per KV-cache allocation. The model keeps its plain
 per-layer forward for prefill and for everything else (``fused_decode = False``
@@ -98,6 +104,17 @@ def _supported(linear: QuantizedLinear | None) -> bool:
             for p in linear.parts
         )
     )
+
+
+def _rows_of(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row, its sequence's block-table row and the keys it attends (up to its own
+    position): a verification step's rows as the decode rows the kernel takes."""
+    starts = meta.query_start_loc_host
+    counts = torch.tensor([b - a for a, b in zip(starts, starts[1:])], dtype=torch.int64)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    table = meta.block_tables.index_select(0, seq_of_row.to(meta.block_tables.device))
+    seq_lens = (meta.positions + 1).to(torch.int32)
+    return table, seq_lens
 
 
 class DecodeStack:
@@ -199,21 +216,29 @@ class DecodeStack:
     def run(
         self, hidden: torch.Tensor, meta: AttentionMetadata, cos_sin_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stack over ``hidden`` ``[T, H]`` (the embeddings of ``T`` decode rows, one per
-        sequence, ``meta.num_decodes == T``): ``(hidden, residual)`` as the last layer leaves
-        them. Writes each layer's K/V at ``meta.slot_mapping``. Raises ``ValueError`` for a
-        length or block id outside the table or the cache (checked before any read)."""
+        """The stack over ``hidden`` ``[T, H]``: the embeddings of ``T`` decode rows, one per
+        sequence (``meta.num_decodes == T``), or with ``meta.rows_as_decodes`` several rows of
+        a sequence (a verification step: each row attends up to its own position). Returns
+        ``(hidden, residual)`` as the last layer leaves them; writes each layer's K/V at
+        ``meta.slot_mapping``. Each row is computed as a plain decode step of as many
+        sequences computes it (``cpu_kernels.cpp``'s ``row_mode``: the activation rounding
+        follows the number of sequences, not of rows). Raises ``ValueError`` for a length
+        or block id outside the table or the cache (checked before any read)."""
         cfg = self.model.config
         tokens = hidden.shape[0]
         hidden = hidden.contiguous().clone()
         residual = torch.empty_like(hidden)
         table, seq_lens = meta.block_tables, meta.seq_lens
         slots, positions = meta.slot_mapping, meta.positions
+        sequences = table.shape[0]
+        if meta.rows_as_decodes and meta.num_decodes != tokens:
+            table, seq_lens = _rows_of(meta)
         if not (
             table.dtype == torch.int32
             and table.stride(1) == 1
             and table.shape[0] == tokens
-            and meta.num_decodes == tokens
+            and seq_lens.shape[0] == tokens
+            and 1 <= sequences <= tokens
             and meta.block_size == self.block_size
             and seq_lens.dtype == torch.int32
             and seq_lens.is_contiguous()
@@ -230,6 +255,7 @@ class DecodeStack:
             self.num_blocks, self.block_size, seq_lens.data_ptr(), slots.data_ptr(),
             positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
             cfg.rms_norm_eps, cfg.head_dim**-0.5, self.int8_max_rows, torch.get_num_threads(),
+            sequences,
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"decode stack: the kernel refused its arguments (code {code})")

@@ -134,9 +134,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, sequences: int | None = None) -> torch.Tensor:
         """``[N, vocab]`` logits, soft-capped when the config says so."""
-        logits = super().compute_logits(hidden)
+        logits = super().compute_logits(hidden, sequences)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -169,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
         Writes each layer's new K/V into ``kv_caches`` at ``meta.slot_mapping``.
         """
         cos_sin_cache, meta = self.rotary.for_step(meta)
-        stack = self._decode_stack(kv_caches) if meta.num_decodes == input_ids.shape[0] else None
-        if stack is not None:  # a decode-only step: the whole stack in one native call
+        decodes = meta.num_decodes == input_ids.shape[0] or meta.rows_as_decodes
+        stack = self._decode_stack(kv_caches) if decodes else None
+        if stack is not None:  # decode rows only: the whole stack in one native call
             hidden, last = stack.run(self.model.embed_tokens(input_ids), meta, cos_sin_cache)
             hidden, _ = self.model.norm.add_forward(hidden, last)
             return hidden
@@ -199,8 +200,14 @@ class LlamaForCausalLM(nn.Module):
             self._stack = stack
         return stack
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, vocab]`` logits in the model dtype."""
+    def compute_logits(self, hidden: torch.Tensor, sequences: int | None = None) -> torch.Tensor:
+        """``[N, vocab]`` logits in the model dtype. ``sequences``: the rows are those of a
+        step of that many sequences (a verification step has several rows a sequence); a
+        quantized LM head then computes each row as a plain step of ``sequences`` rows does
+        (:meth:`.QuantizedLinear.__call__`), so verified rows match plain decoding."""
+        quantized = self.lm_head.quantized
+        if sequences is not None and quantized is not None and self.lm_head.bias is None:
+            return quantized(hidden, sequences)
         logits: torch.Tensor = self.lm_head(hidden)
         return logits
 

@@ -269,25 +269,37 @@ class QuantizedLinear:
                     self._direct.append((*weight, part.scales.data_ptr(), offsets))
         return self._direct
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, sequences: int | None = None) -> torch.Tensor:
+        """``x @ W^T``. ``sequences``: compute each row as a step of that many rows would
+        (the rows of a verification step, several a sequence, computed as a plain decode
+        step of ``sequences`` rows computes each): the integer kernel when ``sequences <=
+        int8_max_rows``, and for one sequence in fp32 the one-row kernel row by row. Each
+        kernel's per-row arithmetic does not depend on the other rows, so a row's result
+        then equals the plain step's bit for bit. On CUDA: the Triton kernel."""
         if x.device.type == "cuda":
             return self._call_triton(x)
+        rows = x.numel() // self.in_features
+        integer = (rows if sequences is None else sequences) <= self.int8_max_rows
+        if sequences == 1 and not integer and rows > 1:
+            flat = x.reshape(-1, self.in_features)
+            out = torch.cat([self(flat[i : i + 1]) for i in range(flat.shape[0])])
+            return out.view(*x.shape[:-1], self.out_features)
         direct = self._direct_calls()
         if direct and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-            return self._call_direct(x, direct)
+            return self._call_direct(x, direct, integer)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         wide = flat.float() if flat.dtype != torch.float32 else flat
         if wide.stride(-1) != 1:
             wide = wide.contiguous()
         if len(self.parts) == 1:
-            out = self.parts[0].matmul(wide, None, wide.shape[0] <= self.int8_max_rows)
+            out = self.parts[0].matmul(wide, None, integer)
         else:
             out = wide.new_empty(wide.shape[0], self.out_features)
             start = 0
             for part in self.parts:
                 columns = out[:, start : start + part.out_features]
-                part.matmul(wide, columns, wide.shape[0] <= self.int8_max_rows)
+                part.matmul(wide, columns, integer)
                 start += part.out_features
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
@@ -300,7 +312,9 @@ class QuantizedLinear:
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _call_direct(self, x: torch.Tensor, direct: list[tuple[Any, ...]]) -> torch.Tensor:
+    def _call_direct(
+        self, x: torch.Tensor, direct: list[tuple[Any, ...]], integer: bool
+    ) -> torch.Tensor:
         """The decode hot path: a contiguous fp32 ``[M, K]`` input, one ctypes call per part."""
         rows, width = x.shape
         if width != self.in_features:
@@ -308,7 +322,7 @@ class QuantizedLinear:
         out = x.new_empty(rows, self.out_features)
         if rows == 0:
             return out
-        kernel = cpu_kernels.quantized_matmul_kernel(rows <= self.int8_max_rows)
+        kernel = cpu_kernels.quantized_matmul_kernel(integer)
         threads = torch.get_num_threads()
         column = out.data_ptr()
         for codes, bits, group, n, scales, offsets in direct:

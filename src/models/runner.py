@@ -20,7 +20,8 @@ Never imports trio. Sets no global torch state (threads, default dtype, grad mod
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,6 +204,7 @@ class ModelRunner(RunnerMemory):
                 seed=config.seed,
             )
         self.spec_decoder = SpecDecoder(spec, self.draft) if spec is not None else None
+        self._step_started = 0.0  # when the step in progress began (execute_model)
         self.kv_block_bytes = (
             2
             * mcfg.num_layers
@@ -273,6 +275,7 @@ class ModelRunner(RunnerMemory):
         (the next step computes its samples). Raises as ``execute``."""
         if self.sleeping:
             raise RuntimeError("the model runner is asleep: call wake_up() first")
+        self._step_started = time.perf_counter()  # sample_tokens reports the step's time
         batch = self.input_batch
         for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
             batch.remove(req_id)
@@ -325,6 +328,10 @@ class ModelRunner(RunnerMemory):
             meta, seq_of_token, positions = build_metadata(
                 starts, q_lens, batch.block_table[rows], self.block_size, self.device
             )
+            if spec_lens is not None and bool(np.all(q_lens == spec_lens + 1)):
+                # a verification step: every row is a decode row (last token, then drafts),
+                # computed as a plain decode step computes it (.decode_stack)
+                meta = replace(meta, rows_as_decodes=True)
             input_ids = torch.from_numpy(
                 batch.token_ids[rows[seq_of_token], positions].astype(np.int64)
             ).to(self.device)
@@ -347,7 +354,8 @@ class ModelRunner(RunnerMemory):
             else:
                 last_rows = logits_rows(query_start_loc, sampling, spec_lens)
             logits = self.model.compute_logits(
-                hidden.index_select(0, torch.from_numpy(last_rows).to(self.device))
+                hidden.index_select(0, torch.from_numpy(last_rows).to(self.device)),
+                None if spec_lens is None else len(sampling),  # each row as a plain step's
             )
             if (
                 spec_lens is None
@@ -418,6 +426,7 @@ class ModelRunner(RunnerMemory):
             batch.num_computed[rows] = ends
         if self.spec_decoder is not None and len(sampling):
             self._propose(out, rows[sampling])
+            out.step_seconds = time.perf_counter() - self._step_started
         return out
 
     def _sample_verified(self, forward: StepForward, grammar_bitmask: dict[str, bytes]) -> None:

@@ -277,6 +277,9 @@ class ModelRunnerOutput(Message):
     # Speculative decoding: request id -> the drafts proposed for its next step
     # (requests that sampled this step; none: nothing to propose).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The runner's own time for the step (seconds: forward, sampling, proposals), which
+    # the scheduler's draft policy learns step costs from; 0: not measured.
+    step_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.num_sampled) != len(self.req_ids):

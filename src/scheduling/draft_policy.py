@@ -19,6 +19,19 @@ A request on text the proposer predicts well (an edit, a copy) keeps its full
 draft length; one whose drafts keep missing (free chat) soon verifies none, so
 its steps cost what they would without speculation.
 
+Whether drafts pay at all at the current batch size is decided from measured step
+times (:class:`StepCost`, the default when neither ``disable_by_batch_size`` nor
+``num_speculative_tokens_per_batch_size`` is set): the runner reports each step's
+compute time, the scheduler keeps a running mean per number of computed rows, and a
+step verifies drafts only when the tokens they are expected to add (each request's
+recent acceptance rate) pay for the rows they add: ``(S + expected) / t(S + D) >
+S / t(S)``. On one CPU core pair a step of 8 sequences is compute-bound (40 rows took
+3.8x the time of 8), so free chat at 8 streams (about half the drafts accepted) stops
+drafting, while one stream of an edit (about 90% accepted; 5 rows cost about 2.7x one)
+keeps it. A row count never measured is tried (that is how it gets measured), and
+every ``PROBE_EVERY`` decisions against drafting one step drafts anyway, to follow a
+change in the workload.
+
 Pure Python; never imports torch or trio.
 """
 
@@ -32,7 +45,7 @@ class DraftLength:
     """One request's adaptive draft length: ``admit`` trims each new proposal, ``settle``
     learns from each verification."""
 
-    __slots__ = ("k", "limit", "skip", "backoff", "misses")
+    __slots__ = ("k", "limit", "skip", "backoff", "misses", "drafted", "accepted")
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.k = num_speculative_tokens
@@ -40,6 +53,13 @@ class DraftLength:
         self.skip = 0  # samples left in the current back-off
         self.backoff = FIRST_BACKOFF  # the next back-off's length
         self.misses = 0  # verifications in a row that accepted no draft
+        self.drafted = 0.0  # decayed counts of drafts verified and accepted (acceptance rate)
+        self.accepted = 0.0
+
+    def acceptance(self) -> float:
+        """The request's recent share of drafts accepted (1 before any verification: a
+        request's drafts are tried, which is how its rate gets measured)."""
+        return self.accepted / self.drafted if self.drafted else 1.0
 
     def admit(self, proposal: list[int]) -> list[int]:
         """The drafts to verify out of ``proposal``, the runner's proposal with the request's
@@ -51,6 +71,8 @@ class DraftLength:
 
     def settle(self, num_drafts: int, num_accepted: int) -> None:
         """Learn from a verification of ``num_drafts`` drafts (> 0), ``num_accepted`` accepted."""
+        self.drafted = 0.8 * self.drafted + num_drafts
+        self.accepted = 0.8 * self.accepted + num_accepted
         if num_accepted:
             self.misses = 0
             self.backoff = FIRST_BACKOFF
@@ -65,3 +87,48 @@ class DraftLength:
             self.skip = self.backoff
             self.backoff = min(MAX_BACKOFF, 2 * self.backoff)
             self.limit = 1
+
+
+PROBE_EVERY = 64  # steps without drafts between two probes, once drafts did not pay
+_MEAN_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
+
+
+class StepCost:
+    """Measured step times by number of computed rows, and the drafting decision."""
+
+    __slots__ = ("seconds", "declined")
+
+    def __init__(self) -> None:
+        # (sequences, rows) -> running mean of the step time: a row of a one-sequence step
+        # costs other than one of an eight-sequence step (the activation path follows the
+        # number of sequences)
+        self.seconds: dict[tuple[int, int], float] = {}
+        self.declined = 0  # decisions against drafting since the last probe
+
+    def observe(self, sequences: int, rows: int, seconds: float) -> None:
+        """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and
+        their drafts) took ``seconds`` (the runner's own time)."""
+        if sequences <= 0 or rows < sequences or seconds <= 0:
+            return
+        key = (sequences, rows)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + _MEAN_WEIGHT * (seconds - old)
+
+    def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
+        """Whether ``sequences`` decode rows plus ``drafts`` drafts, of which
+        ``expected_accepted`` are expected to be accepted, give more tokens a second than
+        the ``sequences`` rows alone. True while either row count is unmeasured."""
+        if drafts <= 0:
+            return False
+        plain = self.seconds.get((sequences, sequences))
+        drafted = self.seconds.get((sequences, sequences + drafts))
+        if plain is None or drafted is None:
+            return True
+        if (sequences + expected_accepted) / drafted > sequences / plain:
+            self.declined = 0
+            return True
+        self.declined += 1
+        if self.declined >= PROBE_EVERY:  # measure the drafted step again now and then
+            self.declined = 0
+            return True
+        return False

@@ -67,7 +67,7 @@ from ..protocol.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from .draft_policy import DraftLength
+from .draft_policy import DraftLength, StepCost
 from .pause_gate import PauseMode
 from .request_book import RequestBook
 from .request_state import Request, RequestStatus
@@ -98,6 +98,16 @@ class Scheduler(RequestBook):
         spec = config.speculative_config
         self.spec_config = spec
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # Without vLLM's batch-size settings, drafts are verified only while measured step
+        # times say they pay (.draft_policy.StepCost); decided once per answered step.
+        self.step_cost: StepCost | None = (
+            StepCost()
+            if spec is not None
+            and spec.disable_by_batch_size is None
+            and spec.num_speculative_tokens_per_batch_size is None
+            else None
+        )
+        self._drafts_pay = True
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
@@ -110,7 +120,33 @@ class Scheduler(RequestBook):
         ``disable_by_batch_size`` and ``num_speculative_tokens_per_batch_size``: at larger
         batches each draft costs more of a step)."""
         spec = self.spec_config
-        return spec.drafts_at(len(self.running)) if spec is not None else 0
+        if spec is None or not self._drafts_pay:
+            return 0
+        return spec.drafts_at(len(self.running))
+
+    def _learn_step_cost(self, step: SchedulerOutput, seconds: float) -> None:
+        """Record a decode step's measured time, then decide whether the next step's
+        drafts pay (:class:`StepCost`): expected accepted drafts from each request's
+        recent acceptance rate ``p`` (``p + p^2 + ...`` over its drafts)."""
+        cost = self.step_cost
+        if cost is None:
+            return
+        drafts = step.scheduled_spec_decode_tokens
+        rows = step.total_num_scheduled_tokens
+        if rows == len(step.num_scheduled_tokens) + sum(len(d) for d in drafts.values()):
+            # decode rows only: no prefill chunk in the step
+            cost.observe(len(step.num_scheduled_tokens), rows, seconds)
+        k = self.num_speculative_tokens
+        sequences = num_drafts = 0
+        expected = 0.0
+        for req in self.running:
+            sequences += 1
+            n = min(len(req.spec_token_ids), k)
+            if n:
+                p = req.draft_length.acceptance() if req.draft_length is not None else 1.0
+                num_drafts += n
+                expected += sum(p**i for i in range(1, n + 1))
+        self._drafts_pay = not num_drafts or cost.drafts_pay(sequences, num_drafts, expected)
 
     def _take_proposal(self, req: Request, proposal: list[int]) -> None:
         """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with
@@ -447,4 +483,5 @@ class Scheduler(RequestBook):
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
+        self._learn_step_cost(scheduler_output, runner_output.step_seconds)
         return EngineCoreOutputs(outputs, time.monotonic(), self.make_stats())

@@ -1,6 +1,6 @@
 """Random GGUF blocks of every type legato keeps quantized, and gguf-py's own
 dequantization of them: the reference weights that kernel tests and benchmarks
-compare against.
+compare against; and a loaded model's quantized matrices re-quantized to another type.
 
 Test and benchmark support only: never imported by the engine.
 """
@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-__all__ = ["BLOCK_SHAPES", "random_blocks", "reference_weight"]
+__all__ = ["BLOCK_SHAPES", "random_blocks", "reference_weight", "requantize_linears"]
 
 BLOCK_SHAPES: dict[str, tuple[int, int]] = {  # (weights per block, bytes per block)
     "Q8_0": (32, 34),
@@ -52,3 +52,19 @@ def reference_weight(raw: np.ndarray, kind: str) -> torch.Tensor:
     """gguf-py's dequantization of ``raw``: the fp32 weight the blocks stand for."""
     values = dequantize(raw, GGMLQuantizationType[kind])
     return torch.from_numpy(np.asarray(values, dtype=np.float32).copy())
+
+
+def requantize_linears(model: torch.nn.Module, kind: str) -> None:
+    """Every kept-quantized matrix of ``model`` re-quantized to ``kind`` (Q8_0, Q4_0, Q4_1,
+    Q5_0 or Q5_1) by gguf-py's own quantizer, in place: the same model held in another
+    type, where no file of that type is at hand."""
+    from gguf.quants import quantize
+
+    from ..models.layers import Linear
+    from ..models.quantized import QuantizedLinear, from_gguf
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.quantized is not None:
+            dense = torch.cat([part.dequantize() for part in module.quantized.parts]).numpy()
+            raw = quantize(dense, GGMLQuantizationType[kind])
+            module.quantized = QuantizedLinear([from_gguf(raw, kind, *dense.shape)])

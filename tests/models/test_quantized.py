@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
 
 from legato import LLM
 from legato.models import cpu_kernels
@@ -23,7 +22,7 @@ from legato.models.loader import load_model
 from legato.models.quantized import KEPT_TYPES, QuantizedLinear, from_gguf
 from legato.models.registry import resolve_architecture
 from legato.protocol.params import SamplingParams
-from legato.testing.gguf_blocks import random_blocks, reference_weight
+from legato.testing.gguf_blocks import random_blocks, reference_weight, requantize_linears
 
 
 @pytest.fixture(params=[True, False], ids=["native", "fallback"])
@@ -239,17 +238,6 @@ _REAL_PROMPTS = [
 ]
 
 
-def _requantized_q8_0(model: torch.nn.Module) -> None:
-    """Every quantized matrix of ``model`` re-quantized to Q8_0 by gguf's own quantizer."""
-    from gguf.quants import quantize
-
-    for module in model.modules():
-        if isinstance(module, Linear) and module.quantized is not None:
-            dense = torch.cat([part.dequantize() for part in module.quantized.parts]).numpy()
-            raw = quantize(dense, GGMLQuantizationType.Q8_0)
-            module.quantized = QuantizedLinear([from_gguf(raw, "Q8_0", *dense.shape)])
-
-
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_int8_activations_teacher_forced_agreement(
     smollm2_gguf: Path, mini_scheduler: Any, kind: str
@@ -271,7 +259,7 @@ def test_int8_activations_teacher_forced_agreement(
     )  # fmt: skip
     runner = ModelRunner(config)
     if kind == "Q8_0":
-        _requantized_q8_0(runner.model)
+        requantize_linears(runner.model, "Q8_0")
     runner.model.set_int8_max_rows(0)
     sched = mini_scheduler(runner)
     for i, prompt in enumerate(prompts):

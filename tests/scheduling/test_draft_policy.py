@@ -3,7 +3,13 @@ backs off to none, probes again, and grows back while they are accepted."""
 
 from __future__ import annotations
 
-from legato.scheduling.draft_policy import FIRST_BACKOFF, MAX_BACKOFF, DraftLength
+from legato.scheduling.draft_policy import (
+    FIRST_BACKOFF,
+    MAX_BACKOFF,
+    PROBE_EVERY,
+    DraftLength,
+    StepCost,
+)
 
 PROPOSAL = [11, 12, 13, 14]
 
@@ -53,3 +59,53 @@ def test_partial_acceptance_keeps_the_length() -> None:
     assert [verify(policy, 0), verify(policy, 1), verify(policy, 0)] == [2, 2, 2]  # not in a row
     assert policy.admit([]) == []  # no proposal: nothing to verify, nothing learned
     assert policy.limit == 2
+
+
+# Step times measured on this project's CPU (AMD EPYC Zen 4, 2 threads) with the default
+# model's decode stack, per number of computed rows (in-process forwards of the
+# runner: one sequence with 0/1/2/4 drafts; eight sequences with 0/1/2/4 drafts each), and
+# the acceptance rates benchmarks/spec_decode.py measured (edit at 1 stream, chat at 8).
+MEASURED_SECONDS = {
+    1: 0.00747, 2: 0.00973, 3: 0.01248, 5: 0.01995,
+    8: 0.03469, 16: 0.05173, 24: 0.07459, 40: 0.13093,
+}  # fmt: skip
+EDIT_ACCEPTANCE, CHAT_ACCEPTANCE = 0.895, 0.495
+
+
+def _expected(p: float, drafts: int) -> float:
+    return sum(p**i for i in range(1, drafts + 1))
+
+
+def _measured() -> StepCost:
+    cost = StepCost()
+    for rows, seconds in MEASURED_SECONDS.items():
+        cost.observe(1 if rows <= 5 else 8, rows, seconds)
+    return cost
+
+
+def test_step_cost_drafts_for_one_edit_stream_and_not_for_eight_chat_streams() -> None:
+    cost = _measured()
+    assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))  # 4.4 tokens for 2.7x
+    assert not cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))  # 15 for 3.8x
+    assert not cost.drafts_pay(8, 8, 8 * _expected(0.1, 1))  # misses cost a row each
+    assert not cost.drafts_pay(1, 4, _expected(0.2, 4))
+
+
+def test_step_cost_tries_unmeasured_row_counts_and_probes_after_declining() -> None:
+    cost = StepCost()
+    assert cost.drafts_pay(8, 32, 0.0)  # nothing measured: drafting is how it gets measured
+    cost = _measured()
+    assert cost.drafts_pay(3, 6, 0.0)  # 9 rows never measured
+    decisions = [
+        cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4)) for _ in range(PROBE_EVERY)
+    ]
+    assert decisions == [False] * (PROBE_EVERY - 1) + [True]  # one probe, then declines again
+    assert not cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
+    assert not cost.drafts_pay(1, 0, 0.0)  # no drafts: nothing to verify
+
+
+def test_step_cost_follows_new_measurements() -> None:
+    cost = _measured()
+    for _ in range(30):  # drafted 40-row steps become as cheap as 8-row ones
+        cost.observe(8, 40, MEASURED_SECONDS[8])
+    assert cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
