@@ -22,15 +22,17 @@ its steps cost what they would without speculation.
 Whether drafts pay at all at the current batch size is decided from measured step
 times (:class:`StepCost`, the default when neither ``disable_by_batch_size`` nor
 ``num_speculative_tokens_per_batch_size`` is set): the runner reports each step's
-compute time, the scheduler keeps a running mean per number of computed rows, and a
-step verifies drafts only when the tokens they are expected to add (each request's
-recent acceptance rate) pay for the rows they add: ``(S + expected) / t(S + D) >
-S / t(S)``. On one CPU core pair a step of 8 sequences is compute-bound (40 rows took
+compute time, the scheduler keeps a running mean per number of sequences and of
+computed rows (a row count not measured yet is the plain step's time plus the
+measured cost of a draft row at that number of sequences), and a step verifies drafts
+only when the tokens they are expected to add (each request's recent share of drafts
+accepted, times its drafts) pay for the rows they add: ``(S + expected) / t(S, S + D)
+> S / t(S, S)``. On one CPU core pair a step of 8 sequences is compute-bound (40 rows took
 3.8x the time of 8), so free chat at 8 streams (about half the drafts accepted) stops
 drafting, while one stream of an edit (about 90% accepted; 5 rows cost about 2.7x one)
-keeps it. A row count never measured is tried (that is how it gets measured), and
-every ``PROBE_EVERY`` decisions against drafting one step drafts anyway, to follow a
-change in the workload.
+keeps it. A number of sequences never measured with drafts is tried (that is how it
+gets measured), and every ``PROBE_EVERY`` decisions against drafting one step drafts
+anyway, to follow a change in the workload.
 
 Pure Python; never imports torch or trio.
 """
@@ -117,11 +119,12 @@ class StepCost:
     def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
         """Whether ``sequences`` decode rows plus ``drafts`` drafts, of which
         ``expected_accepted`` are expected to be accepted, give more tokens a second than
-        the ``sequences`` rows alone. True while either row count is unmeasured."""
+        the ``sequences`` rows alone. True while ``sequences`` has no plain or no drafted
+        step measured yet."""
         if drafts <= 0:
             return False
         plain = self.seconds.get((sequences, sequences))
-        drafted = self.seconds.get((sequences, sequences + drafts))
+        drafted = self._drafted_seconds(sequences, drafts, plain)
         if plain is None or drafted is None:
             return True
         if (sequences + expected_accepted) / drafted > sequences / plain:
@@ -132,3 +135,20 @@ class StepCost:
             self.declined = 0
             return True
         return False
+
+    def _drafted_seconds(self, sequences: int, drafts: int, plain: float | None) -> float | None:
+        """The time of a step of ``sequences`` sequences and ``drafts`` drafts: measured, or
+        else the plain step's plus ``drafts`` times the mean cost of a draft row in the
+        drafted steps of ``sequences`` measured so far (row counts in between are not each
+        tried: at 8 sequences of up to 4 drafts there are 33 of them). None: none measured."""
+        measured = self.seconds.get((sequences, sequences + drafts))
+        if measured is not None or plain is None:
+            return measured
+        per_row = [
+            (seconds - plain) / (rows - sequences)
+            for (seqs, rows), seconds in self.seconds.items()
+            if seqs == sequences and rows > sequences
+        ]
+        if not per_row:
+            return None
+        return plain + drafts * max(0.0, sum(per_row) / len(per_row))

@@ -127,7 +127,8 @@ class Scheduler(RequestBook):
     def _learn_step_cost(self, step: SchedulerOutput, seconds: float) -> None:
         """Record a decode step's measured time, then decide whether the next step's
         drafts pay (:class:`StepCost`): expected accepted drafts from each request's
-        recent acceptance rate ``p`` (``p + p^2 + ...`` over its drafts)."""
+        recent share of drafts accepted ``p`` (``p`` times its drafts: the share is
+        measured over drafts of about that length)."""
         cost = self.step_cost
         if cost is None:
             return
@@ -145,7 +146,7 @@ class Scheduler(RequestBook):
             if n:
                 p = req.draft_length.acceptance() if req.draft_length is not None else 1.0
                 num_drafts += n
-                expected += sum(p**i for i in range(1, n + 1))
+                expected += p * n
         self._drafts_pay = not num_drafts or cost.drafts_pay(sequences, num_drafts, expected)
 
     def _take_proposal(self, req: Request, proposal: list[int]) -> None:

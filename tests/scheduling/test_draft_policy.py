@@ -73,7 +73,7 @@ EDIT_ACCEPTANCE, CHAT_ACCEPTANCE = 0.895, 0.495
 
 
 def _expected(p: float, drafts: int) -> float:
-    return sum(p**i for i in range(1, drafts + 1))
+    return p * drafts  # as the scheduler estimates it
 
 
 def _measured() -> StepCost:
@@ -95,7 +95,12 @@ def test_step_cost_tries_unmeasured_row_counts_and_probes_after_declining() -> N
     cost = StepCost()
     assert cost.drafts_pay(8, 32, 0.0)  # nothing measured: drafting is how it gets measured
     cost = _measured()
-    assert cost.drafts_pay(3, 6, 0.0)  # 9 rows never measured
+    assert cost.drafts_pay(3, 6, 0.0)  # 3 sequences never measured
+    # 8 sequences with 2 drafts each (24 rows) measured, 8 with 1 each (16 rows) not: the
+    # plain step plus the measured cost of a draft row, not tried
+    del cost.seconds[(8, 16)]
+    assert not cost.drafts_pay(8, 8, 8 * _expected(0.1, 1))
+    assert cost.drafts_pay(8, 8, 8 * _expected(0.9, 1))
     decisions = [
         cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4)) for _ in range(PROBE_EVERY)
     ]
