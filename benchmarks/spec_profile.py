@@ -1,6 +1,6 @@
 """Where a speculative step's time goes: the default model stepped in-process through
-``LLMEngine``, one stream of the ``edit`` workload (``spec_decode.py``'s), with and
-without n-gram drafts.
+``LLMEngine``, one stream of the ``edit`` workload (``spec_decode.py``'s; ``--chat``: its first
+free-chat prompt), with and without n-gram drafts.
 
 Per run it prints the steps, tokens and milliseconds per step, then the functions
 with the most time of their own (cProfile) over the timed steps; on CUDA also how
@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import common  # noqa: F401  (the offline environment)
-from spec_decode import EDIT_ASKS, EDIT_TEXT
+from spec_decode import CHAT_ASKS, EDIT_ASKS, EDIT_TEXT
 
 
 def run(args: argparse.Namespace, spec: dict[str, Any] | None) -> None:
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace, spec: dict[str, Any] | None) -> None:
     path = str(default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": EDIT_ASKS[0] + EDIT_TEXT}],
+        [{"role": "user", "content": CHAT_ASKS[0] if args.chat else EDIT_ASKS[0] + EDIT_TEXT}],
         tokenize=False,
         add_generation_prompt=True,
     )
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--dequantize", action="store_true")
+    parser.add_argument("--chat", action="store_true", help="a free-chat prompt, not the edit")
     args = parser.parse_args()
     spec = {
         "method": "ngram",
