@@ -196,33 +196,43 @@ def test_unsupported_type_is_refused() -> None:
 # -- the default model, end to end ----------------------------------------------------
 
 
-def test_default_model_loads_quantized(smollm2_gguf: Path) -> None:
+_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_default_model_loads_quantized(smollm2_gguf: Path, device: str) -> None:
     """Every matrix of the Q4_1 file (the Q8_0 embedding, tied LM head, included) is held
-    quantized, no parameter keeps an fp32 copy of it, and the model's quantized bytes stay
-    within 1.3x of the file."""
+    quantized on the model's device, no parameter keeps an fp32 copy of it, and the model's
+    quantized bytes stay within 1.3x of the file."""
     cfg = resolve_architecture(load_model_config(smollm2_gguf))[1]
     model = load_model(
-        smollm2_gguf, cfg, TorchBackend(), torch.float32, torch.device("cpu"), 64,
+        smollm2_gguf, cfg, TorchBackend(), torch.float32, torch.device(device), 64,
         keep_quantized=True,
     )  # fmt: skip
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert all(m.quantized is not None for m in linears)
+    assert all(p.codes.device.type == device for m in linears for p in m.quantized.parts)  # type: ignore[union-attr]
     assert model.model.embed_tokens.quantized is not None
     dense = sum(p.numel() for p in model.parameters() if p.dim() == 2)
     assert dense == 0
     assert model.quantized_bytes() <= 1.3 * smollm2_gguf.stat().st_size
 
 
-def test_greedy_tokens_equal_the_dequantized_fp32_path(smollm2_gguf: Path) -> None:
-    """The kernels compute in fp32 from bit-identical weights: greedy decoding of the default
-    model gives the tokens the dequantized fp32 path gives (``gguf_dequantize=True``)."""
+@pytest.mark.parametrize("device", _DEVICES)
+def test_greedy_tokens_equal_the_dequantized_fp32_path(smollm2_gguf: Path, device: str) -> None:
+    """The kernels (native on CPU, Triton on CUDA, decode CUDA graphs included) compute in
+    fp32 from bit-identical weights: greedy decoding of the default model gives the tokens
+    the dequantized fp32 path gives (``gguf_dequantize=True``)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     tokens = {}
     for widened in (False, True):
         with LLM(
             str(smollm2_gguf), executor="inproc", gguf_dequantize=widened, max_num_seqs=4,
-            gguf_activations="fp32",
+            gguf_activations="fp32", dtype="float32", device=device,
         ) as llm:  # fmt: skip
             tokens[widened] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     assert tokens[False] == tokens[True]
