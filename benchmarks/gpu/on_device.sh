@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine: set up, then run the phases named (env, tests, bf16, bench).
+# One call on a lent GPU machine: set up, then run the phases named (env, tests, bf16, bench,
+# quantized).
 #
 #   benchmarks/gpu/on_device.sh env tests bench        # from a copy of the repository root
 #
@@ -50,6 +51,12 @@ torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
         # shellcheck disable=SC2086
         timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu/roofline.py \
             --json "$OUT/roofline.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+        ;;
+    quantized)
+        # The Triton weight-only matmul over GGUF types against cuBLAS on bf16 and the roofline.
+        timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu/quantized_matmul.py \
+            --json "$OUT/quantized.json" ${QUANTIZED_ARGS:-} 2>&1 | tee "$OUT/quantized.log" \
+            || status=1
         ;;
     *)
         echo "unknown phase $phase" && status=1
