@@ -181,19 +181,22 @@ class LaunchConfig(NamedTuple):
     num_stages: int = 3
 
 
-def launch_config(m: int, n: int, k: int, bits: int, device_type: str) -> LaunchConfig:
+def launch_config(
+    m: int, n: int, k: int, bits: int, device_type: str, fp32: bool = False
+) -> LaunchConfig:
     """The default tiling of an ``[m, k] x [n, k]^T`` call on ``device_type``
     (``benchmarks/gpu/quantized_matmul.py --sweep`` times the alternatives).
 
-    CUDA, up to 16 rows (decode): narrow tiles 128 code bytes deep (16 rows of 4-bit
-    codes, 32 of 8-bit), K split until there are about two programs per SM of an H100 /
-    H200 (132), so that the weight streams from every SM at once. More rows: 64- or 128-row tiles. CPU (the interpreter, tests
-    only): small tiles keep the run short."""
+    CUDA, up to 16 rows (decode): tiles of 32 weight rows by 256 codes (64 for ``fp32``
+    activations, whose IEEE dots would spill registers on sm_90 at 256), K split until
+    there are about two programs per SM of an H100 / H200 (132), so that the weight
+    streams from every SM at once. More rows: 64- or 128-row tiles. CPU (the
+    interpreter, tests only): small tiles keep the run short."""
     if device_type != "cuda":
         return LaunchConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, 64 if k % 64 == 0 else 32)
     if m <= 16:
         block_n = 32
-        block_k = next(b for b in (256, 128, 64, 32) if k % b == 0)
+        block_k = next(b for b in ((64,) if fp32 else (256, 128, 64)) + (32,) if k % b == 0)
         tiles = triton.cdiv(n, block_n)
         split = 1
         while split < 8 and tiles * split * 2 <= 264 and k % (block_k * split * 2) == 0:
@@ -243,7 +246,9 @@ def quantized_matmul(
     m = int(x.shape[0])
     if m == 0 or n == 0:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
-    config = config or launch_config(m, n, k, weight.bits, x.device.type)
+    config = config or launch_config(
+        m, n, k, weight.bits, x.device.type, fp32=x.dtype == torch.float32
+    )
     if config.block_k % 32 or k % (config.block_k * config.split_k):
         raise ValueError(f"quantized_matmul: {config} does not divide in_features {k}")
     split = config.split_k > 1
