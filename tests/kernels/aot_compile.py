@@ -36,8 +36,11 @@ from legato.kernels import (
     attention_prefill,
     kv_write,
     norm,
+    quantized_matmul,
     rotary,
 )
+from legato.models.quantized import KEPT_TYPES, from_gguf
+from legato.testing.gguf_blocks import random_blocks
 
 _TYPES = {
     torch.float32: "fp32",
@@ -45,6 +48,8 @@ _TYPES = {
     torch.bfloat16: "bf16",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
 }
 _KERNELS = {
     attention_decode: ("_decode_split_kernel", "_decode_reduce_kernel"),
@@ -53,6 +58,7 @@ _KERNELS = {
     norm: ("_rms_norm_kernel",),
     rotary: ("_rotary_kernel",),
     activation: ("_silu_and_mul_kernel",),
+    quantized_matmul: ("_quantized_matmul_kernel",),
 }
 
 Launch = tuple[Any, tuple[Any, ...], dict[str, Any]]
@@ -93,6 +99,13 @@ def record_launches() -> list[Launch]:
         q = x.view(4, 32, 128)
         rotary.apply_rotary(q, q[:, :8], torch.arange(4), torch.randn(8, 128), is_neox)
     activation.silu_and_mul(torch.randn(4, 2 * 14336, dtype=torch.bfloat16))
+    for kind in KEPT_TYPES:  # every code layout, at CUDA's decode tilings (split K)
+        weight = from_gguf(random_blocks(kind, 64, 512), kind, 64, 512)
+        for dtype in (torch.bfloat16, torch.float32):
+            config = quantized_matmul.launch_config(
+                1, 4096, 4096, weight.bits, "cuda", fp32=dtype == torch.float32
+            )
+            quantized_matmul.quantized_matmul(torch.randn(1, 512, dtype=dtype), weight, config)
     return launches
 
 
