@@ -768,26 +768,23 @@ int qmatmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
   return 0;
 }
 
+// Every (bits, group) code layout the quantized kernels take, in dispatch order (the layout:
+// legato.models.quantized; Python's cpu_kernels.QUANTIZED_LAYOUTS lists the same). Each
+// dispatcher below expands X(bits, group) once per layout. (8, 16): no GGUF type repacks so
+// today; kept for callers' layouts.
+#define LEGATO_FOR_EACH_LAYOUT(X) X(4, 32) X(8, 32) X(5, 32) X(6, 16) X(8, 16)
+
 int quantized_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
                      int bits, int group, int64_t N, const float* scales, const float* mins,
                      float* y, int64_t ldy, int num_threads) {
   if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || ldx < K || ldy < N) return -1;
   const bool has_min = mins != nullptr;
-  if (bits == 4 && group == 32)
-    return has_min ? qmatmul<4, 32, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
-                   : qmatmul<4, 32, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
-  if (bits == 8 && group == 32)
-    return has_min ? qmatmul<8, 32, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
-                   : qmatmul<8, 32, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
-  if (bits == 5 && group == 32)
-    return has_min ? qmatmul<5, 32, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
-                   : qmatmul<5, 32, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
-  if (bits == 6 && group == 16)
-    return has_min ? qmatmul<6, 16, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
-                   : qmatmul<6, 16, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
-  if (bits == 8 && group == 16)  // (no GGUF type repacks so today; kept for callers' layouts)
-    return has_min ? qmatmul<8, 16, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
-                   : qmatmul<8, 16, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
+#define LEGATO_F32(B, G)                                                                     \
+  if (bits == B && group == G)                                                               \
+    return has_min ? qmatmul<B, G, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads) \
+                   : qmatmul<B, G, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
+  LEGATO_FOR_EACH_LAYOUT(LEGATO_F32)
+#undef LEGATO_F32
   return -2;
 }
 
@@ -1193,14 +1190,11 @@ int quantized_matmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, con
                           float* y, int64_t ldy, int num_threads) {
   if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || ldx < K || ldy < N) return -1;
   const bool has_min = mins != nullptr;
-#define LEGATO_Q8A(B, G)                                                                     \
-  return has_min ? qmatmul_int8<B, G, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads) \
-                 : qmatmul_int8<B, G, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads)
-  if (bits == 4 && group == 32) LEGATO_Q8A(4, 32);
-  if (bits == 8 && group == 32) LEGATO_Q8A(8, 32);
-  if (bits == 5 && group == 32) LEGATO_Q8A(5, 32);
-  if (bits == 6 && group == 16) LEGATO_Q8A(6, 16);
-  if (bits == 8 && group == 16) LEGATO_Q8A(8, 16);
+#define LEGATO_Q8A(B, G)                                                                       \
+  if (bits == B && group == G)                                                                 \
+    return has_min ? qmatmul_int8<B, G, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads) \
+                   : qmatmul_int8<B, G, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
+  LEGATO_FOR_EACH_LAYOUT(LEGATO_Q8A)
 #undef LEGATO_Q8A
   return -2;
 }
@@ -1298,14 +1292,11 @@ int project_int8(const QuantPart& part, const float* x, int64_t T, int64_t K, fl
     return quantized_matmul_int8(x, K, T, K, part.codes, part.bits, part.group, part.rows,
                                  part.scales, part.offsets, y, ldy, num_threads);
   const bool has_min = part.offsets != nullptr;
-#define LEGATO_ROWS(B, G)                                                            \
-  return has_min ? verify_rows_int8<B, G, true>(x, T, K, part, y, ldy, num_threads) \
-                 : verify_rows_int8<B, G, false>(x, T, K, part, y, ldy, num_threads)
-  if (part.bits == 4 && part.group == 32) LEGATO_ROWS(4, 32);
-  if (part.bits == 8 && part.group == 32) LEGATO_ROWS(8, 32);
-  if (part.bits == 5 && part.group == 32) LEGATO_ROWS(5, 32);
-  if (part.bits == 6 && part.group == 16) LEGATO_ROWS(6, 16);
-  if (part.bits == 8 && part.group == 16) LEGATO_ROWS(8, 16);
+#define LEGATO_ROWS(B, G)                                                             \
+  if (part.bits == B && part.group == G)                                              \
+    return has_min ? verify_rows_int8<B, G, true>(x, T, K, part, y, ldy, num_threads) \
+                   : verify_rows_int8<B, G, false>(x, T, K, part, y, ldy, num_threads);
+  LEGATO_FOR_EACH_LAYOUT(LEGATO_ROWS)
 #undef LEGATO_ROWS
   return -2;
 }
