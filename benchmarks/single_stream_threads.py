@@ -21,6 +21,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from process_cpu import children  # noqa: E402
+
 TEXT = (
     "The history of the city begins with a small settlement on the river, where traders met"
     " to exchange salt, wool and grain. Over the centuries the town grew into a market centre,"
@@ -31,13 +33,7 @@ TEXT = (
 def thread_cpu_seconds() -> dict[tuple[int, int, str], float]:
     """CPU seconds (user + system) of every thread of this process and its children."""
     tick = os.sysconf("SC_CLK_TCK")
-    pids = [os.getpid()]
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        try:
-            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-                pids += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
+    pids = [os.getpid(), *children(os.getpid())]
     out: dict[tuple[int, int, str], float] = {}
     for pid in pids:
         for task in os.listdir(f"/proc/{pid}/task"):
