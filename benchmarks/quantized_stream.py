@@ -16,34 +16,26 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from legato.models import cpu_kernels
 from legato.models.quantized import QuantizedWeight, from_gguf
+from legato.testing.gguf_blocks import BLOCK_SHAPES, random_blocks
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-_BLOCK = {"Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2))}
-_BLOCK |= {"Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "Q4_K": (256, 144, (0, 2))}
-_BLOCK |= {"Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
 
 
 def random_weight(kind: str, rows: int, cols: int, seed: int) -> QuantizedWeight:
     """Random codes and sub-scales, fp16 scales in a sane range, repacked."""
-    rng = np.random.default_rng(seed)
-    per, size, halves = _BLOCK[kind]
+    per = BLOCK_SHAPES[kind][0]
     if cols % per:  # K-quants on a 576-wide row: widen to whole super-blocks
         cols += per - cols % per
-    blocks = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
-    for at in halves:
-        half = rng.uniform(-0.05, 0.05, size=(rows, cols // per)).astype(np.float16)
-        blocks[..., at : at + 2] = half.view(np.uint8).reshape(rows, cols // per, 2)
-    return from_gguf(blocks.reshape(rows, -1), kind, rows, cols)
+    return from_gguf(random_blocks(kind, rows, cols, seed), kind, rows, cols)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kinds", nargs="+", choices=sorted(_BLOCK))
+    parser.add_argument("kinds", nargs="+", choices=sorted(BLOCK_SHAPES))
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
