@@ -193,77 +193,80 @@ inline void prefetch_rows(const T* const (&rows)[16], int64_t row_bytes, int par
       __builtin_prefetch(reinterpret_cast<const char*>(rows[t]) + b);
 }
 
+// A sequence's tokens 16 at a time, in order (a block's rows are contiguous, all kv heads):
+// per chunk and query head, per_head(rows, first, n, h) with the chunk's 16 rows (`n` of them
+// real). While it computes, the next chunk's rows are prefetched, a share per head.
+template <typename T, typename PerHead>
+inline void for_token_chunks(const T* cache, const int32_t* table, int len, int num_heads,
+                             int block_size, int64_t token_stride, int64_t block_stride,
+                             PerHead&& per_head) {
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  const T* rows[16];
+  const T* next[16];
+  token_rows(cache, table, 0, len, block_size, token_stride, block_stride, next);
+  for (int first = 0; first < len; first += 16) {
+    const int n = std::min(16, len - first);
+    std::copy(next, next + 16, rows);
+    const bool more = first + 16 < len;
+    if (more) token_rows(cache, table, first + 16, len, block_size, token_stride, block_stride, next);
+    for (int h = 0; h < num_heads; ++h) {
+      if (more) prefetch_rows(next, row_bytes, h, num_heads);
+      per_head(rows, first, n, h);
+    }
+  }
+}
+
 // Scores of one sequence, head_dim a multiple of 16: s[h * len + t] = q[h] . k_t (q already
-// scaled). 16 tokens at a time, in order (a block's rows are contiguous, all kv heads);
-// per query head each token keeps one accumulator, and one lane_sums adds all 16 up.
+// scaled). Per chunk and query head each token keeps one accumulator, and one lane_sums adds
+// all 16 up.
 template <typename T>
 void seq_scores(const float* q, const T* key_cache, const int32_t* table, int len,
                 int num_heads, int group, int head_dim, int block_size, int64_t token_stride,
                 int64_t block_stride, float* s) {
   const int chunks = head_dim / 16;
-  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
-  const T* rows[16];
-  const T* next[16];
-  token_rows(key_cache, table, 0, len, block_size, token_stride, block_stride, next);
-  for (int first = 0; first < len; first += 16) {
-    const int n = std::min(16, len - first);
-    std::copy(next, next + 16, rows);
-    const bool more = first + 16 < len;
-    if (more) token_rows(key_cache, table, first + 16, len, block_size, token_stride, block_stride, next);
-    for (int h = 0; h < num_heads; ++h) {
-      if (more) prefetch_rows(next, row_bytes, h, num_heads);
-      const int64_t head = (h / group) * head_dim;
-      const float* qh = q + h * head_dim;
-      attn_f32x16 acc[16];
-      for (int t = 0; t < 16; ++t) acc[t] = attn_f32x16{};
-      for (int c = 0; c < chunks; ++c) {
-        const attn_f32x16 qc = attn_load(qh + c * 16);
+  for_token_chunks(key_cache, table, len, num_heads, block_size, token_stride, block_stride,
+                   [&](const T* const (&rows)[16], int first, int n, int h) {
+    const int64_t head = (h / group) * head_dim;
+    const float* qh = q + h * head_dim;
+    attn_f32x16 acc[16];
+    for (int t = 0; t < 16; ++t) acc[t] = attn_f32x16{};
+    for (int c = 0; c < chunks; ++c) {
+      const attn_f32x16 qc = attn_load(qh + c * 16);
 #pragma GCC unroll 16
-        for (int t = 0; t < 16; ++t) acc[t] = attn_fma(qc, attn_load(rows[t] + head + c * 16), acc[t]);
-      }
-      const attn_f32x16 sums = lane_sums(acc);
-      float lanes[16];
-      std::memcpy(lanes, &sums, sizeof(lanes));
-      std::memcpy(s + static_cast<int64_t>(h) * len + first, lanes, sizeof(float) * n);
+      for (int t = 0; t < 16; ++t) acc[t] = attn_fma(qc, attn_load(rows[t] + head + c * 16), acc[t]);
     }
-  }
+    const attn_f32x16 sums = lane_sums(acc);
+    float lanes[16];
+    std::memcpy(lanes, &sums, sizeof(lanes));
+    std::memcpy(s + static_cast<int64_t>(h) * len + first, lanes, sizeof(float) * n);
+  });
 }
 
 // acc[h] (head_dim floats each) = sum over t of p[h * len + t] * v_t, head_dim a multiple of
-// 16; 16 tokens at a time as in seq_scores.
+// 16; the tokens walked as in seq_scores.
 template <typename T>
 void seq_weighted_values(const float* p, const T* value_cache, const int32_t* table, int len,
                          int num_heads, int group, int head_dim, int block_size,
                          int64_t token_stride, int64_t block_stride, float* acc) {
   const int chunks = head_dim / 16;
-  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
   std::fill(acc, acc + static_cast<int64_t>(num_heads) * head_dim, 0.f);
-  const T* rows[16];
-  const T* next[16];
-  token_rows(value_cache, table, 0, len, block_size, token_stride, block_stride, next);
-  for (int first = 0; first < len; first += 16) {
-    const int n = std::min(16, len - first);
-    std::copy(next, next + 16, rows);
-    const bool more = first + 16 < len;
-    if (more) token_rows(value_cache, table, first + 16, len, block_size, token_stride, block_stride, next);
-    for (int h = 0; h < num_heads; ++h) {
-      if (more) prefetch_rows(next, row_bytes, h, num_heads);
-      const int64_t head = (h / group) * head_dim;
-      const float* ph = p + static_cast<int64_t>(h) * len + first;
-      for (int c = 0; c < chunks; ++c) {
-        float* out = acc + h * head_dim + c * 16;
-        attn_f32x16 even = attn_load(out), odd = attn_f32x16{};
-        int t = 0;
-        for (; t + 2 <= n; t += 2) {  // two chains: the FMA latency, not its throughput
-          even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
-          odd = attn_fma(attn_f32x16{} + ph[t + 1], attn_load(rows[t + 1] + head + c * 16), odd);
-        }
-        if (t < n) even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
-        even += odd;
-        std::memcpy(out, &even, sizeof(even));
+  for_token_chunks(value_cache, table, len, num_heads, block_size, token_stride, block_stride,
+                   [&](const T* const (&rows)[16], int first, int n, int h) {
+    const int64_t head = (h / group) * head_dim;
+    const float* ph = p + static_cast<int64_t>(h) * len + first;
+    for (int c = 0; c < chunks; ++c) {
+      float* out = acc + h * head_dim + c * 16;
+      attn_f32x16 even = attn_load(out), odd = attn_f32x16{};
+      int t = 0;
+      for (; t + 2 <= n; t += 2) {  // two chains: the FMA latency, not its throughput
+        even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
+        odd = attn_fma(attn_f32x16{} + ph[t + 1], attn_load(rows[t + 1] + head + c * 16), odd);
       }
+      if (t < n) even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
+      even += odd;
+      std::memcpy(out, &even, sizeof(even));
     }
-  }
+  });
 }
 
 // The same two passes for any head_dim, one dot / axpy per token and head.
