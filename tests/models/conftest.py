@@ -15,6 +15,7 @@ the first blocks of an earlier request and is admitted with
 :class:`Greedy` (fixture ``greedy``) holds the comparisons the model-family tests
 share: random prompts, legato's greedy tokens for a batch (whole or chunked
 prefill, from a cached prefix, from a model file), transformers' for the same.
+``decode_stack_calls`` records the one-call decode stack's kernel calls.
 
 Helpers are served as fixtures because pytest runs with
 ``--import-mode=importlib``, where test modules cannot import from beside them.
@@ -22,7 +23,8 @@ Helpers are served as fixtures because pytest runs with
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 
+from legato.models import cpu_kernels
 from legato.models.runner import ModelRunner
 from legato.protocol.messages import (
     CachedRequestData,
@@ -548,3 +551,28 @@ def make_adapter(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Adap
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def decode_stack_calls() -> Callable[[], contextlib.AbstractContextManager[list[tuple[int, int]]]]:
+    """A context manager under which each call of the one-call decode stack's kernel
+    (:mod:`legato.models.decode_stack`) still runs and is recorded as ``(rows, sequences)``
+    in the list it yields."""
+
+    @contextlib.contextmanager
+    def recording() -> Iterator[list[tuple[int, int]]]:
+        calls: list[tuple[int, int]] = []
+        kernel = cpu_kernels.decode_layers_kernel()
+
+        def counted(*args: Any) -> int:
+            calls.append((int(args[4]), int(args[-1])))  # rows, sequences
+            return int(kernel(*args))
+
+        original = cpu_kernels.decode_layers_kernel
+        cpu_kernels.decode_layers_kernel = lambda: counted  # type: ignore[assignment]
+        try:
+            yield calls
+        finally:
+            cpu_kernels.decode_layers_kernel = original  # type: ignore[assignment]
+
+    return recording

@@ -4,6 +4,8 @@ sequences give the same logits, greedy tokens and KV cache."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,10 @@ def _run(runner: ModelRunner, mini_scheduler: Any, fused: bool, prompts: list[li
 
 @pytest.mark.parametrize("gguf_activations", ["int8", "fp32"])
 def test_fused_decode_equals_the_layer_by_layer_path(
-    smollm2_gguf: Path, mini_scheduler: Any, gguf_activations: str
+    smollm2_gguf: Path,
+    mini_scheduler: Any,
+    decode_stack_calls: Callable[[], AbstractContextManager[list[tuple[int, int]]]],
+    gguf_activations: str,
 ) -> None:
     """One stream (the integer kernel with "int8") and three at once (the fp32 tile): the
     stack runs (its one call is seen), and tokens, logprobs and the KV cache equal the
@@ -43,24 +48,12 @@ def test_fused_decode_equals_the_layer_by_layer_path(
         gguf_activations=gguf_activations,
     )  # fmt: skip
     runner = ModelRunner(config)
-    calls = []
-    kernel = cpu_kernels.decode_layers_kernel()
-
-    def counted(*args: Any) -> int:
-        calls.append(args[4])  # the number of rows
-        return int(kernel(*args))
-
     for prompts in ([[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7], [100, 200, 300, 400, 500], [42]]):
         plain = _run(runner, mini_scheduler, False, prompts)
         plain_cache = [tuple(c.clone() for c in pair) for pair in runner.kv_caches]
-        original = cpu_kernels.decode_layers_kernel
-        cpu_kernels.decode_layers_kernel = lambda: counted  # type: ignore[assignment]
-        try:
+        with decode_stack_calls() as calls:
             fused = _run(runner, mini_scheduler, True, prompts)
-        finally:
-            cpu_kernels.decode_layers_kernel = original  # type: ignore[assignment]
-        assert calls and set(calls) == {len(prompts)}
-        calls.clear()
+        assert calls and {rows for rows, _ in calls} == {len(prompts)}
         for rid, req in plain.done.items():
             assert fused.done[rid].outputs == req.outputs
             for a, b in zip(fused.done[rid].logprobs, req.logprobs, strict=True):

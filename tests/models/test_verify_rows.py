@@ -6,9 +6,10 @@ That is what keeps greedy outputs token-identical with and without speculation."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -53,7 +54,11 @@ def _forward(
     ],
 )
 def test_verified_rows_equal_plain_decode_bit_for_bit(
-    smollm2_gguf: Path, gguf_activations: str, num_seqs: int, kind: str | None
+    smollm2_gguf: Path,
+    decode_stack_calls: Callable[[], AbstractContextManager[list[tuple[int, int]]]],
+    gguf_activations: str,
+    num_seqs: int,
+    kind: str | None,
 ) -> None:
     """``num_seqs`` sequences with 4 drafts each: the verification step's 5 rows a sequence
     (through the decode stack: its one call sees them all) against 5 plain decode steps of
@@ -86,19 +91,8 @@ def test_verified_rows_equal_plain_decode_bit_for_bit(
     plain_cache = [tuple(c.clone() for c in pair) for pair in runner.kv_caches]
 
     prefill()
-    calls = []
-    kernel = cpu_kernels.decode_layers_kernel()
-
-    def counted(*args: Any) -> int:
-        calls.append((args[4], args[-1]))  # rows, sequences
-        return int(kernel(*args))
-
-    original = cpu_kernels.decode_layers_kernel
-    cpu_kernels.decode_layers_kernel = lambda: counted  # type: ignore[assignment]
-    try:
+    with decode_stack_calls() as calls:
         hidden = _forward(runner, following, lens, as_decodes=True)
-    finally:
-        cpu_kernels.decode_layers_kernel = original  # type: ignore[assignment]
     assert calls == [(num_seqs * len(following[0]), num_seqs)]
     verified = runner.model.compute_logits(hidden, num_seqs)
     width = len(following[0])
