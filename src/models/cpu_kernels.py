@@ -69,6 +69,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_quantized_matmul_f32": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_isa": [_I],
+    "legato_attention_bf16_dot": [_I],
     # layers (an array of structs, legato.models.decode_stack), then as in the C++ source
     "legato_decode_layers_f32": [_P, _I, _P, _P, _L, _I, _I, _I, _I, _I, _P, _L, _L, _L, _I]
     + [_P, _P, _P, _P, _L, _F, _F, _I, _I, _L],
@@ -436,6 +437,16 @@ def quantized_isa(request: str | None = None) -> str:
         raise ValueError(f"quantized_isa: {request!r} is not one of {QUANTIZED_ISAS}")
     code = -1 if request is None else QUANTIZED_ISAS.index(request)
     return QUANTIZED_ISAS[int(_library().legato_quantized_isa(code))]
+
+
+def attention_bf16_dot(request: bool | None = None) -> bool:
+    """Whether bf16 :func:`decode_attention` runs on AVX512_BF16's ``vdpbf16ps`` (q and
+    the probabilities rounded to bf16, as the plain-torch reference rounds them) rather
+    than widening K/V to fp32: the CPU's best, or with ``request`` the lower of it and that
+    best (tests pin the fallback so). Process-wide. Raises ``RuntimeError`` when the library
+    is unavailable."""
+    code = -1 if request is None else int(request)
+    return bool(_library().legato_attention_bf16_dot(code))
 
 
 def quantized_matmul(

@@ -29,18 +29,38 @@ def _randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.fixture
+def bf16_dot(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """bf16 decode attention pinned to vdpbf16ps (True; skipped on a CPU without
+    AVX512_BF16) or to its widening fallback (False) for the test, then restored."""
+    wanted: bool = request.param
+    before = cpu_kernels.attention_bf16_dot()
+    if cpu_kernels.attention_bf16_dot(wanted) != wanted:
+        cpu_kernels.attention_bf16_dot(before)
+        pytest.skip("this CPU has no AVX512_BF16")
+    yield wanted
+    cpu_kernels.attention_bf16_dot(before)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bf16_dot"),
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    indirect=["bf16_dot"],
+    ids=["float32", "bfloat16-widened", "bfloat16-dpbf16"],
+)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block"),
-    [(4, 2, 16, 4), (6, 6, 64, 16), (8, 2, 128, 32), (4, 4, 24, 16)],
+    [(4, 2, 16, 4), (6, 6, 64, 16), (8, 2, 128, 32), (4, 4, 24, 16), (8, 4, 64, 16)],
 )
 def test_decode_attention_matches_reference(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block: int
+    dtype: torch.dtype, bf16_dot: bool, heads: int, kv_heads: int, head_dim: int, block: int
 ) -> None:
     """Blocks shuffled over the pool, junk past each table's used entries, lengths that end
     mid-block and one that is a single token. The kernel reads 16 tokens at a time (a block
     of 4 spans four blocks, one of 32 two chunks); a head_dim that is not a multiple of 16
-    (24) takes its scalar loops."""
+    (24) takes its scalar loops. bf16 runs both ways: widened to fp32, and on vdpbf16ps
+    (head_dim a multiple of 32; q and the probabilities rounded to bf16 as the reference
+    rounds them); both within the bf16 tolerance of the plain-torch reference."""
     lens = [1, block, 3 * block + 1, 5 * block - 1]
     num_blocks = sum(-(-n // block) for n in lens) + 2
     key_cache = _randn(num_blocks, block, kv_heads, head_dim, dtype=dtype, seed=1)
