@@ -13,7 +13,8 @@ once, with a log line, and callers keep their plain-torch path.
 Kernels (fp32 and bf16, each checked against its plain-torch twin in the tests):
 
 - :func:`decode_attention`: one query row per sequence against its paged K/V,
-  read in place through the block table (no gather);
+  read in place through the block table (no gather); bf16 on AVX512_BF16's
+  ``vdpbf16ps`` where the CPU has it (:func:`attention_bf16_dot`);
 - :func:`write_kv`: this step's K/V rows into their cache slots;
 - :func:`rms_norm` (optionally fused with the residual add), :func:`silu_and_mul`,
   :func:`rotary_neox` (in place): the elementwise ops of a layer, one pass each;
