@@ -667,6 +667,7 @@ inline void dequant_chunk(const uint8_t* row, int64_t K, const float* scales, co
 // depend on M, on MR or on the row's place in the tile, so a row's result is the same in any
 // call of two or more rows (verification rows rely on it).
 constexpr int64_t kPanelCodes = 1024;  // 16 KB of panel at NR = 4; 576-wide rows in one block
+constexpr int64_t kPanelPrefetchTiles = 1;  // 2 or 4 tiles ahead measured the same
 
 // Keeps a loaded vector in its register: without it GCC reloads it for every use (one load
 // per fused multiply-add), which halves the tile's speed.
@@ -723,11 +724,14 @@ void qmatmul_tile(const float* panel, int64_t steps, const float* x, int64_t ldx
     for (int j = 0; j < MR; ++j) y[(m0 + j) * ldy + n0 + i] = lanes[i * MR + j];
 }
 
-// NR weight rows n0 .. n0 + nr - 1 against all M input rows (see kPanelCodes above).
+// NR weight rows n0 .. n0 + nr - 1 (of n_total) against all M input rows (see kPanelCodes
+// above). The weights stream from memory: the next tile's are prefetched first, since the
+// hardware prefetcher does not run ahead across this tile's long compute.
 template <int BITS, int G, bool HAS_MIN, int NR, int MR>
 void qmatmul_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int64_t q_stride,
                    const float* scales, const float* mins, int64_t groups, int64_t n0,
-                   int64_t nr, int64_t K, float* y, int64_t ldy, f32x16* panel, f32x16* sums) {
+                   int64_t nr, int64_t n_total, int64_t K, float* y, int64_t ldy, f32x16* panel,
+                   f32x16* sums) {
   const uint8_t* rows[NR];
   const float* srow[NR];
   const float* mrow[NR];
@@ -736,6 +740,18 @@ void qmatmul_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int
     rows[i] = q + n * q_stride;
     srow[i] = scales + n * groups;
     mrow[i] = HAS_MIN ? mins + n * groups : nullptr;
+  }
+  const int64_t ahead = n0 + kPanelPrefetchTiles * NR;
+  if (ahead + NR <= n_total) {  // a later tile's codes and scales, fetched while this one runs
+    const char* next = reinterpret_cast<const char*>(q + ahead * q_stride);
+    for (int64_t b = 0; b < NR * q_stride; b += 64) __builtin_prefetch(next + b);
+    const int64_t scale_bytes = NR * groups * static_cast<int64_t>(sizeof(float));
+    const char* next_scales = reinterpret_cast<const char*>(scales + ahead * groups);
+    for (int64_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch(next_scales + b);
+    if constexpr (HAS_MIN) {
+      const char* next_mins = reinterpret_cast<const char*>(mins + ahead * groups);
+      for (int64_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch(next_mins + b);
+    }
   }
   const int64_t full = M / MR * MR, rest = M - full;
   for (int64_t k0 = 0; k0 < K; k0 += kPanelCodes) {
@@ -830,7 +846,7 @@ int qmatmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
     for (int64_t t = 0; t < n_tiles; ++t) {
       const int64_t n0 = t * NR;
       qmatmul_panel<BITS, G, HAS_MIN, NR, MR>(x, ldx, M, q, q_stride, scales, mins, groups, n0,
-                                              std::min<int64_t>(NR, N - n0), K, y, ldy,
+                                              std::min<int64_t>(NR, N - n0), N, K, y, ldy,
                                               panel.data(), sums.data());
     }
   }
