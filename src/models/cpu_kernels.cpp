@@ -807,13 +807,80 @@ inline void dequant_chunk(const uint8_t* row, int64_t K, const float* scales, co
   }
 }
 
-template <int BITS, int G, bool HAS_MIN, int NR, int MR>
-void qmatmul_tile(const float* x, int64_t ldx, int64_t m0, int64_t mr, const uint8_t* q,
-                  int64_t q_stride, const float* scales, const float* mins, int64_t groups,
-                  int64_t n0, int64_t nr, int64_t K, float* y, int64_t ldy) {
+// The fp32 tile (2 or more input rows). Each tile of NR weight rows is formed in fp32 once per
+// block of kPanelCodes codes into a panel (NR x the block, in L1) that every input tile of
+// MR rows then reads, so a weight is formed once per call, not once per input tile. The
+// accumulators of every input tile wait in `sums` between blocks; after the last block one
+// lane_sums turns a tile's NR * MR (<= 16) accumulators into its results. Each output's
+// arithmetic (one fused multiply-add chain over k, then the same reduction tree) does not
+// depend on M, on MR or on the row's place in the tile, so a row's result is the same in any
+// call of two or more rows (verification rows rely on it).
+constexpr int64_t kPanelCodes = 1024;  // 16 KB of panel at NR = 4; 576-wide rows in one block
+constexpr int64_t kPanelPrefetchTiles = 1;  // 2 or 4 tiles ahead measured the same
+
+// Keeps a loaded vector in its register: without it GCC reloads it for every use (one load
+// per fused multiply-add), which halves the tile's speed.
+inline void pin(f32x16& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#endif
+}
+
+// acc[i][j] += panel row i . x row j over `steps` vectors of 16 codes.
+template <int NR, int MR>
+inline void panel_tile(const float* panel, int64_t steps, const float* const* xr,
+                       f32x16 (&acc)[NR][MR]) {
+  for (int64_t s = 0; s < steps; ++s) {
+    f32x16 w[NR];
+    for (int i = 0; i < NR; ++i) {
+      w[i] = load16(panel + (s * NR + i) * 16);
+      pin(w[i]);
+    }
+    for (int j = 0; j < MR; ++j) {
+      f32x16 xv = load16(xr[j] + s * 16);
+      pin(xv);
+      for (int i = 0; i < NR; ++i) acc[i][j] = fma16(w[i], xv, acc[i][j]);
+    }
+  }
+}
+
+// One input tile of mr = MR rows over one panel block: the accumulators come from `sums`
+// (zero at the first block) and go back there, or after the last block are reduced and
+// written (nr of the NR weight rows are real).
+template <int NR, int MR>
+void qmatmul_tile(const float* panel, int64_t steps, const float* x, int64_t ldx, int64_t m0,
+                  int64_t k0, f32x16* sums, bool first, bool last, int64_t n0, int64_t nr,
+                  float* y, int64_t ldy) {
+  static_assert(NR * MR <= 16, "one lane_sums per tile");
   f32x16 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < MR; ++j) acc[i][j] = f32x16{};
+    for (int j = 0; j < MR; ++j) acc[i][j] = first ? f32x16{} : sums[i * MR + j];
+  const float* xr[MR];
+  for (int j = 0; j < MR; ++j) xr[j] = x + (m0 + j) * ldx + k0;
+  panel_tile<NR, MR>(panel, steps, xr, acc);
+  if (!last) {
+    for (int i = 0; i < NR; ++i)
+      for (int j = 0; j < MR; ++j) sums[i * MR + j] = acc[i][j];
+    return;
+  }
+  attn_f32x16 v[16] = {};
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < MR; ++j) v[i * MR + j] = reinterpret_cast<attn_f32x16>(acc[i][j]);
+  float lanes[16];
+  const attn_f32x16 total = lane_sums(v);
+  std::memcpy(lanes, &total, sizeof(lanes));
+  for (int i = 0; i < nr; ++i)
+    for (int j = 0; j < MR; ++j) y[(m0 + j) * ldy + n0 + i] = lanes[i * MR + j];
+}
+
+// NR weight rows n0 .. n0 + nr - 1 (of n_total) against all M input rows (see kPanelCodes
+// above). The weights stream from memory: the next tile's are prefetched first, since the
+// hardware prefetcher does not run ahead across this tile's long compute.
+template <int BITS, int G, bool HAS_MIN, int NR, int MR>
+void qmatmul_panel(const float* x, int64_t ldx, int64_t M, const uint8_t* q, int64_t q_stride,
+                   const float* scales, const float* mins, int64_t groups, int64_t n0,
+                   int64_t nr, int64_t n_total, int64_t K, float* y, int64_t ldy, f32x16* panel,
+                   f32x16* sums) {
   const uint8_t* rows[NR];
   const float* srow[NR];
   const float* mrow[NR];
@@ -823,23 +890,35 @@ void qmatmul_tile(const float* x, int64_t ldx, int64_t m0, int64_t mr, const uin
     srow[i] = scales + n * groups;
     mrow[i] = HAS_MIN ? mins + n * groups : nullptr;
   }
-  const float* xr[MR];
-  for (int j = 0; j < MR; ++j) xr[j] = x + (m0 + (j < mr ? j : 0)) * ldx;
-  const int64_t chunks = K / 32;
-  for (int64_t c = 0; c < chunks; ++c) {
-    f32x16 xa[MR], xb[MR];
-    for (int j = 0; j < MR; ++j) {
-      xa[j] = load16(xr[j] + c * 32);
-      xb[j] = load16(xr[j] + c * 32 + 16);
-    }
-    for (int i = 0; i < NR; ++i) {
-      f32x16 w0, w1;
-      dequant_chunk<BITS, G, HAS_MIN>(rows[i], K, srow[i], mrow[i], c, w0, w1);
-      for (int j = 0; j < MR; ++j) acc[i][j] = fma16(w1, xb[j], fma16(w0, xa[j], acc[i][j]));
+  const int64_t ahead = n0 + kPanelPrefetchTiles * NR;
+  if (ahead + NR <= n_total) {  // a later tile's codes and scales, fetched while this one runs
+    const char* next = reinterpret_cast<const char*>(q + ahead * q_stride);
+    for (int64_t b = 0; b < NR * q_stride; b += 64) __builtin_prefetch(next + b);
+    const int64_t scale_bytes = NR * groups * static_cast<int64_t>(sizeof(float));
+    const char* next_scales = reinterpret_cast<const char*>(scales + ahead * groups);
+    for (int64_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch(next_scales + b);
+    if constexpr (HAS_MIN) {
+      const char* next_mins = reinterpret_cast<const char*>(mins + ahead * groups);
+      for (int64_t b = 0; b < scale_bytes; b += 64) __builtin_prefetch(next_mins + b);
     }
   }
-  for (int i = 0; i < nr; ++i)
-    for (int j = 0; j < mr; ++j) y[(m0 + j) * ldy + n0 + i] = hsum(acc[i][j]);
+  const int64_t full = M / MR * MR, rest = M - full;
+  for (int64_t k0 = 0; k0 < K; k0 += kPanelCodes) {
+    const int64_t codes = std::min<int64_t>(kPanelCodes, K - k0), steps = codes / 16;
+    for (int64_t c = 0; c < codes / 32; ++c)
+      for (int i = 0; i < NR; ++i)
+        dequant_chunk<BITS, G, HAS_MIN>(rows[i], K, srow[i], mrow[i], k0 / 32 + c,
+                                        panel[2 * c * NR + i], panel[(2 * c + 1) * NR + i]);
+    const bool first = k0 == 0, last = k0 + codes == K;
+    const float* p = reinterpret_cast<const float*>(panel);
+    for (int64_t m0 = 0; m0 < full; m0 += MR)
+      qmatmul_tile<NR, MR>(p, steps, x, ldx, m0, k0, sums + m0 / MR * 16, first, last, n0, nr,
+                           y, ldy);
+    f32x16* tail = sums + full / MR * 16;
+    if (rest == 3) qmatmul_tile<NR, 3>(p, steps, x, ldx, full, k0, tail, first, last, n0, nr, y, ldy);
+    if (rest == 2) qmatmul_tile<NR, 2>(p, steps, x, ldx, full, k0, tail, first, last, n0, nr, y, ldy);
+    if (rest == 1) qmatmul_tile<NR, 1>(p, steps, x, ldx, full, k0, tail, first, last, n0, nr, y, ldy);
+  }
 }
 
 // One input row (decode): sum_g s_g * (q_g . x_g) + sum_g m_g * sum(x_g), with the group
@@ -906,15 +985,18 @@ int qmatmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
     }
     return 0;
   }
-  constexpr int NR = 2, MR = 6;  // 12 accumulators, 4 weight and 12 input vectors: 28 registers
+  constexpr int NR = 4, MR = 4;  // 16 accumulators, 4 weight and 1 input vector: 21 registers
+  static_assert(MR <= 4, "the tail tiles above take 1..3 rows");
   const int64_t n_tiles = (N + NR - 1) / NR, m_tiles = (M + MR - 1) / MR;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t t = 0; t < n_tiles; ++t) {
-    const int64_t n0 = t * NR, nr = std::min<int64_t>(NR, N - n0);
-    for (int64_t mt = 0; mt < m_tiles; ++mt) {
-      const int64_t m0 = mt * MR;
-      qmatmul_tile<BITS, G, HAS_MIN, NR, MR>(x, ldx, m0, std::min<int64_t>(MR, M - m0), q,
-                                             q_stride, scales, mins, groups, n0, nr, K, y, ldy);
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<f32x16> panel(kPanelCodes / 16 * NR), sums(m_tiles * 16);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int64_t n0 = t * NR;
+      qmatmul_panel<BITS, G, HAS_MIN, NR, MR>(x, ldx, M, q, q_stride, scales, mins, groups, n0,
+                                              std::min<int64_t>(NR, N - n0), N, K, y, ldy,
+                                              panel.data(), sums.data());
     }
   }
   return 0;

@@ -44,19 +44,41 @@ def test_dequantized_values_are_gguf_values(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KEPT_TYPES)
 @pytest.mark.parametrize(
-    ("rows", "out_features", "in_features"), [(1, 13, 256), (5, 37, 768), (17, 6, 512)]
+    ("rows", "out_features", "in_features"),
+    [(1, 13, 256), (5, 37, 768), (17, 6, 512), (2, 11, 1280), (7, 9, 2304)],
 )
 def test_matmul_matches_dequantize_then_linear(
     native: bool, kind: str, rows: int, out_features: int, in_features: int
 ) -> None:
-    """The fp32 kernel (the fidelity path): odd row counts (tails of the kernel's 4-row and
-    2x6 tiles), 1 to 17 input rows."""
+    """The fp32 kernel (the fidelity path): odd row counts (tails of the one-row kernel's 4
+    weight rows, the tile's 4 weight rows and its 4-row input tiles), 1 to 17 input rows,
+    rows wider than one 1024-code panel block (1280, 2304)."""
     raw = random_blocks(kind, out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     expected = F.linear(x, reference_weight(raw, kind))
     weight = from_gguf(raw, kind, out_features, in_features)
     got = QuantizedLinear([weight], int8_max_rows=0)(x)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0", "Q6_K"])
+def test_fp32_tile_rows_do_not_depend_on_the_call(kind: str) -> None:
+    """A row's result from the fp32 tile (2 or more rows) is the same bit for bit whatever
+    the other rows of the call and the row's place among them (verification rows rely on
+    it: tests/models/test_verify_rows.py): each of 11 rows, 1280 wide (two panel blocks),
+    against calls of 2..10 rows that hold it at another place and in a tail tile."""
+    if not cpu_kernels.available():
+        pytest.skip("the native CPU kernels did not build here")
+    raw = random_blocks(kind, 10, 1280, seed=3)
+    weight = from_gguf(raw, kind, 10, 1280)
+    layer = QuantizedLinear([weight], int8_max_rows=0)
+    x = torch.randn(11, 1280, generator=torch.Generator().manual_seed(4))
+    whole = layer(x)
+    for start, stop in [(0, 2), (1, 4), (3, 6), (5, 11), (2, 9), (0, 10), (9, 11)]:
+        assert torch.equal(layer(x[start:stop].contiguous()), whole[start:stop]), (start, stop)
+    torch.testing.assert_close(
+        whole, F.linear(x, reference_weight(raw, kind)), atol=1e-4, rtol=1e-4
+    )
 
 
 def int8_rounded(x: torch.Tensor) -> torch.Tensor:
