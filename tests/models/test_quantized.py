@@ -140,10 +140,12 @@ def test_int8_activation_matmul_matches_dequantize_then_linear(
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_int8_activation_odd_widths(isa: str, kind: str) -> None:
-    """Widths of 32 * odd (a half step at the end of the 64-code VNNI loop, where a 5-bit
-    plane holds 4 bytes, not 8) and one row; one row over 45 outputs reaches the tiles that
-    prefetch the rows 16 ahead (and their bit planes). K-quants: widths of 256 * odd."""
-    shapes = [(1, 5, 32), (3, 11, 96), (2, 7, 608), (1, 45, 608)]
+    """Widths that end the VNNI loops with a partial step: 32 * odd for the 64-code step of
+    8-bit codes; 32, 64 and 96 codes past a multiple of 128 for the 128-code step of 4/5/6-bit
+    codes (a 5-bit plane then holds 4, 8 or 12 of its 16 bytes), one row and several; one row
+    over 45 outputs reaches the tiles that prefetch the rows 16 ahead (and their bit planes).
+    K-quants: widths of 256 * odd."""
+    shapes = [(1, 5, 32), (3, 11, 96), (2, 7, 608), (1, 45, 608), (1, 9, 576), (3, 13, 320)]
     if kind.endswith("_K"):
         shapes = [(1, 5, 256), (3, 11, 768), (16, 7, 1280), (1, 45, 768)]
     for rows, out_features, in_features in shapes:
