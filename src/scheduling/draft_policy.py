@@ -27,7 +27,9 @@ computed rows (a row count not measured yet is the plain step's time plus the
 measured cost of a draft row at that number of sequences), and a step verifies drafts
 only when the tokens they are expected to add (each request's recent share of drafts
 accepted, times its drafts) pay for the rows they add: ``(S + expected) / t(S, S + D)
-> S / t(S, S)``. On one CPU core pair a step of 8 sequences is compute-bound (40 rows took
+> S / t(S, S)``; and only those of the requests likeliest to be accepted, the set with
+the most tokens a second (:meth:`StepCost.acceptance_floor`: a few streams that copy
+their prompt verify their drafts while the rest of a free-chat batch does not). On one CPU core pair a step of 8 sequences is compute-bound (40 rows took
 3.8x the time of 8), so free chat at 8 streams (about half the drafts accepted) stops
 drafting, while one stream of an edit (about 90% accepted; 5 rows cost about 2.7x one)
 keeps it. A number of sequences never measured with drafts is tried (that is how it
@@ -38,6 +40,8 @@ Pure Python; never imports torch or trio.
 """
 
 from __future__ import annotations
+
+import math
 
 FIRST_BACKOFF = 4  # samples without drafts after the first fall to zero
 MAX_BACKOFF = 64  # the longest back-off, after repeated failed probes
@@ -119,22 +123,49 @@ class StepCost:
     def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
         """Whether ``sequences`` decode rows plus ``drafts`` drafts, of which
         ``expected_accepted`` are expected to be accepted, give more tokens a second than
-        the ``sequences`` rows alone. True while ``sequences`` has no plain or no drafted
-        step measured yet."""
+        the ``sequences`` rows alone (:meth:`acceptance_floor` with one request's drafts)."""
         if drafts <= 0:
             return False
+        return self.acceptance_floor(sequences, [(drafts, expected_accepted / drafts)]) < math.inf
+
+    def acceptance_floor(self, sequences: int, drafts: list[tuple[int, float]]) -> float:
+        """Which requests verify their drafts in a step of ``sequences`` sequences, of which
+        those holding drafts hold ``drafts``: one ``(number of drafts, share expected
+        accepted)`` each. Returns the lowest share that verifies (``inf``: none does).
+
+        Each draft costs a row whether accepted or not, so the drafts worth verifying are
+        the likeliest: requests are taken by falling share, and the floor is the share of
+        the last one in the set with the most tokens a second, ``(S + expected) / t(S, S +
+        D)``, if that beats the plain step's ``S / t(S, S)`` (a few requests whose drafts
+        are usually accepted pay where a whole batch of free chat does not). 0 (every
+        request verifies) while ``sequences`` has no plain or no drafted step measured yet,
+        and once every ``PROBE_EVERY`` decisions against drafting."""
         plain = self.seconds.get((sequences, sequences))
-        drafted = self._drafted_seconds(sequences, drafts, plain)
-        if plain is None or drafted is None:
-            return True
-        if (sequences + expected_accepted) / drafted > sequences / plain:
+        if not drafts:
+            return math.inf
+        if plain is None:
+            return 0.0
+        best_rate, floor = sequences / plain, math.inf
+        num_drafts, expected = 0, 0.0
+        ranked = sorted(drafts, key=lambda d: -d[1])
+        for i, (n, share) in enumerate(ranked):
+            num_drafts += n
+            expected += n * share
+            if i + 1 < len(ranked) and ranked[i + 1][1] == share:
+                continue  # equal shares go together: the floor cannot split them
+            seconds = self._drafted_seconds(sequences, num_drafts, plain)
+            if seconds is None:
+                return 0.0
+            if (sequences + expected) / seconds > best_rate:
+                best_rate, floor = (sequences + expected) / seconds, share
+        if floor < math.inf:
             self.declined = 0
-            return True
+            return floor
         self.declined += 1
         if self.declined >= PROBE_EVERY:  # measure the drafted step again now and then
             self.declined = 0
-            return True
-        return False
+            return 0.0
+        return math.inf
 
     def _drafted_seconds(self, sequences: int, drafts: int, plain: float | None) -> float | None:
         """The time of a step of ``sequences`` sequences and ``drafts`` drafts: measured, or

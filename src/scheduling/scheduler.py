@@ -56,6 +56,7 @@ Pure Python, driven synchronously: never imports torch or trio.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 from ..config import EngineConfig
@@ -76,6 +77,11 @@ from .step_plan import InFlightStep, StepPlan
 from .token_acceptance import accept_other, check_stop
 
 __all__ = ["Scheduler"]
+
+
+def _acceptance(req: Request) -> float:
+    """``req``'s recent share of drafts accepted (1 before its first verification)."""
+    return req.draft_length.acceptance() if req.draft_length is not None else 1.0
 
 
 class Scheduler(RequestBook):
@@ -99,7 +105,9 @@ class Scheduler(RequestBook):
         self.spec_config = spec
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         # Without vLLM's batch-size settings, drafts are verified only while measured step
-        # times say they pay (.draft_policy.StepCost); decided once per answered step.
+        # times say they pay (.draft_policy.StepCost), and only by the requests whose
+        # recent share of drafts accepted is at least the floor; decided once per answered
+        # step.
         self.step_cost: StepCost | None = (
             StepCost()
             if spec is not None
@@ -107,28 +115,36 @@ class Scheduler(RequestBook):
             and spec.num_speculative_tokens_per_batch_size is None
             else None
         )
-        self._drafts_pay = True
+        self._draft_floor = 0.0
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
         The engine core then plans no step ahead of the one in flight: a request with a
         sample in flight verifies no drafts. O(running)."""
-        return self._max_drafts() > 0 and any(req.spec_token_ids for req in self.running)
+        return self._max_drafts() > 0 and any(
+            req.spec_token_ids and self._verifies_drafts(req) for req in self.running
+        )
+
+    def _verifies_drafts(self, req: Request) -> bool:
+        """Whether ``req``'s recent share of drafts accepted reaches the floor that measured
+        step times set (:meth:`StepCost.acceptance_floor`; always, without it)."""
+        floor = self._draft_floor
+        return not floor or _acceptance(req) >= floor
 
     def _max_drafts(self) -> int:
         """The most drafts a request verifies at the current batch size (vLLM's
         ``disable_by_batch_size`` and ``num_speculative_tokens_per_batch_size``: at larger
         batches each draft costs more of a step)."""
         spec = self.spec_config
-        if spec is None or not self._drafts_pay:
+        if spec is None or self._draft_floor == math.inf:
             return 0
         return spec.drafts_at(len(self.running))
 
     def _learn_step_cost(self, step: SchedulerOutput, seconds: float) -> None:
         """Record a decode step's measured time, then decide whether the next step's
-        drafts pay (:class:`StepCost`): expected accepted drafts from each request's
-        recent share of drafts accepted ``p`` (``p`` times its drafts: the share is
-        measured over drafts of about that length)."""
+        drafts pay, and whose (:class:`StepCost`): expected accepted drafts from each
+        request's recent share of drafts accepted ``p`` (``p`` times its drafts: the share
+        is measured over drafts of about that length)."""
         cost = self.step_cost
         if cost is None:
             return
@@ -138,16 +154,12 @@ class Scheduler(RequestBook):
             # decode rows only: no prefill chunk in the step
             cost.observe(len(step.num_scheduled_tokens), rows, seconds)
         k = self.num_speculative_tokens
-        sequences = num_drafts = 0
-        expected = 0.0
-        for req in self.running:
-            sequences += 1
-            n = min(len(req.spec_token_ids), k)
-            if n:
-                p = req.draft_length.acceptance() if req.draft_length is not None else 1.0
-                num_drafts += n
-                expected += p * n
-        self._drafts_pay = not num_drafts or cost.drafts_pay(sequences, num_drafts, expected)
+        held = [
+            (min(len(req.spec_token_ids), k), _acceptance(req))
+            for req in self.running
+            if req.spec_token_ids
+        ]
+        self._draft_floor = cost.acceptance_floor(len(self.running), held) if held else 0.0
 
     def _take_proposal(self, req: Request, proposal: list[int]) -> None:
         """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with
@@ -246,6 +258,8 @@ class Scheduler(RequestBook):
                 if num_new == 1 and not placeholders:
                     room = min(budget, req.token_limit - num_tokens) - 1
                     num_drafts = max(0, min(len(drafts), room, max_drafts))
+                    if num_drafts and not self._verifies_drafts(req):
+                        num_drafts = 0
                     if num_drafts and req.grammar is not None:
                         # Drafts its grammar refuses would be rejected: verify up to the first.
                         num_drafts = req.grammar.validate(drafts[:num_drafts])
