@@ -29,12 +29,14 @@ only when the tokens they are expected to add (each request's recent share of dr
 accepted, times its drafts) pay for the rows they add: ``(S + expected) / t(S, S + D)
 > S / t(S, S)``; and only those of the requests likeliest to be accepted, the set with
 the most tokens a second (:meth:`StepCost.acceptance_floor`: a few streams that copy
-their prompt verify their drafts while the rest of a free-chat batch does not). On one CPU core pair a step of 8 sequences is compute-bound (40 rows took
-3.8x the time of 8), so free chat at 8 streams (about half the drafts accepted) stops
+their prompt verify their drafts while the rest of a free-chat batch does not). On one
+CPU core pair a step of 8 sequences is compute-bound (40 rows took 3.8x the time of 8),
+so free chat at 8 streams (about half the drafts accepted) stops
 drafting, while one stream of an edit (about 90% accepted; 5 rows cost about 2.7x one)
 keeps it. A number of sequences never measured with drafts is tried (that is how it
-gets measured), and every ``PROBE_EVERY`` decisions against drafting one step drafts
-anyway, to follow a change in the workload.
+gets measured), and every ``PROBE_EVERY`` decisions that leave requests out, the
+likeliest of them verify anyway (a probe of a few rows, not the whole batch), to follow a
+change in the workload.
 
 Pure Python; never imports torch or trio.
 """
@@ -95,7 +97,7 @@ class DraftLength:
             self.limit = 1
 
 
-PROBE_EVERY = 64  # steps without drafts between two probes, once drafts did not pay
+PROBE_EVERY = 64  # steps that leave a request's drafts out between two probes
 _MEAN_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
 
 
@@ -109,7 +111,7 @@ class StepCost:
         # costs other than one of an eight-sequence step (the activation path follows the
         # number of sequences)
         self.seconds: dict[tuple[int, int], float] = {}
-        self.declined = 0  # decisions against drafting since the last probe
+        self.declined = 0  # decisions that left a request out since the last probe
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and
@@ -138,8 +140,9 @@ class StepCost:
         the last one in the set with the most tokens a second, ``(S + expected) / t(S, S +
         D)``, if that beats the plain step's ``S / t(S, S)`` (a few requests whose drafts
         are usually accepted pay where a whole batch of free chat does not). 0 (every
-        request verifies) while ``sequences`` has no plain or no drafted step measured yet,
-        and once every ``PROBE_EVERY`` decisions against drafting."""
+        request verifies) while ``sequences`` has no plain or no drafted step measured yet.
+        Once every ``PROBE_EVERY`` decisions that leave a request out, the floor is the
+        share of the likeliest ones left out instead (a probe, cheap: not the whole batch)."""
         plain = self.seconds.get((sequences, sequences))
         if not drafts:
             return math.inf
@@ -158,14 +161,18 @@ class StepCost:
                 return 0.0
             if (sequences + expected) / seconds > best_rate:
                 best_rate, floor = (sequences + expected) / seconds, share
-        if floor < math.inf:
+        below = [share for _, share in ranked if share < floor]
+        if not below:
             self.declined = 0
             return floor
         self.declined += 1
-        if self.declined >= PROBE_EVERY:  # measure the drafted step again now and then
+        if self.declined >= PROBE_EVERY:
+            # measure the likeliest of the requests left out again now and then (their
+            # shares are stale otherwise): one group, not the whole batch, whose drafts
+            # would cost a row each
             self.declined = 0
-            return 0.0
-        return math.inf
+            return below[0]
+        return floor
 
     def _drafted_seconds(self, sequences: int, drafts: int, plain: float | None) -> float | None:
         """The time of a step of ``sequences`` sequences and ``drafts`` drafts: measured, or

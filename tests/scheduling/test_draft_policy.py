@@ -159,3 +159,16 @@ def test_the_scheduler_verifies_only_the_drafts_above_the_floor() -> None:
     assert set(plan.scheduled_spec_decode_tokens) == copiers
     assert all(d == PROPOSAL for d in plan.scheduled_spec_decode_tokens.values())
     assert len(plan.num_scheduled_tokens) == 8
+
+
+def test_step_cost_probes_the_likeliest_request_left_out_not_the_whole_batch() -> None:
+    cost = _measured()
+    held = [(4, 0.95)] * 2 + [(4, 0.5)] * 3 + [(4, 0.2)] * 3
+    floors = [cost.acceptance_floor(8, held) for _ in range(2 * PROBE_EVERY)]
+    # 40 rows for 24 tokens, or 28 for 21.6, do not pay; the two copiers' 16 rows do. Once
+    # every PROBE_EVERY decisions the next group (0.5) is measured again, never all eight.
+    probe = [0.95] * (PROBE_EVERY - 1) + [0.5]
+    assert floors == probe + probe
+    declined = [(4, CHAT_ACCEPTANCE)] * 7 + [(4, 0.3)]
+    floors = [cost.acceptance_floor(8, declined) for _ in range(PROBE_EVERY)]
+    assert floors == [float("inf")] * (PROBE_EVERY - 1) + [CHAT_ACCEPTANCE]
