@@ -120,16 +120,30 @@ def test_step_cost_lets_only_the_requests_whose_drafts_pay_verify_them() -> None
     cost = _measured()
     # Two of eight chat streams copy (95% of their drafts accepted), six do not (20%): the
     # whole batch's 32 drafts do not pay (20.4 tokens for 3.8x the time), the copiers'
-    # 8 drafts do (15.6 tokens for 1.5x), so the floor is their share.
-    held = [(4, 0.95)] * 2 + [(4, 0.2)] * 6
+    # 8 drafts do (15.6 tokens for 1.5x), and no more than theirs.
+    held = [(4, 0.2)] * 3 + [(4, 0.95)] * 2 + [(4, 0.2)] * 3
     assert not cost.drafts_pay(8, 32, sum(n * p for n, p in held))
-    assert cost.acceptance_floor(8, held) == 0.95
-    assert cost.acceptance_floor(8, [(4, CHAT_ACCEPTANCE)] * 8) == float("inf")
-    assert cost.acceptance_floor(1, [(4, EDIT_ACCEPTANCE)]) == EDIT_ACCEPTANCE
-    assert cost.acceptance_floor(8, []) == float("inf")
+    assert cost.allowances(8, held) == [0, 0, 0, 4, 4, 0, 0, 0]
+    assert cost.allowances(1, [(4, EDIT_ACCEPTANCE)]) == [4]
+    assert cost.allowances(8, []) == []
 
 
-def test_the_scheduler_verifies_only_the_drafts_above_the_floor() -> None:
+def test_step_cost_verifies_the_drafts_that_fill_the_last_row_tile() -> None:
+    # Eight sequences measured with up to 4 drafts (one 6-row fp32 tile holds rows 7-12,
+    # nearly free) and with 5 (a third tile): every draft of one request verifies, and of
+    # two requests only as many as fill the tile, the likelier request's first.
+    cost = _measured()
+    for rows, seconds in ((12, 0.0355), (13, 0.0520)):
+        cost.observe(8, rows, seconds)
+    assert cost.allowances(8, [(4, 0.3)]) == [4]
+    assert cost.allowances(8, [(4, 0.3), (4, 0.6)]) == [0, 4]
+    assert cost.allowances(8, [(3, 0.6), (4, 0.3)]) == [3, 1]
+    # Row counts in between: interpolated between the nearest measured (not one mean
+    # cost a row): 10 rows lie between 8 and 12, both about 35 ms.
+    assert cost.allowances(8, [(2, 0.2)]) == [2]
+
+
+def test_the_scheduler_verifies_only_the_drafts_its_step_cost_allows() -> None:
     """Driven through the scheduler: eight decoding requests all hold four drafts, two of
     them with a history of accepted drafts; the next step verifies only those two's."""
     from legato.config import SpeculativeConfig
@@ -161,14 +175,15 @@ def test_the_scheduler_verifies_only_the_drafts_above_the_floor() -> None:
     assert len(plan.num_scheduled_tokens) == 8
 
 
-def test_step_cost_probes_the_likeliest_request_left_out_not_the_whole_batch() -> None:
+def test_step_cost_probes_the_next_request_left_out_not_the_whole_batch() -> None:
     cost = _measured()
-    held = [(4, 0.95)] * 2 + [(4, 0.5)] * 3 + [(4, 0.2)] * 3
-    floors = [cost.acceptance_floor(8, held) for _ in range(2 * PROBE_EVERY)]
-    # 40 rows for 24 tokens, or 28 for 21.6, do not pay; the two copiers' 16 rows do. Once
-    # every PROBE_EVERY decisions the next group (0.5) is measured again, never all eight.
-    probe = [0.95] * (PROBE_EVERY - 1) + [0.5]
-    assert floors == probe + probe
-    declined = [(4, CHAT_ACCEPTANCE)] * 7 + [(4, 0.3)]
-    floors = [cost.acceptance_floor(8, declined) for _ in range(PROBE_EVERY)]
-    assert floors == [float("inf")] * (PROBE_EVERY - 1) + [CHAT_ACCEPTANCE]
+    held = [(4, 0.2)] * 3 + [(4, 0.5)] * 3 + [(4, 0.95)] * 2
+    decisions = [cost.allowances(8, held) for _ in range(2 * PROBE_EVERY)]
+    # The copiers' 8 drafts pay, no more: once every PROBE_EVERY decisions the next request
+    # (the likeliest left out) verifies too, never all eight.
+    allowed = [0] * 6 + [4, 4]
+    probe = [0] * 3 + [4, 0, 0] + [4, 4]
+    assert decisions == ([allowed] * (PROBE_EVERY - 1) + [probe]) * 2
+    declined = [(4, 0.1)] * 8
+    decisions = [cost.allowances(8, declined) for _ in range(PROBE_EVERY)]
+    assert decisions == [[0] * 8] * (PROBE_EVERY - 1) + [[4] + [0] * 7]
