@@ -10,20 +10,29 @@ Two workloads, each at 1 and at N concurrent streams, greedy:
 Decode tok/s counts each stream's tokens after its first, over the time from the
 first stream's first token to the last stream's last token (prefill excluded).
 Acceptance is vLLM's: accepted draft tokens / draft tokens, and the mean accepted
-length (1 + accepted / verifications). The outputs with and without drafts are
-compared too. Prints a table; never asserted in tests.
+length (1 + accepted / verifications). Prints a table; never asserted in tests.
+
+Both engines (each with its worker) are started once and stay alive side by side
+(the idle one waits on its socket). Then ``--rounds`` rounds each time every
+workload once on the plain engine and once on the speculative one, back to back,
+the order alternating from round to round (ABBA...), so that the machine's drift
+(other processes, clock, caches) falls on both alike. The speed-up is the median of
+the per-pair ratios, with their spread (min-max); tok/s are medians. Every run's
+outputs are compared with the first plain run's ("same out": identical every run).
+``--spec-first`` only picks which engine goes first in the first round.
 
 ``--draft-layers N`` proposes with a draft model instead: the default model's first
 ``N`` layers (its embeddings, norm and LM head kept), cut once from its dequantized
 weights into ``$LEGATO_HOME`` (:func:`legato.models.layer_cut.cut_layers`).
 
-    python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4 [--disable-by-batch-size 4]
+    python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4 [--rounds 7] [--disable-by-batch-size 4]
     python benchmarks/spec_decode.py --streams 8 --max-tokens 64 --k 3 --draft-layers 2
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -119,24 +128,39 @@ async def measure(engine: Any, texts: list[str], max_tokens: int) -> tuple[float
     return decoded / (max(lasts) - min(firsts)), outputs
 
 
+class Acceptance:
+    """A stat logger counting drafts, draft tokens and accepted tokens (vLLM's figures)."""
+
+    def __init__(self) -> None:
+        self.drafts = self.tokens = self.accepted = 0
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.drafts, self.tokens, self.accepted
+
+    def record_step(self, step: Any) -> None:
+        spec = step.scheduler.spec_decoding if step.scheduler is not None else None
+        if spec is not None:
+            self.drafts += spec.num_drafts
+            self.tokens += spec.num_draft_tokens
+            self.accepted += spec.num_accepted_tokens
+
+
+def spread(values: list[float]) -> str:
+    """``median (min-max)`` of ``values``."""
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
 async def run(args: argparse.Namespace) -> None:
+    from contextlib import AsyncExitStack
+
     from transformers import AutoTokenizer
 
     from legato.default_model import default_model_dir
     from legato.engine import open_engine
     from legato.metrics.logger_base import StepStatLogger
-    from legato.metrics.records import StepStats
 
-    class Acceptance(StepStatLogger):
-        def __init__(self) -> None:
-            self.drafts = self.tokens = self.accepted = 0
-
-        def record_step(self, step: StepStats) -> None:
-            spec = step.scheduler.spec_decoding if step.scheduler is not None else None
-            if spec is not None:
-                self.drafts += spec.num_drafts
-                self.tokens += spec.num_draft_tokens
-                self.accepted += spec.num_accepted_tokens
+    class Counting(Acceptance, StepStatLogger):
+        pass
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     spec: dict[str, Any] = {
@@ -151,44 +175,59 @@ async def run(args: argparse.Namespace) -> None:
     if args.draft_layers:
         spec = {"model": draft_model_dir(args.draft_layers), "num_speculative_tokens": args.k}
         proposer = f"draft model (the first {args.draft_layers} layers) k={args.k}"
-    results: dict[tuple[str, int, bool], float] = {}
-    rates: dict[tuple[str, int], tuple[float, float]] = {}
-    same: dict[tuple[str, int], bool] = {}
-    outputs: dict[tuple[str, int, bool], list[list[int]]] = {}
-    for use_spec in (True, False) if args.spec_first else (False, True):
-        acceptance = Acceptance()
-        async with open_engine(
-            None,
-            gguf_dequantize=args.dequantize,
-            speculative_config=spec if use_spec else None,
-            max_num_seqs=max(args.streams, 1),
-            disable_log_stats=True,
-            stat_loggers=[acceptance],
-        ) as engine:
-            for workload in ("edit", "chat"):  # warm-up: both prompt shapes, both batch sizes
-                await measure(engine, prompts(workload, args.streams, tokenizer), 16)
-            for workload in ("edit", "chat"):
-                for n in (1, args.streams):
-                    before = (acceptance.drafts, acceptance.tokens, acceptance.accepted)
-                    best = 0.0
-                    for _ in range(args.repeats):
-                        tps, outs = await measure(
-                            engine, prompts(workload, n, tokenizer), args.max_tokens
-                        )
-                        best = max(best, tps)
-                    results[(workload, n, use_spec)] = best
-                    print(f"  {workload} x{n} spec={use_spec}: {best:.1f} tok/s", flush=True)
-                    outputs[(workload, n, use_spec)] = outs
+    cells = [(w, n) for w in ("edit", "chat") for n in dict.fromkeys((1, args.streams))]
+    texts = {(w, n): prompts(w, n, tokenizer) for w, n in cells}
+    tps: dict[tuple[str, int, bool], list[float]] = {
+        (w, n, s): [] for w, n in cells for s in (False, True)
+    }
+    ratios: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
+    counts = {cell: [0, 0, 0] for cell in cells}
+    reference: dict[tuple[str, int], list[list[int]]] = {}
+    differ: dict[tuple[str, int], int] = {cell: 0 for cell in cells}
+    acceptance = Counting()
+    async with AsyncExitStack() as stack:
+        # Both engines (two workers) stay alive side by side; an idle one waits on its
+        # socket, so the one measured has the CPUs.
+        engines = {}
+        for use_spec in (False, True):
+            engines[use_spec] = await stack.enter_async_context(
+                open_engine(
+                    None,
+                    gguf_dequantize=args.dequantize,
+                    speculative_config=spec if use_spec else None,
+                    max_num_seqs=max(args.streams, 1),
+                    disable_log_stats=True,
+                    stat_loggers=[acceptance] if use_spec else [],
+                )
+            )
+        for engine in engines.values():  # warm-up: both prompt shapes, both batch sizes
+            for w, n in cells:
+                await measure(engine, texts[(w, n)], 16)
+        began = time.perf_counter()
+        for r in range(args.rounds):
+            # ABBA...: each round alternates which engine goes first in every pair
+            order = (True, False) if (r % 2 == 0) == args.spec_first else (False, True)
+            for cell in cells:
+                got: dict[bool, float] = {}
+                for use_spec in order:
+                    before = acceptance.counts()
+                    rate, outs = await measure(engines[use_spec], texts[cell], args.max_tokens)
+                    got[use_spec] = rate
+                    tps[(*cell, use_spec)].append(rate)
                     if use_spec:
-                        drafts = acceptance.drafts - before[0]
-                        tokens = acceptance.tokens - before[1]
-                        accepted = acceptance.accepted - before[2]
-                        rates[(workload, n)] = (
-                            accepted / tokens if tokens else 0.0,
-                            1 + accepted / drafts if drafts else 1.0,
-                        )
-    for workload, n, _ in [key for key in outputs if key[2]]:
-        same[(workload, n)] = outputs[(workload, n, True)] == outputs[(workload, n, False)]
+                        for j, (now, then) in enumerate(zip(acceptance.counts(), before)):
+                            counts[cell][j] += now - then
+                    if cell not in reference:
+                        reference[cell] = outs
+                    elif outs != reference[cell]:
+                        differ[cell] += 1
+                ratios[cell].append(got[True] / got[False])
+            print(
+                f"  round {r + 1}/{args.rounds}: "
+                + ", ".join(f"{w} x{n} {ratios[(w, n)][-1]:.2f}x" for w, n in cells),
+                flush=True,
+            )
+        elapsed = time.perf_counter() - began
     import torch
 
     if torch.cuda.is_available():
@@ -200,21 +239,26 @@ async def run(args: argparse.Namespace) -> None:
         )
     print(
         f"default model ({'dequantized' if args.dequantize else 'kept quantized'}), greedy, "
-        f"max_tokens={args.max_tokens}, best of {args.repeats}; {proposer}, "
-        f"disable_by_batch_size={args.disable_by_batch_size}"
+        f"max_tokens={args.max_tokens}; {proposer}, "
+        f"disable_by_batch_size={args.disable_by_batch_size}; {args.rounds} rounds of "
+        f"alternating plain/spec pairs in {elapsed:.0f} s; tok/s are medians, speed-up the "
+        f"median (min-max) of the per-pair ratios"
     )
     print(
-        f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>9} "
-        f"{'accept':>7} {'mean len':>9} {'same out':>9}"
+        f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} "
+        f"{'speed-up (min-max)':>20} {'accept':>7} {'mean len':>9} {'same out':>9}"
     )
-    for workload in ("edit", "chat"):
-        for n in (1, args.streams):
-            plain, fast = results[(workload, n, False)], results[(workload, n, True)]
-            rate, length = rates[(workload, n)]
-            print(
-                f"{workload:8} {n:>7} {plain:>12.1f} {fast:>11.1f} {fast / plain:>8.2f}x "
-                f"{100 * rate:>6.1f}% {length:>9.2f} {str(same[(workload, n)]):>9}"
-            )
+    for w, n in cells:
+        drafts, tokens, accepted = counts[(w, n)]
+        rate = accepted / tokens if tokens else 0.0
+        length = 1 + accepted / drafts if drafts else 1.0
+        plain = statistics.median(tps[(w, n, False)])
+        fast = statistics.median(tps[(w, n, True)])
+        same = "yes" if not differ[(w, n)] else f"{differ[(w, n)]} differ"
+        print(
+            f"{w:8} {n:>7} {plain:>12.1f} {fast:>11.1f} {spread(ratios[(w, n)]):>20} "
+            f"{100 * rate:>6.1f}% {length:>9.2f} {same:>9}"
+        )
 
 
 def main() -> None:
@@ -224,7 +268,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="alternating plain/spec pairs per workload"
+    )
+    parser.add_argument("--repeats", type=int, dest="rounds", help="the old name of --rounds")
     parser.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="no drafts while more run"
     )
@@ -232,7 +279,9 @@ def main() -> None:
         "--dequantize", action="store_true", help="gguf_dequantize: dense weights, not the file's"
     )
     parser.add_argument(
-        "--spec-first", action="store_true", help="run the speculative engine first (order check)"
+        "--spec-first",
+        action="store_true",
+        help="the speculative engine first in the first round (the order alternates anyway)",
     )
     parser.add_argument(
         "--draft-layers",

@@ -23,16 +23,19 @@ Whether drafts pay at all at the current batch size is decided from measured ste
 times (:class:`StepCost`, the default when neither ``disable_by_batch_size`` nor
 ``num_speculative_tokens_per_batch_size`` is set): the runner reports each step's
 compute time, the scheduler keeps a running mean per number of sequences and of
-computed rows (a row count not measured yet is the plain step's time plus the
-measured cost of a draft row at that number of sequences), and a step verifies drafts
-only when the tokens they are expected to add (each request's recent share of drafts
-accepted, times its drafts) pay for the rows they add: ``(S + expected) / t(S, S + D)
-> S / t(S, S)``. On one CPU core pair a step of 8 sequences is compute-bound (40 rows took
-3.8x the time of 8), so free chat at 8 streams (about half the drafts accepted) stops
-drafting, while one stream of an edit (about 90% accepted; 5 rows cost about 2.7x one)
-keeps it. A number of sequences never measured with drafts is tried (that is how it
-gets measured), and every ``PROBE_EVERY`` decisions against drafting one step drafts
-anyway, to follow a change in the workload.
+computed rows (a row count not measured yet is interpolated between those measured),
+and a step verifies the drafts of the requests likeliest to be accepted first (by each
+request's recent share of drafts accepted), as many as give the most tokens a second,
+``(S + expected) / t(S, S + D)``, none unless that beats ``S / t(S, S)``
+(:meth:`StepCost.allowances`). A step's time is not linear in its rows: a CPU matmul
+computes rows in tiles (6 in the fp32 tile), so at 8 sequences 4 drafts fill the last
+tile nearly free while one more opens a new one (40 rows took 3.8x the time of 8). So
+a few streams that copy their prompt verify their drafts while the rest of a free-chat
+batch does not, and one stream of an edit (about 90% accepted; 5 rows cost about 2.7x
+one) keeps all of its. A number of sequences never measured with drafts is tried (that
+is how it gets measured), and every ``PROBE_EVERY`` decisions that leave requests out,
+the next of them verifies anyway (a probe of a few rows, not the whole batch), to
+follow a change in the workload.
 
 Pure Python; never imports torch or trio.
 """
@@ -91,7 +94,7 @@ class DraftLength:
             self.limit = 1
 
 
-PROBE_EVERY = 64  # steps without drafts between two probes, once drafts did not pay
+PROBE_EVERY = 64  # steps that leave a request's drafts out between two probes
 _MEAN_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
 
 
@@ -105,7 +108,7 @@ class StepCost:
         # costs other than one of an eight-sequence step (the activation path follows the
         # number of sequences)
         self.seconds: dict[tuple[int, int], float] = {}
-        self.declined = 0  # decisions against drafting since the last probe
+        self.declined = 0  # decisions that left a request out since the last probe
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and
@@ -117,38 +120,80 @@ class StepCost:
         self.seconds[key] = seconds if old is None else old + _MEAN_WEIGHT * (seconds - old)
 
     def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
-        """Whether ``sequences`` decode rows plus ``drafts`` drafts, of which
-        ``expected_accepted`` are expected to be accepted, give more tokens a second than
-        the ``sequences`` rows alone. True while ``sequences`` has no plain or no drafted
-        step measured yet."""
+        """Whether all of ``drafts`` drafts, of which ``expected_accepted`` are expected to
+        be accepted, verified beside ``sequences`` decode rows give the most tokens a second
+        (:meth:`allowances` for one request's drafts)."""
         if drafts <= 0:
             return False
-        plain = self.seconds.get((sequences, sequences))
-        drafted = self._drafted_seconds(sequences, drafts, plain)
-        if plain is None or drafted is None:
-            return True
-        if (sequences + expected_accepted) / drafted > sequences / plain:
-            self.declined = 0
-            return True
-        self.declined += 1
-        if self.declined >= PROBE_EVERY:  # measure the drafted step again now and then
-            self.declined = 0
-            return True
-        return False
+        allowed = self.allowances(sequences, [(drafts, expected_accepted / drafts)])
+        return allowed is None or allowed[0] == drafts
 
-    def _drafted_seconds(self, sequences: int, drafts: int, plain: float | None) -> float | None:
-        """The time of a step of ``sequences`` sequences and ``drafts`` drafts: measured, or
-        else the plain step's plus ``drafts`` times the mean cost of a draft row in the
-        drafted steps of ``sequences`` measured so far (row counts in between are not each
-        tried: at 8 sequences of up to 4 drafts there are 33 of them). None: none measured."""
-        measured = self.seconds.get((sequences, sequences + drafts))
-        if measured is not None or plain is None:
-            return measured
-        per_row = [
-            (seconds - plain) / (rows - sequences)
-            for (seqs, rows), seconds in self.seconds.items()
-            if seqs == sequences and rows > sequences
-        ]
-        if not per_row:
+    def allowances(self, sequences: int, drafts: list[tuple[int, float]]) -> list[int] | None:
+        """How many of their drafts the requests holding ``drafts`` (one ``(number of
+        drafts, share expected accepted)`` each) verify in a step of ``sequences``
+        sequences: one count per entry. None: all of them, while ``sequences`` has no plain
+        or no drafted step measured yet (trying is how it gets measured).
+
+        Each draft costs a row whether accepted or not, and a step's time is not linear in
+        its rows (a CPU matmul computes rows in tiles: at 8 sequences a few drafts fill the
+        last tile nearly free, one more opens a new one). So the drafts are ranked by their
+        request's share, and the step verifies the best ``D`` of them, for the ``D`` (0
+        included) with the most tokens a second, ``(S + expected) / t(S, S + D)``, with
+        ``t`` measured where it was, interpolated where not. Once every ``PROBE_EVERY``
+        decisions that leave a request's drafts out, the next request's drafts verify too
+        (a probe: its share went stale while it was left out)."""
+        counts = [0] * len(drafts)
+        total = sum(n for n, _ in drafts)
+        if not total:
+            return counts
+        plain = self.seconds.get((sequences, sequences))
+        if plain is None:
             return None
-        return plain + drafts * max(0.0, sum(per_row) / len(per_row))
+        ranked = sorted(range(len(drafts)), key=lambda i: -drafts[i][1])
+        best_rate, best, expected, num = sequences / plain, 0, 0.0, 0
+        for i in ranked:
+            n, share = drafts[i]
+            for _ in range(n):
+                num += 1
+                expected += share
+                seconds = self._drafted_seconds(sequences, num, plain)
+                if seconds is None:
+                    return None
+                if (sequences + expected) / seconds > best_rate:
+                    best_rate, best = (sequences + expected) / seconds, num
+        if best == total:
+            self.declined = 0
+        else:
+            self.declined += 1
+            if self.declined >= PROBE_EVERY:
+                self.declined = 0
+                reach = 0
+                for i in ranked:  # up to the end of the first request not fully in
+                    reach += drafts[i][0]
+                    if reach > best:
+                        best = reach
+                        break
+        for i in ranked:
+            counts[i] = min(drafts[i][0], best)
+            best -= counts[i]
+        return counts
+
+    def _drafted_seconds(self, sequences: int, drafts: int, plain: float) -> float | None:
+        """The time of a step of ``sequences`` sequences and ``drafts`` drafts: measured;
+        else interpolated between the nearest row counts measured below and above; past the
+        largest, that one's plus the mean cost of a draft row in the drafted steps of
+        ``sequences`` measured so far. None: none measured."""
+        rows = sequences + drafts
+        measured = self.seconds.get((sequences, rows))
+        if measured is not None:
+            return measured
+        known = sorted((r, t) for (s, r), t in self.seconds.items() if s == sequences and r > s)
+        if not known:
+            return None
+        low_rows, low = sequences, plain
+        for r, t in known:
+            if r > rows:  # the nearest above: interpolate
+                return low + (t - low) * (rows - low_rows) / (r - low_rows)
+            low_rows, low = r, t
+        per_row = sum((t - plain) / (r - sequences) for r, t in known) / len(known)
+        return low + (rows - low_rows) * max(0.0, per_row)

@@ -78,6 +78,11 @@ from .token_acceptance import accept_other, check_stop
 __all__ = ["Scheduler"]
 
 
+def _acceptance(req: Request) -> float:
+    """``req``'s recent share of drafts accepted (1 before its first verification)."""
+    return req.draft_length.acceptance() if req.draft_length is not None else 1.0
+
+
 class Scheduler(RequestBook):
     """Continuous batching, prefix caching, chunked prefill and preemption by recompute.
 
@@ -99,7 +104,8 @@ class Scheduler(RequestBook):
         self.spec_config = spec
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         # Without vLLM's batch-size settings, drafts are verified only while measured step
-        # times say they pay (.draft_policy.StepCost); decided once per answered step.
+        # times say they pay (.draft_policy.StepCost), as many of each request's as its
+        # allowance says (None: all); decided once per answered step.
         self.step_cost: StepCost | None = (
             StepCost()
             if spec is not None
@@ -107,28 +113,35 @@ class Scheduler(RequestBook):
             and spec.num_speculative_tokens_per_batch_size is None
             else None
         )
-        self._drafts_pay = True
+        self._draft_allowance: dict[str, int] | None = None
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
         The engine core then plans no step ahead of the one in flight: a request with a
         sample in flight verifies no drafts. O(running)."""
-        return self._max_drafts() > 0 and any(req.spec_token_ids for req in self.running)
+        return self._max_drafts() > 0 and any(
+            req.spec_token_ids and self._verifies_drafts(req) for req in self.running
+        )
+
+    def _verifies_drafts(self, req: Request) -> bool:
+        """Whether measured step times let ``req`` verify drafts next step
+        (:meth:`StepCost.allowances`; always, without them)."""
+        allowance = self._draft_allowance
+        return allowance is None or allowance.get(req.request_id, 0) > 0
 
     def _max_drafts(self) -> int:
         """The most drafts a request verifies at the current batch size (vLLM's
         ``disable_by_batch_size`` and ``num_speculative_tokens_per_batch_size``: at larger
         batches each draft costs more of a step)."""
         spec = self.spec_config
-        if spec is None or not self._drafts_pay:
+        if spec is None:
             return 0
         return spec.drafts_at(len(self.running))
 
     def _learn_step_cost(self, step: SchedulerOutput, seconds: float) -> None:
-        """Record a decode step's measured time, then decide whether the next step's
-        drafts pay (:class:`StepCost`): expected accepted drafts from each request's
-        recent share of drafts accepted ``p`` (``p`` times its drafts: the share is
-        measured over drafts of about that length)."""
+        """Record a decode step's measured time, then decide how many of each request's
+        drafts the next step verifies (:class:`StepCost`), from each request's recent share
+        of drafts accepted (1 before its first verification)."""
         cost = self.step_cost
         if cost is None:
             return
@@ -138,16 +151,16 @@ class Scheduler(RequestBook):
             # decode rows only: no prefill chunk in the step
             cost.observe(len(step.num_scheduled_tokens), rows, seconds)
         k = self.num_speculative_tokens
-        sequences = num_drafts = 0
-        expected = 0.0
-        for req in self.running:
-            sequences += 1
-            n = min(len(req.spec_token_ids), k)
-            if n:
-                p = req.draft_length.acceptance() if req.draft_length is not None else 1.0
-                num_drafts += n
-                expected += p * n
-        self._drafts_pay = not num_drafts or cost.drafts_pay(sequences, num_drafts, expected)
+        holders = [req for req in self.running if req.spec_token_ids]
+        allowed = cost.allowances(
+            len(self.running),
+            [(min(len(req.spec_token_ids), k), _acceptance(req)) for req in holders],
+        )
+        self._draft_allowance = (
+            None
+            if allowed is None
+            else {req.request_id: n for req, n in zip(holders, allowed, strict=True)}
+        )
 
     def _take_proposal(self, req: Request, proposal: list[int]) -> None:
         """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with
@@ -246,6 +259,8 @@ class Scheduler(RequestBook):
                 if num_new == 1 and not placeholders:
                     room = min(budget, req.token_limit - num_tokens) - 1
                     num_drafts = max(0, min(len(drafts), room, max_drafts))
+                    if num_drafts and self._draft_allowance is not None:
+                        num_drafts = min(num_drafts, self._draft_allowance.get(req.request_id, 0))
                     if num_drafts and req.grammar is not None:
                         # Drafts its grammar refuses would be rejected: verify up to the first.
                         num_drafts = req.grammar.validate(drafts[:num_drafts])

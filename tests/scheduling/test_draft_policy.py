@@ -114,3 +114,76 @@ def test_step_cost_follows_new_measurements() -> None:
     for _ in range(30):  # drafted 40-row steps become as cheap as 8-row ones
         cost.observe(8, 40, MEASURED_SECONDS[8])
     assert cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
+
+
+def test_step_cost_lets_only_the_requests_whose_drafts_pay_verify_them() -> None:
+    cost = _measured()
+    # Two of eight chat streams copy (95% of their drafts accepted), six do not (20%): the
+    # whole batch's 32 drafts do not pay (20.4 tokens for 3.8x the time), the copiers'
+    # 8 drafts do (15.6 tokens for 1.5x), and no more than theirs.
+    held = [(4, 0.2)] * 3 + [(4, 0.95)] * 2 + [(4, 0.2)] * 3
+    assert not cost.drafts_pay(8, 32, sum(n * p for n, p in held))
+    assert cost.allowances(8, held) == [0, 0, 0, 4, 4, 0, 0, 0]
+    assert cost.allowances(1, [(4, EDIT_ACCEPTANCE)]) == [4]
+    assert cost.allowances(8, []) == []
+
+
+def test_step_cost_verifies_the_drafts_that_fill_the_last_row_tile() -> None:
+    # Eight sequences measured with up to 4 drafts (one 6-row fp32 tile holds rows 7-12,
+    # nearly free) and with 5 (a third tile): every draft of one request verifies, and of
+    # two requests only as many as fill the tile, the likelier request's first.
+    cost = _measured()
+    for rows, seconds in ((12, 0.0355), (13, 0.0520)):
+        cost.observe(8, rows, seconds)
+    assert cost.allowances(8, [(4, 0.3)]) == [4]
+    assert cost.allowances(8, [(4, 0.3), (4, 0.6)]) == [0, 4]
+    assert cost.allowances(8, [(3, 0.6), (4, 0.3)]) == [3, 1]
+    # Row counts in between: interpolated between the nearest measured (not one mean
+    # cost a row): 10 rows lie between 8 and 12, both about 35 ms.
+    assert cost.allowances(8, [(2, 0.2)]) == [2]
+
+
+def test_the_scheduler_verifies_only_the_drafts_its_step_cost_allows() -> None:
+    """Driven through the scheduler: eight decoding requests all hold four drafts, two of
+    them with a history of accepted drafts; the next step verifies only those two's."""
+    from legato.config import SpeculativeConfig
+
+    from .harness import Harness, make_config, make_request
+
+    spec = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4})
+    h = Harness(make_config(speculative_config=spec, max_num_seqs=8))
+    h.add(*(make_request(f"r{i}", 5, max_tokens=64) for i in range(8)))
+    for _ in range(2):  # the prompts, then one plain decode step
+        h.step()
+    sched = h.sched
+    assert sched.step_cost is not None
+    for rows, seconds in MEASURED_SECONDS.items():
+        sched.step_cost.observe(1 if rows <= 5 else 8, rows, seconds)
+    copiers = {"r3", "r6"}
+    for rid, req in sched.requests.items():
+        req.draft_length = DraftLength(4)
+        req.draft_length.drafted, req.draft_length.accepted = 10.0, (9.5 if rid in copiers else 2.0)
+    plan = sched.schedule()
+    runner_output = h.runner.execute(plan)
+    runner_output.spec_token_ids = {rid: list(PROPOSAL) for rid in runner_output.req_ids}
+    runner_output.step_seconds = MEASURED_SECONDS[8]
+    sched.update_from_output(plan, runner_output)
+    assert sched.has_drafts_to_verify()
+    plan = sched.schedule()
+    assert set(plan.scheduled_spec_decode_tokens) == copiers
+    assert all(d == PROPOSAL for d in plan.scheduled_spec_decode_tokens.values())
+    assert len(plan.num_scheduled_tokens) == 8
+
+
+def test_step_cost_probes_the_next_request_left_out_not_the_whole_batch() -> None:
+    cost = _measured()
+    held = [(4, 0.2)] * 3 + [(4, 0.5)] * 3 + [(4, 0.95)] * 2
+    decisions = [cost.allowances(8, held) for _ in range(2 * PROBE_EVERY)]
+    # The copiers' 8 drafts pay, no more: once every PROBE_EVERY decisions the next request
+    # (the likeliest left out) verifies too, never all eight.
+    allowed = [0] * 6 + [4, 4]
+    probe = [0] * 3 + [4, 0, 0] + [4, 4]
+    assert decisions == ([allowed] * (PROBE_EVERY - 1) + [probe]) * 2
+    declined = [(4, 0.1)] * 8
+    decisions = [cost.allowances(8, declined) for _ in range(PROBE_EVERY)]
+    assert decisions == [[0] * 8] * (PROBE_EVERY - 1) + [[4] + [0] * 7]
