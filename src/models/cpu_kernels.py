@@ -1,8 +1,9 @@
-"""Native CPU kernels (``cpu_kernels.cpp``), built on first use and called through ctypes.
+"""Native CPU kernels (``cpu_kernels.cpp`` and the parts it includes from ``native/``),
+built on first use and called through ctypes.
 
 The C++ source has no dependency but a C++17 compiler with OpenMP: on first
 use it is compiled with ``-O3 -march=native -fopenmp`` into
-``$LEGATO_HOME/kernels/`` (a name that hashes the source, the flags, the
+``$LEGATO_HOME/kernels/`` (a name that hashes the sources, the flags, the
 compiler and this CPU's flags, so a changed source or another machine gets a
 fresh build; about two seconds) and loaded with ctypes. Its OpenMP binds to the
 libgomp torch has loaded, so the kernels share torch's threads.
@@ -47,6 +48,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+PARTS = SOURCE.with_name("native")  # the headers SOURCE includes, one concern each
 # -fno-trapping-math / -fno-math-errno as torch builds with: they let the loops with a
 # division or a floor vectorise. No -ffast-math: it would set flush-to-zero process-wide.
 FLAGS: tuple[str, ...] = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno")
@@ -97,6 +99,13 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def _source_texts() -> list[str]:
+    """The source and every part it includes, in a fixed order (the build's hash)."""
+    return [SOURCE.read_text()] + [
+        f"{part.name}\0{part.read_text()}" for part in sorted(PARTS.glob("*.h"))
+    ]
+
+
 def _build(compiler: str) -> Path:
     """Compile the source unless a build for this source, compiler and CPU exists."""
     from ..model_cache import legato_home
@@ -105,7 +114,7 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_flags()]).encode()
+        "\0".join([*_source_texts(), " ".join(FLAGS), version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     out_dir = legato_home() / "kernels"
     target = out_dir / f"cpu_kernels-{key}.so"

@@ -37,7 +37,7 @@ from .quantized import QuantizedLinear
 # module, and the import contract keeps models/ free of circles.
 LlamaForCausalLM = Any
 
-_MAX_PARTS = 4  # kMaxParts in cpu_kernels.cpp
+_MAX_PARTS = 4  # kMaxParts in native/decode_stack.h
 
 
 class _Part(ctypes.Structure):
@@ -221,7 +221,7 @@ class DecodeStack:
         a sequence (a verification step: each row attends up to its own position). Returns
         ``(hidden, residual)`` as the last layer leaves them; writes each layer's K/V at
         ``meta.slot_mapping``. Each row is computed as a plain decode step of as many
-        sequences computes it (``cpu_kernels.cpp``'s ``row_mode``: the activation rounding
+        sequences computes it (``native/decode_stack.h``'s ``row_mode``: the activation rounding
         follows the number of sequences, not of rows). Raises ``ValueError`` for a length
         or block id outside the table or the cache (checked before any read)."""
         cfg = self.model.config

@@ -28,14 +28,13 @@ and a step verifies the drafts of the requests likeliest to be accepted first (b
 request's recent share of drafts accepted), as many as give the most tokens a second,
 ``(S + expected) / t(S, S + D)``, none unless that beats ``S / t(S, S)``
 (:meth:`StepCost.allowances`). A step's time is not linear in its rows: a CPU matmul
-computes rows in tiles (6 in the fp32 tile), so at 8 sequences 4 drafts fill the last
-tile nearly free while one more opens a new one (40 rows took 3.8x the time of 8). So
-a few streams that copy their prompt verify their drafts while the rest of a free-chat
-batch does not, and one stream of an edit (about 90% accepted; 5 rows cost about 2.7x
-one) keeps all of its. A number of sequences never measured with drafts is tried (that
-is how it gets measured), and every ``PROBE_EVERY`` decisions that leave requests out,
-the next of them verifies anyway (a probe of a few rows, not the whole batch), to
-follow a change in the workload.
+computes rows in tiles (of 4 in the fp32 tile, 3 in the int8 one), so a few drafts can
+fill the last tile nearly free while one more opens a new one. So a few streams that
+copy their prompt verify their drafts while the rest of a free-chat batch does not, and
+one stream of an edit (about 90% accepted) keeps all of its. A number of sequences never
+measured with drafts is tried (that is how it gets measured), and every ``PROBE_EVERY``
+decisions that leave requests out, the next of them verifies anyway (a probe of a few
+rows, not the whole batch), to follow a change in the workload.
 
 Pure Python; never imports torch or trio.
 """
