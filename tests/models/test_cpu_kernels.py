@@ -3,7 +3,10 @@ refuse what they cannot take without writing anything, and switch off cleanly.""
 
 from __future__ import annotations
 
+import re
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +193,20 @@ def test_a_compiler_that_fails_leaves_the_torch_path(
     assert cpu_kernels.load() is None
     assert "native CPU kernels unavailable" in caplog.text
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
+
+
+def test_every_part_is_included_and_in_the_build_key(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """cpu_kernels.cpp includes each header of native/ (and nothing else from there), and
+    the build's key covers each part's text: an edit to a part rebuilds the library."""
+    parts = sorted(p.name for p in cpu_kernels.PARTS.glob("*.h"))
+    included = re.findall(r'^#include "native/([^"]+)"', cpu_kernels.SOURCE.read_text(), re.M)
+    assert parts and sorted(included) == parts
+    before = cpu_kernels._source_texts()
+    copy = tmp_path / "native"
+    shutil.copytree(cpu_kernels.PARTS, copy)
+    edited = copy / parts[0]
+    edited.write_text(edited.read_text() + "\n// edited\n")
+    monkeypatch.setattr(cpu_kernels, "PARTS", copy)
+    assert cpu_kernels._source_texts() != before
