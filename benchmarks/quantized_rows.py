@@ -15,11 +15,9 @@ Prints a table; never asserted.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from quantized_stream import SHAPES, random_weight
+from quantized_stream import SHAPES, median_seconds, random_weight
 
 from legato.models import cpu_kernels
 from legato.models.quantized import QuantizedWeight
@@ -59,13 +57,7 @@ def main() -> None:
                         inputs[w.in_features], w.codes, w.scales, w.offsets, w.bits, w.group, out
                     )
 
-            one_pass()
-            times = []
-            for _ in range(args.reps):
-                start = time.perf_counter()
-                one_pass()
-                times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
+            seconds = median_seconds(one_pass, args.reps)
             flops = 2 * rows * count / seconds / 1e9
             print(f"{kind:>6} {rows:>4} {seconds * 1e3:8.2f} {flops:8.1f}")
 

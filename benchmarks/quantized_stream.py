@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +24,18 @@ from legato.models.quantized import QuantizedWeight, from_gguf
 from legato.testing.gguf_blocks import BLOCK_SHAPES, random_blocks
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def median_seconds(run: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """The median wall time of ``reps`` calls of ``run``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
 
 
 def random_weight(kind: str, rows: int, cols: int, seed: int) -> QuantizedWeight:
@@ -60,14 +73,7 @@ def main() -> None:
                     x, w.codes, w.scales, w.offsets, w.bits, w.group, out, int8_activations=True
                 )
 
-        for _ in range(3):
-            one_pass()
-        times = []
-        for _ in range(args.reps):
-            began = time.perf_counter()
-            one_pass()
-            times.append(time.perf_counter() - began)
-        t = statistics.median(times)
+        t = median_seconds(one_pass, args.reps, warmup=3)
         print(
             f"{kind:5s} {held / 1e6:7.1f} MB held  {t * 1e3:6.2f} ms a pass  {held / t / 1e9:5.1f} GB/s"
         )

@@ -191,6 +191,26 @@ void rows_portable(const ActivationCodes& a, int64_t M, int64_t K, const uint8_t
 #define LEGATO_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define LEGATO_AVX2 __attribute__((target("avx2,fma")))
 
+// Where a tile's rows lie: weight rows n0 .. n0 + NR - 1 (their codes and scales; a short
+// tile repeats its first row, computed and not stored) and input rows m0 .. m0 + MR - 1 (a
+// short tile repeats its first row too).
+template <int NR, int MR>
+struct TileRows {
+  const uint8_t* rows[NR];
+  const float* srow[NR];
+  int64_t xm[MR];
+
+  TileRows(const uint8_t* q, int64_t q_stride, const float* scales, int64_t groups, int64_t n0,
+           int64_t nr, int64_t m0, int64_t mr) {
+    for (int i = 0; i < NR; ++i) {
+      const int64_t n = n0 + (i < nr ? i : 0);
+      rows[i] = q + n * q_stride;
+      srow[i] = scales + n * groups;
+    }
+    for (int j = 0; j < MR; ++j) xm[j] = m0 + (j < mr ? j : 0);
+  }
+};
+
 // The lane sums of four vectors, as one vector of 4 (a transpose-and-add tree).
 LEGATO_VNNI inline __m128 sums_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -251,17 +271,13 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
       : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   static_assert(BITS == 8, "8-bit codes only (tile_vnni_nibbles takes the rest)");
   const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const TileRows<NR, MR> tile(q, q_stride, scales, groups, n0, nr, m0, mr);
+  const uint8_t* const(&rows)[NR] = tile.rows;
+  const float* const(&srow)[NR] = tile.srow;
+  const int64_t(&xm)[MR] = tile.xm;
   __m512 acc[NR][MR];
-  const uint8_t* rows[NR];
-  const float* srow[NR];
-  for (int i = 0; i < NR; ++i) {
-    const int64_t n = n0 + (i < nr ? i : 0);  // a short tile repeats its first row, unstored
-    rows[i] = q + n * q_stride;
-    srow[i] = scales + n * groups;
+  for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
-  int64_t xm[MR];
-  for (int j = 0; j < MR; ++j) xm[j] = m0 + (j < mr ? j : 0);
   for (int64_t s = 0; s < steps; ++s) {
     const bool half = partial && s == steps - 1;
     __m512i xq[MR], xr[MR], bq[MR], br[MR];
@@ -327,17 +343,13 @@ LEGATO_VNNI void tile_vnni_nibbles(const ActivationCodes& a, int64_t m0, int64_t
   // bit plane bytes of a step: bytes 4b, 4b + 1 (codes 0-15 of block b) to the low mask,
   // 4b + 2, 4b + 3 to the high one
   const __m128i plane_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const TileRows<NR, MR> tile(q, q_stride, scales, groups, n0, nr, m0, mr);
+  const uint8_t* const(&rows)[NR] = tile.rows;
+  const float* const(&srow)[NR] = tile.srow;
+  const int64_t(&xm)[MR] = tile.xm;
   __m512 acc[NR][MR];
-  const uint8_t* rows[NR];
-  const float* srow[NR];
-  for (int i = 0; i < NR; ++i) {
-    const int64_t n = n0 + (i < nr ? i : 0);  // a short tile repeats its first row, unstored
-    rows[i] = q + n * q_stride;
-    srow[i] = scales + n * groups;
+  for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
-  int64_t xm[MR];
-  for (int j = 0; j < MR; ++j) xm[j] = m0 + (j < mr ? j : 0);
   const bool prefetch = n0 + kPrefetchRows + NR <= n_total;
   for (int64_t s = 0; s < steps; ++s) {
     const int blocks = s == steps - 1 ? tail_blocks : 4;
@@ -459,17 +471,13 @@ LEGATO_AVX2 void tile_avx2(const ActivationCodes& a, int64_t m0, int64_t mr, int
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i bit_of = _mm256_set1_epi64x(0x8040201008040201ll);
+  const TileRows<NR, MR> tile(q, q_stride, scales, groups, n0, nr, m0, mr);
+  const uint8_t* const(&rows)[NR] = tile.rows;
+  const float* const(&srow)[NR] = tile.srow;
+  const int64_t(&xm)[MR] = tile.xm;
   __m256 acc[NR][MR];
-  const uint8_t* rows[NR];
-  const float* srow[NR];
-  for (int i = 0; i < NR; ++i) {
-    const int64_t n = n0 + (i < nr ? i : 0);
-    rows[i] = q + n * q_stride;
-    srow[i] = scales + n * groups;
+  for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm256_setzero_ps();
-  }
-  int64_t xm[MR];
-  for (int j = 0; j < MR; ++j) xm[j] = m0 + (j < mr ? j : 0);
   for (int64_t b = 0; b < K / 32; ++b) {
     __m256i xq[MR], xr[MR];
     __m256 xd[MR];
