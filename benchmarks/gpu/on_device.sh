@@ -22,8 +22,10 @@ mkdir -p "$OUT"
 export LEGATO_HOME=${LEGATO_HOME:-/tmp/lh}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 WHEELS=${WHEELS:-../.whl}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
+if [ -d "$WHEELS" ]; then  # a later call on the same machine finds them in /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$WHEELS"/*.whl || exit 1
+fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD/src" /tmp/pkg/legato
 export PYTHONPATH=/tmp/pkg:/tmp/site
 if [ -f .triton-cache.tgz ]; then
