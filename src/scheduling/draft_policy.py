@@ -94,7 +94,7 @@ class DraftLength:
 
 
 PROBE_EVERY = 64  # steps that leave a request's drafts out between two probes
-_MEAN_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
+_MEAN_WEIGHT = 0.2  # weight of a slower measurement in a row count's estimate
 
 
 class StepCost:
@@ -111,12 +111,19 @@ class StepCost:
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and
-        their drafts) took ``seconds`` (the runner's own time)."""
+        their drafts) took ``seconds`` (the runner's own time). A faster step than the
+        estimate replaces it, a slower one moves it a fifth of the way: one-off costs (a
+        first call's lazy set-up, a collection, a page fault) only ever slow a step, and a
+        drafted row count measured once in such a step would otherwise keep its drafts
+        declined for many probes."""
         if sequences <= 0 or rows < sequences or seconds <= 0:
             return
         key = (sequences, rows)
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + _MEAN_WEIGHT * (seconds - old)
+        if old is None or seconds < old:  # down at once: a slow step is what one-off costs make
+            self.seconds[key] = seconds
+        else:
+            self.seconds[key] = old + _MEAN_WEIGHT * (seconds - old)
 
     def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
         """Whether all of ``drafts`` drafts, of which ``expected_accepted`` are expected to

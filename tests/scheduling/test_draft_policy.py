@@ -3,6 +3,8 @@ backs off to none, probes again, and grows back while they are accepted."""
 
 from __future__ import annotations
 
+import pytest
+
 from legato.scheduling.draft_policy import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
@@ -114,6 +116,20 @@ def test_step_cost_follows_new_measurements() -> None:
     for _ in range(30):  # drafted 40-row steps become as cheap as 8-row ones
         cost.observe(8, 40, MEASURED_SECONDS[8])
     assert cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
+
+
+def test_one_slow_first_drafted_step_does_not_decline_drafts_for_long() -> None:
+    """The first verification of a row count may pay one-off costs (on a GPU a first
+    call's set-up took many plain steps' time): the next, normal measurement of it
+    counts in full, so one edit stream verifies its drafts again at once."""
+    cost = _measured()
+    del cost.seconds[(1, 5)]
+    cost.observe(1, 5, 10 * MEASURED_SECONDS[5])  # its first measurement, an outlier
+    assert not cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))
+    cost.observe(1, 5, MEASURED_SECONDS[5])  # one normal step (a probe)
+    assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))
+    cost.observe(1, 5, 1.5 * MEASURED_SECONDS[5])  # slower steps move it a fifth of the way
+    assert cost.seconds[(1, 5)] == pytest.approx(1.1 * MEASURED_SECONDS[5])
 
 
 def test_step_cost_lets_only_the_requests_whose_drafts_pay_verify_them() -> None:
