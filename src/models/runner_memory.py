@@ -50,6 +50,7 @@ class RunnerMemory:
     kv_block_bytes: int
     kv_caches: list[KVCache]
     decode_graphs: DecodeGraphRunner | None
+    verify_graphs: DecodeGraphRunner | None
     parallel: TensorParallel | None
     _weights_state: str  # "loaded" | "offloaded" | "dropped"
     _packed_bytes: int
@@ -113,7 +114,9 @@ class RunnerMemory:
         self, sizes: Sequence[int] | None = None, *, mode: CaptureMode = "cuda"
     ) -> None:
         """Capture the decode forward at ``sizes`` (default :func:`capture_sizes` of
-        ``max_num_seqs``); from then on pure-decode steps that fit replay them.
+        ``max_num_seqs``); from then on pure-decode steps that fit replay them. With n-gram
+        speculation (``num_speculative_tokens`` k) the verification forward is captured
+        too, at the same sizes with ``k + 1`` rows a sequence (``verify_graphs``).
 
         ``mode="emulate"`` (tests, CPU) records the forward over the static
         buffers and replays it eagerly. Raises ``ValueError`` for a backend that
@@ -121,27 +124,36 @@ class RunnerMemory:
         Recaptured by :meth:`wake_up` after a :meth:`sleep`. Blocks while capturing.
         """
         chosen = list(sizes) if sizes is not None else capture_sizes(self.config.max_num_seqs)
-        self.decode_graphs = None
-        graphs = DecodeGraphRunner(
-            self.model,
-            self.kv_caches,
-            sizes=chosen,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            device=self.device,
-            mode=mode,
-        )
-        try:
-            graphs.capture()
-        except Exception as exc:
-            if mode != "cuda":
-                raise
-            raise RuntimeError(
-                f"capturing the decode CUDA graphs failed ({exc}); "
-                "enforce_eager=True runs without them"
-            ) from exc
-        self.decode_graphs = graphs
-        self._graph_settings = (mode, graphs.sizes)
+        self.decode_graphs = self.verify_graphs = None
+        spec = self.config.speculative_config
+        query_lens = [1]
+        if spec is not None and spec.model is None:  # a draft model keeps its steps eager
+            query_lens.append(spec.num_speculative_tokens + 1)
+        built: list[DecodeGraphRunner] = []
+        for query_len in query_lens:
+            graphs = DecodeGraphRunner(
+                self.model,
+                self.kv_caches,
+                sizes=chosen,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                device=self.device,
+                mode=mode,
+                query_len=query_len,
+            )
+            try:
+                graphs.capture()
+            except Exception as exc:
+                if mode != "cuda":
+                    raise
+                raise RuntimeError(
+                    f"capturing the decode CUDA graphs failed ({exc}); "
+                    "enforce_eager=True runs without them"
+                ) from exc
+            built.append(graphs)
+        self.decode_graphs = built[0]
+        self.verify_graphs = built[1] if len(built) > 1 else None
+        self._graph_settings = (mode, built[0].sizes)
 
     # ------------------------------------------------------- sleep and wake
 
@@ -228,7 +240,7 @@ class RunnerMemory:
         """
         if level not in (1, 2):
             raise ValueError(f"level: must be 1 or 2, got {level!r}")
-        self.decode_graphs = None  # they hold the cache and weight addresses
+        self.decode_graphs = self.verify_graphs = None  # they hold the cache and weights
         self.model.release_decode_stack()  # so does the fused decode stack
         self.kv_caches = []
         self._kv_maps = []  # unmapped once the last tensor over them is gone
@@ -291,7 +303,7 @@ class RunnerMemory:
         successful reload."""
         if self._weights_state != "loaded":
             raise RuntimeError("the weights are not loaded (the engine sleeps): wake it up first")
-        self.decode_graphs = None  # they hold the weight addresses
+        self.decode_graphs = self.verify_graphs = None  # they hold the weight addresses
         unpack_linears(self.model)
         self.model.drop_quantized()
         self._packed_bytes = 0

@@ -94,13 +94,14 @@ class DraftLength:
 
 
 PROBE_EVERY = 64  # steps that leave a request's drafts out between two probes
-_MEAN_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
+PROBE_DECISIONS = 2  # a probe holds this many decisions: one more than steps in flight
+_MEAN_WEIGHT = 0.2  # weight of a slower measurement in a row count's estimate
 
 
 class StepCost:
     """Measured step times by number of computed rows, and the drafting decision."""
 
-    __slots__ = ("seconds", "declined")
+    __slots__ = ("seconds", "declined", "probing")
 
     def __init__(self) -> None:
         # (sequences, rows) -> running mean of the step time: a row of a one-sequence step
@@ -108,15 +109,23 @@ class StepCost:
         # number of sequences)
         self.seconds: dict[tuple[int, int], float] = {}
         self.declined = 0  # decisions that left a request out since the last probe
+        self.probing = 0  # decisions the current probe has held
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and
-        their drafts) took ``seconds`` (the runner's own time)."""
+        their drafts) took ``seconds`` (the runner's own time). A faster step than the
+        estimate replaces it, a slower one moves it a fifth of the way: one-off costs (a
+        first call's lazy set-up, a collection, a page fault) only ever slow a step, and a
+        drafted row count measured once in such a step would otherwise keep its drafts
+        declined for many probes."""
         if sequences <= 0 or rows < sequences or seconds <= 0:
             return
         key = (sequences, rows)
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + _MEAN_WEIGHT * (seconds - old)
+        if old is None or seconds < old:  # down at once: a slow step is what one-off costs make
+            self.seconds[key] = seconds
+        else:
+            self.seconds[key] = old + _MEAN_WEIGHT * (seconds - old)
 
     def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
         """Whether all of ``drafts`` drafts, of which ``expected_accepted`` are expected to
@@ -140,7 +149,9 @@ class StepCost:
         included) with the most tokens a second, ``(S + expected) / t(S, S + D)``, with
         ``t`` measured where it was, interpolated where not. Once every ``PROBE_EVERY``
         decisions that leave a request's drafts out, the next request's drafts verify too
-        (a probe: its share went stale while it was left out)."""
+        (a probe: its share went stale while it was left out), for ``PROBE_DECISIONS``
+        decisions in a row: with async scheduling the step after a decision is often
+        planned before it, and a probe granted for one decision was taken back unused."""
         counts = [0] * len(drafts)
         total = sum(n for n, _ in drafts)
         if not total:
@@ -161,11 +172,14 @@ class StepCost:
                 if (sequences + expected) / seconds > best_rate:
                     best_rate, best = (sequences + expected) / seconds, num
         if best == total:
-            self.declined = 0
+            self.declined = self.probing = 0
         else:
             self.declined += 1
             if self.declined >= PROBE_EVERY:
-                self.declined = 0
+                self.declined -= 1  # held for PROBE_DECISIONS decisions in a row
+                self.probing += 1
+                if self.probing >= PROBE_DECISIONS:
+                    self.declined = self.probing = 0
                 reach = 0
                 for i in ranked:  # up to the end of the first request not fully in
                     reach += drafts[i][0]

@@ -237,3 +237,60 @@ def test_sleep_drops_and_wake_up_recaptures(
     eager.add("b", _prompt(11, 5), max_tokens=4)
     assert out == eager.run()
     assert graphs.replays[2] == 3
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}  # fmt: skip
+
+
+def _speculative_run(mode: str | None) -> tuple[list[list[int]], Any]:
+    """Greedy outputs of repetitive prompts through ``LLMEngine`` on the toy model with
+    n-gram drafts, on the Triton kernels; ``mode`` None runs every step eagerly, else
+    the graphs are captured at ``CAPTURED`` (verification: 4 rows a sequence). Returns
+    the outputs and the runner."""
+    from legato.config import EngineConfig
+    from legato.llm import LLMEngine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(
+        EngineConfig(
+            model="toy",
+            device=device,
+            attention_backend="triton",
+            speculative_config=NGRAM,
+            enforce_eager=mode is None,
+            max_model_len=256,
+            num_kv_blocks=96,
+            max_num_seqs=4,
+            disable_log_stats=True,
+        )
+    )
+    runner = engine.worker.runner
+    if mode is not None:
+        runner.capture_decode_graphs(CAPTURED, mode=mode)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [_prompt(n, seed) * 3 for n, seed in ((5, 1), (7, 2), (4, 3))]  # repeats: drafts
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    finals: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = list(out.outputs[0].token_ids)
+    assert engine.scheduler.kv.num_used_blocks == 0
+    return [finals[f"r{i}"] for i in range(len(prompts))], runner
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_verification_steps_replay_and_match_eager(mode: str) -> None:
+    """With n-gram drafts, steps that verify drafts replay the verification graphs (each
+    sequence padded to k + 1 rows, the batch to a captured size) and give the eager
+    run's greedy tokens; steps without drafts replay the decode graphs."""
+    eager, eager_runner = _speculative_run(None)
+    assert eager_runner.verify_graphs is None
+    graphed, runner = _speculative_run(mode)
+    verify = runner.verify_graphs
+    assert verify is not None and verify.query_len == NGRAM["num_speculative_tokens"] + 1
+    assert sum(verify.replays.values()) > 0, "no verification step replayed"
+    assert verify.replays[4] > 0  # three sequences padded to the captured 4
+    assert graphed == eager

@@ -3,9 +3,12 @@ backs off to none, probes again, and grows back while they are accepted."""
 
 from __future__ import annotations
 
+import pytest
+
 from legato.scheduling.draft_policy import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
+    PROBE_DECISIONS,
     PROBE_EVERY,
     DraftLength,
     StepCost,
@@ -102,9 +105,11 @@ def test_step_cost_tries_unmeasured_row_counts_and_probes_after_declining() -> N
     assert not cost.drafts_pay(8, 8, 8 * _expected(0.1, 1))
     assert cost.drafts_pay(8, 8, 8 * _expected(0.9, 1))
     decisions = [
-        cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4)) for _ in range(PROBE_EVERY)
+        cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
+        for _ in range(PROBE_EVERY - 1 + PROBE_DECISIONS)
     ]
-    assert decisions == [False] * (PROBE_EVERY - 1) + [True]  # one probe, then declines again
+    # one probe (held for PROBE_DECISIONS decisions), then declines again
+    assert decisions == [False] * (PROBE_EVERY - 1) + [True] * PROBE_DECISIONS
     assert not cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
     assert not cost.drafts_pay(1, 0, 0.0)  # no drafts: nothing to verify
 
@@ -114,6 +119,37 @@ def test_step_cost_follows_new_measurements() -> None:
     for _ in range(30):  # drafted 40-row steps become as cheap as 8-row ones
         cost.observe(8, 40, MEASURED_SECONDS[8])
     assert cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
+
+
+def test_one_slow_first_drafted_step_does_not_decline_drafts_for_long() -> None:
+    """The first verification of a row count may pay one-off costs (on a GPU a first
+    call's set-up took many plain steps' time): the next, normal measurement of it
+    counts in full, so one edit stream verifies its drafts again at once."""
+    cost = _measured()
+    del cost.seconds[(1, 5)]
+    cost.observe(1, 5, 10 * MEASURED_SECONDS[5])  # its first measurement, an outlier
+    assert not cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))
+    cost.observe(1, 5, MEASURED_SECONDS[5])  # one normal step (a probe)
+    assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))
+    cost.observe(1, 5, 1.5 * MEASURED_SECONDS[5])  # slower steps move it a fifth of the way
+    assert cost.seconds[(1, 5)] == pytest.approx(1.1 * MEASURED_SECONDS[5])
+
+
+def test_a_probe_holds_for_the_decision_after_it() -> None:
+    """With async scheduling the next step is often planned before a decision: the probe
+    must still be there at the decision after, or it is never used (on an H100 a row count
+    measured once in a slow first step then kept one stream's drafts out for good)."""
+    assert PROBE_DECISIONS == 2  # one step in flight beside the one planned
+    cost = _measured()
+    cost.observe(1, 5, 10 * MEASURED_SECONDS[5])
+    for _ in range(PROBE_EVERY - 1):
+        assert not cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))
+    assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))  # the probe
+    cost.observe(1, 1, MEASURED_SECONDS[1])  # a plain step planned before it
+    assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))  # still granted
+    cost.observe(1, 5, MEASURED_SECONDS[5])  # the probe runs, and measures a normal step
+    for _ in range(PROBE_EVERY):
+        assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))  # now on its merits
 
 
 def test_step_cost_lets_only_the_requests_whose_drafts_pay_verify_them() -> None:
@@ -178,12 +214,13 @@ def test_the_scheduler_verifies_only_the_drafts_its_step_cost_allows() -> None:
 def test_step_cost_probes_the_next_request_left_out_not_the_whole_batch() -> None:
     cost = _measured()
     held = [(4, 0.2)] * 3 + [(4, 0.5)] * 3 + [(4, 0.95)] * 2
-    decisions = [cost.allowances(8, held) for _ in range(2 * PROBE_EVERY)]
+    cycle = PROBE_EVERY - 1 + PROBE_DECISIONS
+    decisions = [cost.allowances(8, held) for _ in range(2 * cycle)]
     # The copiers' 8 drafts pay, no more: once every PROBE_EVERY decisions the next request
-    # (the likeliest left out) verifies too, never all eight.
+    # (the likeliest left out) verifies too, for PROBE_DECISIONS decisions, never all eight.
     allowed = [0] * 6 + [4, 4]
     probe = [0] * 3 + [4, 0, 0] + [4, 4]
-    assert decisions == ([allowed] * (PROBE_EVERY - 1) + [probe]) * 2
+    assert decisions == ([allowed] * (PROBE_EVERY - 1) + [probe] * PROBE_DECISIONS) * 2
     declined = [(4, 0.1)] * 8
-    decisions = [cost.allowances(8, declined) for _ in range(PROBE_EVERY)]
-    assert decisions == [[0] * 8] * (PROBE_EVERY - 1) + [[4] + [0] * 7]
+    decisions = [cost.allowances(8, declined) for _ in range(cycle)]
+    assert decisions == [[0] * 8] * (PROBE_EVERY - 1) + [[4] + [0] * 7] * PROBE_DECISIONS
