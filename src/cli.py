@@ -42,7 +42,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, int | float) and not isinstance(default, bool):
             group.add_argument(flag, type=type(default), default=default)
-        elif field.name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_cpu_loras"):
+        elif field.name in (
+            "max_model_len",
+            "num_kv_blocks",
+            "kv_cache_memory",
+            "max_cpu_loras",
+            "max_num_batched_tokens",
+        ):
             group.add_argument(flag, type=int, default=None)
         elif field.name == "speculative_config":
             group.add_argument(

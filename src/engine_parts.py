@@ -37,7 +37,9 @@ def build_engine_parts(config: EngineConfig, ready: m.WorkerReady, tokenizer: An
     """The parts for a worker that reported ``ready``; see the module docstring."""
     # Block 0 is the scheduler's null block: a request can use the others.
     max_len = min(ready.max_model_len, (ready.num_kv_blocks - 1) * config.block_size)
-    config = config.resolved(max_model_len=max_len, num_kv_blocks=ready.num_kv_blocks)
+    config = config.resolved(
+        max_model_len=max_len, num_kv_blocks=ready.num_kv_blocks, device=ready.device
+    )
     grammars = EngineGrammars(tokenizer, ready.vocab_size, ready.eos_token_ids)
     renderer = Renderer(
         tokenizer,

@@ -168,7 +168,7 @@ class VllmConfig:
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=config.token_budget(),
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,

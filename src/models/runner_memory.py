@@ -170,8 +170,9 @@ class RunnerMemory:
             raise RuntimeError("the model runner is asleep: call wake_up() first")
         cfg, mcfg = self.config, self.model_config
         max_len = getattr(self, "max_model_len", None) or mcfg.max_position_embeddings
-        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-        per_seq = min(max_len, -(-cfg.max_num_batched_tokens // num_seqs))
+        budget = cfg.token_budget(self.device.type)
+        num_seqs = max(1, min(cfg.max_num_seqs, budget))
+        per_seq = min(max_len, -(-budget // num_seqs))
         q_lens = np.full(num_seqs, per_seq, dtype=np.int64)
         blocks_per_seq = -(-per_seq // self.block_size)
         table = np.arange(num_seqs * blocks_per_seq, dtype=np.int32).reshape(num_seqs, -1)

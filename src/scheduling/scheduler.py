@@ -97,7 +97,7 @@ class Scheduler(RequestBook):
         when all share one; blocks out of it are then released (see ``kv_cache``)."""
         super().__init__(config, kv_sliding_window)
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.token_budget()
         self.chunked_prefill = config.enable_chunked_prefill
         self._in_flight: dict[int, InFlightStep] = {}  # planned steps not answered yet
         spec = config.speculative_config
