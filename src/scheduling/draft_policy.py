@@ -25,7 +25,8 @@ times (:class:`StepCost`, the default when neither ``disable_by_batch_size`` nor
 compute time, the scheduler keeps a running mean per number of sequences and of
 computed rows (a row count not measured yet is interpolated between those measured),
 and a step verifies the drafts of the requests likeliest to be accepted first (by each
-request's recent share of drafts accepted), as many as give the most tokens a second,
+request's recent share of drafts accepted; before its first verification, the engine's
+recent share over all requests, :meth:`StepCost.prior`), as many as give the most tokens a second,
 ``(S + expected) / t(S, S + D)``, none unless that beats ``S / t(S, S)``
 (:meth:`StepCost.allowances`). A step's time is not linear in its rows: a CPU matmul
 computes rows in tiles (of 4 in the fp32 tile, 3 in the int8 one), so a few drafts can
@@ -60,10 +61,10 @@ class DraftLength:
         self.drafted = 0.0  # decayed counts of drafts verified and accepted (acceptance rate)
         self.accepted = 0.0
 
-    def acceptance(self) -> float:
-        """The request's recent share of drafts accepted (1 before any verification: a
-        request's drafts are tried, which is how its rate gets measured)."""
-        return self.accepted / self.drafted if self.drafted else 1.0
+    def acceptance(self, prior: float = 1.0) -> float:
+        """The request's recent share of drafts accepted; ``prior`` before any verification
+        (the engine's recent share, :meth:`StepCost.prior`)."""
+        return self.accepted / self.drafted if self.drafted else prior
 
     def admit(self, proposal: list[int]) -> list[int]:
         """The drafts to verify out of ``proposal``, the runner's proposal with the request's
@@ -95,12 +96,13 @@ class DraftLength:
 
 PROBE_EVERY = 64  # steps that leave a request's drafts out between two probes
 _MEAN_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
+_PRIOR_DECAY = 0.9  # weight of the past in the engine's share of drafts accepted, a verification
 
 
 class StepCost:
     """Measured step times by number of computed rows, and the drafting decision."""
 
-    __slots__ = ("seconds", "declined")
+    __slots__ = ("seconds", "declined", "drafted", "accepted")
 
     def __init__(self) -> None:
         # (sequences, rows) -> running mean of the step time: a row of a one-sequence step
@@ -108,6 +110,22 @@ class StepCost:
         # number of sequences)
         self.seconds: dict[tuple[int, int], float] = {}
         self.declined = 0  # decisions that left a request out since the last probe
+        self.drafted = 0.0  # decayed counts of drafts verified and accepted, all requests
+        self.accepted = 0.0
+
+    def settle(self, num_drafts: int, num_accepted: int) -> None:
+        """Learn from any request's verification of ``num_drafts`` drafts (> 0),
+        ``num_accepted`` accepted: the engine's recent share (:meth:`prior`)."""
+        self.drafted = _PRIOR_DECAY * self.drafted + num_drafts
+        self.accepted = _PRIOR_DECAY * self.accepted + num_accepted
+
+    def prior(self) -> float:
+        """The share of its drafts a request never verified yet is expected to have accepted:
+        the engine's recent share over every request's verifications (1 before the first).
+        Not 1 for everyone: free chat holds a few drafts in most requests, most of them
+        missed, and a fresh request's first proposal verified in full at 8 streams cost
+        more rows than its accepted drafts saved (benchmarks/spec_decode.py, chat x8)."""
+        return self.accepted / self.drafted if self.drafted else 1.0
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and

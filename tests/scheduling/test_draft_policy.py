@@ -187,3 +187,41 @@ def test_step_cost_probes_the_next_request_left_out_not_the_whole_batch() -> Non
     declined = [(4, 0.1)] * 8
     decisions = [cost.allowances(8, declined) for _ in range(PROBE_EVERY)]
     assert decisions == [[0] * 8] * (PROBE_EVERY - 1) + [[4] + [0] * 7]
+
+
+def test_a_fresh_request_expects_the_engines_recent_share_not_every_draft() -> None:
+    """A request never verified yet ranks its drafts by the engine's recent share of drafts
+    accepted (StepCost.prior), not by 1: driven through the scheduler, eight fresh requests
+    each propose four drafts; while the engine's recent verifications accepted a quarter
+    (free chat), the next step of eight verifies none of them; with every draft accepted
+    recently (an edit), it verifies them."""
+    from legato.config import SpeculativeConfig
+
+    from .harness import Harness, make_config, make_request
+
+    for share, verified in ((0.25, False), (1.0, True)):
+        spec = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4})
+        h = Harness(make_config(speculative_config=spec, max_num_seqs=8))
+        h.add(*(make_request(f"r{i}", 5, max_tokens=64) for i in range(8)))
+        for _ in range(2):  # the prompts, then one plain decode step
+            h.step()
+        sched = h.sched
+        cost = sched.step_cost
+        assert cost is not None
+        for rows, seconds in MEASURED_SECONDS.items():
+            cost.observe(1 if rows <= 5 else 8, rows, seconds)
+        assert cost.prior() == 1.0  # nothing verified yet
+        for _ in range(20):  # other requests' verifications, now finished
+            cost.settle(4, round(4 * share))
+        assert abs(cost.prior() - share) < 1e-9
+        # none of the eight has verified a draft of its own
+        assert all(r.draft_length is None or not r.draft_length.drafted for r in sched.running)
+        plan = sched.schedule()
+        runner_output = h.runner.execute(plan)
+        runner_output.spec_token_ids = {rid: list(PROPOSAL) for rid in runner_output.req_ids}
+        runner_output.step_seconds = MEASURED_SECONDS[8]
+        sched.update_from_output(plan, runner_output)
+        assert sched.has_drafts_to_verify() is verified
+        plan = sched.schedule()
+        assert bool(plan.scheduled_spec_decode_tokens) is verified
+        assert len(plan.num_scheduled_tokens) == 8
