@@ -225,3 +225,22 @@ def test_a_fresh_request_expects_the_engines_recent_share_not_every_draft() -> N
         plan = sched.schedule()
         assert bool(plan.scheduled_spec_decode_tokens) is verified
         assert len(plan.num_scheduled_tokens) == 8
+
+
+def test_step_cost_ignores_a_burst_that_stretches_one_plain_step() -> None:
+    """Another process's burst stretched one plain step of eight to three times its time
+    (seen on this machine: 110 ms among 23 ms steps): the next decisions still verify no
+    draft of a chat request (40% accepted), and follow a lasting change once it lasts."""
+    cost = StepCost()
+    for _ in range(3):
+        for rows, seconds in MEASURED_SECONDS.items():
+            cost.observe(1 if rows <= 5 else 8, rows, seconds)
+    chat = [(4, 0.4)] * 8
+    assert cost.allowances(8, chat) == [0] * 8
+    cost.observe(8, 8, 3 * MEASURED_SECONDS[8])
+    assert cost.seconds[(8, 8)] == MEASURED_SECONDS[8]
+    assert cost.allowances(8, chat) == [0] * 8
+    for _ in range(6):  # plain steps of eight now take twice as long, drafted ones not
+        cost.observe(8, 8, 2 * MEASURED_SECONDS[8])
+    assert cost.seconds[(8, 8)] == 2 * MEASURED_SECONDS[8]
+    assert cost.allowances(8, chat) == [4, 4] + [0] * 6  # drafts now pay, up to 16 rows
