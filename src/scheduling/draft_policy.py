@@ -22,10 +22,13 @@ its steps cost what they would without speculation.
 Whether drafts pay at all at the current batch size is decided from measured step
 times (:class:`StepCost`, the default when neither ``disable_by_batch_size`` nor
 ``num_speculative_tokens_per_batch_size`` is set): the runner reports each step's
-compute time, the scheduler keeps a running mean per number of sequences and of
-computed rows (a row count not measured yet is interpolated between those measured),
+compute time, the scheduler keeps the lower median of the latest few per number of
+sequences and of computed rows (a row count not measured yet is interpolated between
+those measured; a median, not a mean: another process's burst that stretches one plain
+step must not make drafts look cheap for the steps after it),
 and a step verifies the drafts of the requests likeliest to be accepted first (by each
-request's recent share of drafts accepted), as many as give the most tokens a second,
+request's recent share of drafts accepted; before its first verification, the engine's
+recent share over all requests, :meth:`StepCost.prior`), as many as give the most tokens a second,
 ``(S + expected) / t(S, S + D)``, none unless that beats ``S / t(S, S)``
 (:meth:`StepCost.allowances`). A step's time is not linear in its rows: a CPU matmul
 computes rows in tiles (of 4 in the fp32 tile, 3 in the int8 one), so a few drafts can
@@ -40,6 +43,9 @@ Pure Python; never imports torch or trio.
 """
 
 from __future__ import annotations
+
+import collections
+import statistics
 
 FIRST_BACKOFF = 4  # samples without drafts after the first fall to zero
 MAX_BACKOFF = 64  # the longest back-off, after repeated failed probes
@@ -60,10 +66,10 @@ class DraftLength:
         self.drafted = 0.0  # decayed counts of drafts verified and accepted (acceptance rate)
         self.accepted = 0.0
 
-    def acceptance(self) -> float:
-        """The request's recent share of drafts accepted (1 before any verification: a
-        request's drafts are tried, which is how its rate gets measured)."""
-        return self.accepted / self.drafted if self.drafted else 1.0
+    def acceptance(self, prior: float = 1.0) -> float:
+        """The request's recent share of drafts accepted; ``prior`` before any verification
+        (the engine's recent share, :meth:`StepCost.prior`)."""
+        return self.accepted / self.drafted if self.drafted else prior
 
     def admit(self, proposal: list[int]) -> list[int]:
         """The drafts to verify out of ``proposal``, the runner's proposal with the request's
@@ -95,37 +101,56 @@ class DraftLength:
 
 PROBE_EVERY = 64  # steps that leave a request's drafts out between two probes
 PROBE_DECISIONS = 2  # a probe holds this many decisions: one more than steps in flight
-_MEAN_WEIGHT = 0.2  # weight of a slower measurement in a row count's estimate
+_RECENT = 9  # measurements per row count the step time is the lower median of
+_PRIOR_DECAY = 0.9  # weight of the past in the engine's share of drafts accepted, a verification
 
 
 class StepCost:
     """Measured step times by number of computed rows, and the drafting decision."""
 
-    __slots__ = ("seconds", "declined", "probing")
+    __slots__ = ("seconds", "recent", "declined", "probing", "drafted", "accepted")
 
     def __init__(self) -> None:
-        # (sequences, rows) -> running mean of the step time: a row of a one-sequence step
-        # costs other than one of an eight-sequence step (the activation path follows the
-        # number of sequences)
+        # (sequences, rows) -> the step time, the lower median of the latest measurements:
+        # a row of a one-sequence step costs other than one of an eight-sequence step (the
+        # activation path follows the number of sequences)
         self.seconds: dict[tuple[int, int], float] = {}
+        self.recent: dict[tuple[int, int], collections.deque[float]] = {}
         self.declined = 0  # decisions that left a request out since the last probe
         self.probing = 0  # decisions the current probe has held
+        self.drafted = 0.0  # decayed counts of drafts verified and accepted, all requests
+        self.accepted = 0.0
+
+    def settle(self, num_drafts: int, num_accepted: int) -> None:
+        """Learn from any request's verification of ``num_drafts`` drafts (> 0),
+        ``num_accepted`` accepted: the engine's recent share (:meth:`prior`)."""
+        self.drafted = _PRIOR_DECAY * self.drafted + num_drafts
+        self.accepted = _PRIOR_DECAY * self.accepted + num_accepted
+
+    def prior(self) -> float:
+        """The share of its drafts a request never verified yet is expected to have accepted:
+        the engine's recent share over every request's verifications (1 before the first).
+        Not 1 for everyone: free chat holds a few drafts in most requests, most of them
+        missed, and a fresh request's first proposal verified in full at 8 streams cost
+        more rows than its accepted drafts saved (benchmarks/spec_decode.py, chat x8)."""
+        return self.accepted / self.drafted if self.drafted else 1.0
 
     def observe(self, sequences: int, rows: int, seconds: float) -> None:
         """A decode step of ``sequences`` sequences that computed ``rows`` rows (theirs and
-        their drafts) took ``seconds`` (the runner's own time). A faster step than the
-        estimate replaces it, a slower one moves it a fifth of the way: one-off costs (a
-        first call's lazy set-up, a collection, a page fault) only ever slow a step, and a
-        drafted row count measured once in such a step would otherwise keep its drafts
-        declined for many probes."""
+        their drafts) took ``seconds`` (the runner's own time). The row count's time becomes
+        the lower median of its latest ``_RECENT`` measurements: it follows a lasting change
+        (longer contexts) within a few steps, and ignores a burst of the machine's other
+        work, which only ever adds time (a running mean took a fifth of every such spike:
+        one 110 ms plain step among 23 ms ones let a chat request at 41% accepted verify
+        four drafts at 8 streams, where about 80% pays for them)."""
         if sequences <= 0 or rows < sequences or seconds <= 0:
             return
         key = (sequences, rows)
-        old = self.seconds.get(key)
-        if old is None or seconds < old:  # down at once: a slow step is what one-off costs make
-            self.seconds[key] = seconds
-        else:
-            self.seconds[key] = old + _MEAN_WEIGHT * (seconds - old)
+        recent = self.recent.get(key)
+        if recent is None:
+            recent = self.recent[key] = collections.deque(maxlen=_RECENT)
+        recent.append(seconds)
+        self.seconds[key] = statistics.median_low(recent)
 
     def drafts_pay(self, sequences: int, drafts: int, expected_accepted: float) -> bool:
         """Whether all of ``drafts`` drafts, of which ``expected_accepted`` are expected to

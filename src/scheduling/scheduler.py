@@ -78,9 +78,9 @@ from .token_acceptance import accept_other, check_stop
 __all__ = ["Scheduler"]
 
 
-def _acceptance(req: Request) -> float:
-    """``req``'s recent share of drafts accepted (1 before its first verification)."""
-    return req.draft_length.acceptance() if req.draft_length is not None else 1.0
+def _acceptance(req: Request, prior: float) -> float:
+    """``req``'s recent share of drafts accepted (``prior`` before its first verification)."""
+    return req.draft_length.acceptance(prior) if req.draft_length is not None else prior
 
 
 class Scheduler(RequestBook):
@@ -141,7 +141,7 @@ class Scheduler(RequestBook):
     def _learn_step_cost(self, step: SchedulerOutput, seconds: float) -> None:
         """Record a decode step's measured time, then decide how many of each request's
         drafts the next step verifies (:class:`StepCost`), from each request's recent share
-        of drafts accepted (1 before its first verification)."""
+        of drafts accepted (the engine's recent share before its first verification)."""
         cost = self.step_cost
         if cost is None:
             return
@@ -152,9 +152,10 @@ class Scheduler(RequestBook):
             cost.observe(len(step.num_scheduled_tokens), rows, seconds)
         k = self.num_speculative_tokens
         holders = [req for req in self.running if req.spec_token_ids]
+        prior = cost.prior()
         allowed = cost.allowances(
             len(self.running),
-            [(min(len(req.spec_token_ids), k), _acceptance(req)) for req in holders],
+            [(min(len(req.spec_token_ids), k), _acceptance(req, prior)) for req in holders],
         )
         self._draft_allowance = (
             None
@@ -185,6 +186,8 @@ class Scheduler(RequestBook):
         self.counters.verified(num_drafts, count - 1)
         if req.draft_length is not None:
             req.draft_length.settle(num_drafts, count - 1)
+        if self.step_cost is not None:
+            self.step_cost.settle(num_drafts, count - 1)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix. Returns whether the cache was reset.
