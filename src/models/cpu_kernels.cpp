@@ -99,6 +99,10 @@ int legato_quantized_isa(int request) { return quantized_isa(request); }
 // min(request, what this CPU runs); request < 0 only reads it. Returns the choice in use.
 int legato_attention_bf16_dot(int request) { return attention_bf16_dot(request); }
 
+// Whether a decode step of one sequence runs its stack in one parallel region (1) or op by
+// op (0; the same numbers, bit for bit): request >= 0 picks, request < 0 only reads.
+int legato_decode_one_region(int request) { return decode_one_region(request); }
+
 // The decoder stack of a decode step (decode_layers above): hidden [T, H] in (the
 // embeddings) and out (the last layer's MLP output), residual [T, H] out; the T rows belong
 // to `sequences` sequences (1 <= sequences <= T; -5 otherwise).

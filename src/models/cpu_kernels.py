@@ -73,6 +73,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_isa": [_I],
     "legato_attention_bf16_dot": [_I],
+    "legato_decode_one_region": [_I],
     # layers (an array of structs, legato.models.decode_stack), then as in the C++ source
     "legato_decode_layers_f32": [_P, _I, _P, _P, _L, _I, _I, _I, _I, _I, _P, _L, _L, _L, _I]
     + [_P, _P, _P, _P, _L, _F, _F, _I, _I, _L],
@@ -457,6 +458,16 @@ def attention_bf16_dot(request: bool | None = None) -> bool:
     is unavailable."""
     code = -1 if request is None else int(request)
     return bool(_library().legato_attention_bf16_dot(code))
+
+
+def decode_one_region(request: bool | None = None) -> bool:
+    """Whether the decode stack (:func:`decode_layers_kernel`) runs a step of one sequence on
+    the VNNI integer path in one parallel region, each thread a share of every matrix, rather
+    than one region per op (bit-identical numbers either way): on by default, or with
+    ``request`` set so (tests pin the op-by-op path to compare). Process-wide. Raises
+    ``RuntimeError`` when the library is unavailable."""
+    code = -1 if request is None else int(request)
+    return bool(_library().legato_decode_one_region(code))
 
 
 def quantized_matmul(

@@ -9,13 +9,16 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from legato.config import EngineConfig
 from legato.models import cpu_kernels
 from legato.models.runner import ModelRunner
+from legato.models.step_metadata import build_metadata
 from legato.protocol.params import SamplingParams
+from legato.testing.gguf_blocks import requantize_linears
 
 
 def _run(runner: ModelRunner, mini_scheduler: Any, fused: bool, prompts: list[list[int]]) -> Any:
@@ -62,3 +65,57 @@ def test_fused_decode_equals_the_layer_by_layer_path(
         for (k, v), (pk, pv) in zip(runner.kv_caches, plain_cache, strict=True):
             torch.testing.assert_close(k, pk, atol=1e-5, rtol=0)
             torch.testing.assert_close(v, pv, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", [None, "Q8_0", "Q5_0"])
+def test_one_sequence_region_equals_the_op_by_op_stack_bit_for_bit(
+    smollm2_gguf: Path, kind: str | None
+) -> None:
+    """A decode step of one sequence on the integer path runs its stack in one parallel
+    region (each of two threads a share of every matrix, attention shared by heads); pinned
+    off, the same stack runs op by op. Over several steps past a block boundary, the hidden rows and
+    the KV cache are bit-identical: the file's Q4_1, and re-quantized to Q8_0 (the 8-bit
+    tile) and Q5_0 (nibbles plus a bit plane)."""
+    if not cpu_kernels.available() or cpu_kernels.quantized_isa() != "avx512_vnni":
+        pytest.skip("the one-region stack runs on the AVX-512 VNNI path only")
+    config = EngineConfig(
+        model=str(smollm2_gguf), device="cpu", num_kv_blocks=8, max_num_seqs=2,
+        gguf_activations="int8",
+    )  # fmt: skip
+    runner = ModelRunner(config)
+    if kind is not None:
+        requantize_linears(runner.model, kind)
+    prompt = list(range(100, 114))  # 14 tokens: the steps cross into the second block
+    torch.set_num_threads(2)  # two shares of every matrix and of the heads (restored after)
+
+    def decode(one_region: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        cpu_kernels.decode_one_region(one_region)
+        for key, value in runner.kv_caches:
+            key.zero_()
+            value.zero_()
+        _forward(runner, prompt, 0)
+        rows = [_forward(runner, [7 + 31 * j], len(prompt) + j) for j in range(5)]
+        return rows, [c.clone() for pair in runner.kv_caches for c in pair]
+
+    try:
+        op_rows, op_cache = decode(False)
+        rows, cache = decode(True)
+    finally:
+        cpu_kernels.decode_one_region(True)
+    for j, (a, b) in enumerate(zip(rows, op_rows, strict=True)):
+        assert torch.equal(a, b), j
+    for a, b in zip(cache, op_cache, strict=True):
+        assert torch.equal(a, b)
+
+
+def _forward(runner: ModelRunner, tokens: list[int], start: int) -> torch.Tensor:
+    """One forward of one sequence's ``tokens`` from position ``start`` (blocks 0, 1, ...)."""
+    table = np.arange(4, dtype=np.int32).reshape(1, -1)
+    meta, _, _ = build_metadata(
+        np.array([start], dtype=np.int64), np.array([len(tokens)], dtype=np.int64), table,
+        runner.block_size, runner.device,
+    )  # fmt: skip
+    hidden: torch.Tensor = runner.model(
+        torch.tensor(tokens, dtype=torch.int64), runner.kv_caches, meta
+    )
+    return hidden

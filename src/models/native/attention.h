@@ -85,17 +85,17 @@ inline void for_token_chunks(const T* cache, const T* then, bool continued, cons
 }
 
 // Scores of one sequence, head_dim a multiple of 16: s[h * len + t] = q[h] . k_t (q already
-// scaled). Per chunk and query head each token keeps one accumulator, and one lane_sums adds
+// scaled), for the query heads first_head .. first_head + num_heads - 1 (q, s: those only). Per chunk and query head each token keeps one accumulator, and one lane_sums adds
 // all 16 up.
 template <typename T>
 void seq_scores(const float* q, const T* key_cache, const T* value_cache, const int32_t* table,
                 int len, int num_heads, int group, int head_dim, int block_size,
-                int64_t token_stride, int64_t block_stride, float* s) {
+                int64_t token_stride, int64_t block_stride, float* s, int first_head = 0) {
   const int chunks = head_dim / 16;
   for_token_chunks(key_cache, value_cache, false, table, len, num_heads, block_size,
                    token_stride, block_stride,
                    [&](const T* const (&rows)[16], int first, int n, int h) {
-    const int64_t head = (h / group) * head_dim;
+    const int64_t head = ((first_head + h) / group) * head_dim;
     const float* qh = q + h * head_dim;
     attn_f32x16 acc[16];
     for (int t = 0; t < 16; ++t) acc[t] = attn_f32x16{};
@@ -112,17 +112,18 @@ void seq_scores(const float* q, const T* key_cache, const T* value_cache, const 
 }
 
 // acc[h] (head_dim floats each) = sum over t of p[h * len + t] * v_t, head_dim a multiple of
-// 16; the tokens walked as in seq_scores.
+// 16, for the query heads from first_head (as seq_scores); the tokens walked as in seq_scores.
 template <typename T>
 void seq_weighted_values(const float* p, const T* value_cache, const int32_t* table, int len,
                          int num_heads, int group, int head_dim, int block_size,
-                         int64_t token_stride, int64_t block_stride, float* acc) {
+                         int64_t token_stride, int64_t block_stride, float* acc,
+                         int first_head = 0) {
   const int chunks = head_dim / 16;
   std::fill(acc, acc + static_cast<int64_t>(num_heads) * head_dim, 0.f);
   for_token_chunks(value_cache, static_cast<const T*>(nullptr), true, table, len, num_heads,
                    block_size, token_stride, block_stride,
                    [&](const T* const (&rows)[16], int first, int n, int h) {
-    const int64_t head = (h / group) * head_dim;
+    const int64_t head = ((first_head + h) / group) * head_dim;
     const float* ph = p + static_cast<int64_t>(h) * len + first;
     for (int c = 0; c < chunks; ++c) {
       float* out = acc + h * head_dim + c * 16;
@@ -331,10 +332,12 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
         }
       }
 #endif
-      if (!bf16_dot)
-        (vector ? seq_scores<T> : seq_scores_scalar<T>)(q.data(), key_cache, value_cache, table,
-                                                        len, num_heads, group, head_dim,
-                                                        block_size, token_stride, block_stride, s);
+      if (!bf16_dot && vector)
+        seq_scores<T>(q.data(), key_cache, value_cache, table, len, num_heads, group, head_dim,
+                      block_size, token_stride, block_stride, s);
+      else if (!bf16_dot)
+        seq_scores_scalar<T>(q.data(), key_cache, value_cache, table, len, num_heads, group,
+                             head_dim, block_size, token_stride, block_stride, s);
       for (int h = 0; h < num_heads; ++h) {
         float* row = s + static_cast<int64_t>(h) * len;
         const float top = max_of(row, len);
@@ -362,10 +365,12 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
         }
       }
 #endif
-      if (!bf16_dot)
-        (vector ? seq_weighted_values<T> : seq_weighted_values_scalar<T>)(
-            s, value_cache, table, len, num_heads, group, head_dim, block_size, token_stride,
-            block_stride, acc.data());
+      if (!bf16_dot && vector)
+        seq_weighted_values<T>(s, value_cache, table, len, num_heads, group, head_dim,
+                               block_size, token_stride, block_stride, acc.data());
+      else if (!bf16_dot)
+        seq_weighted_values_scalar<T>(s, value_cache, table, len, num_heads, group, head_dim,
+                                      block_size, token_stride, block_stride, acc.data());
       T* dst = out + seq * num_heads * static_cast<int64_t>(head_dim);
       for (int h = 0; h < num_heads; ++h) {
         const float inv = 1.f / totals[h];
@@ -374,6 +379,50 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
     }
   }
   return 0;
+}
+
+
+// One fp32 sequence's attention for query heads h0 .. h1 - 1 only (head_dim a multiple of
+// 16, the table and len already checked as decode_attention checks them): what
+// decode_attention computes for those heads, bit for bit (the same passes per head), so
+// that one sequence's heads can be shared among threads. query: the sequence's row
+// [num_heads, head_dim] (contiguous heads); out: the same shape, heads h0 .. h1 - 1 written.
+void attend_heads_f32(const float* query, const float* key_cache, const float* value_cache,
+                      const int32_t* table, int len, int h0, int h1, int num_heads,
+                      int num_kv_heads, int head_dim, int block_size, float scale, float* out) {
+  const int heads = h1 - h0;
+  if (heads <= 0) return;
+  const int group = num_heads / num_kv_heads;
+  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t block_stride = token_stride * block_size;
+  thread_local std::vector<float> q, acc, scores, totals;
+  q.resize(static_cast<size_t>(heads) * head_dim);
+  acc.resize(q.size());
+  scores.resize(static_cast<size_t>(len) * heads);
+  totals.resize(heads);
+  for (int h = 0; h < heads; ++h)
+    for (int d = 0; d < head_dim; ++d)
+      q[h * head_dim + d] = query[(h0 + h) * head_dim + d] * scale;
+  float* s = scores.data();
+  seq_scores<float>(q.data(), key_cache, value_cache, table, len, heads, group, head_dim,
+                    block_size, token_stride, block_stride, s, h0);
+  for (int h = 0; h < heads; ++h) {
+    float* row = s + static_cast<int64_t>(h) * len;
+    const float top = max_of(row, len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int t = 0; t < len; ++t) {
+      row[t] = exp_approx(row[t] - top);
+      total += row[t];
+    }
+    totals[h] = total;
+  }
+  seq_weighted_values<float>(s, value_cache, table, len, heads, group, head_dim, block_size,
+                             token_stride, block_stride, acc.data(), h0);
+  for (int h = 0; h < heads; ++h) {
+    const float inv = 1.f / totals[h];
+    for (int d = 0; d < head_dim; ++d) out[(h0 + h) * head_dim + d] = acc[h * head_dim + d] * inv;
+  }
 }
 
 }  // namespace

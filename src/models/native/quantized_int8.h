@@ -252,11 +252,20 @@ LEGATO_VNNI inline void finish_tile(__m512 (&acc)[NR][MR], const ActivationCodes
 
 // AVX-512 VNNI for 8-bit codes: 64 codes a step; lanes of 4 codes, so with G = 32 lanes 0-7 / 8-15 are the
 // step's two groups, with G = 16 lanes 4g..4g+3 its four.
-// How far ahead (in weight rows) a tile prefetches. A decode step streams every weight from
-// memory once (the model is larger than the L3 cache) in small matrices (K = 576 is 9 steps a
-// row), so the hardware prefetcher alone left the batch-1 matmuls at about half the measured
-// read bandwidth; software prefetch of the rows 16 ahead measured 1.2-1.4x faster (8 and 32 less).
-constexpr int64_t kPrefetchRows = 16;
+// How far ahead a tile prefetches. A decode step streams every weight from memory once (the
+// model is larger than the L3 cache) in small matrices (K = 576 is 9 steps a row), so the
+// hardware prefetcher alone left the batch-1 matmuls at about half the measured read
+// bandwidth; software prefetch of rows ahead measured 1.2-1.4x faster. The distance is in
+// bytes (16 KB: 28 rows of 8-bit codes at K = 576, 57 of 4-bit ones), into L2, not L1: on
+// this EPYC, 16 rows ahead into L1 held a one-sequence Q8_0 stack at 7.0-7.6 ms a step,
+// into L2 5.3-5.8 ms, and 16 KB ahead 4.3-4.8 ms (its LM head 1.6 -> 0.8-1.1 ms).
+constexpr int64_t kPrefetchBytes = 16384;
+constexpr auto kPrefetchHint = _MM_HINT_T1;
+
+// The rows ahead a tile prefetches: kPrefetchBytes of codes (at least a tile's 4 rows).
+inline int64_t prefetch_rows_ahead(int64_t q_stride) {
+  return std::max<int64_t>(4, (kPrefetchBytes + q_stride - 1) / q_stride);
+}
 
 template <int BITS, int G, bool HAS_MIN, int NR, int MR>
 LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int64_t K,
@@ -271,6 +280,7 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
       : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   static_assert(BITS == 8, "8-bit codes only (tile_vnni_nibbles takes the rest)");
   const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const int64_t ahead_rows = prefetch_rows_ahead(q_stride);
   const TileRows<NR, MR> tile(q, q_stride, scales, groups, n0, nr, m0, mr);
   const uint8_t* const(&rows)[NR] = tile.rows;
   const float* const(&srow)[NR] = tile.srow;
@@ -290,14 +300,14 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
       br[j] = _mm512_loadu_si512(a.bias_r.data() + xm[j] * kp / 4 + s * 16);
     }
     const __mmask16 smask = half ? __mmask16((1u << (per_step / 2)) - 1) : __mmask16((1u << per_step) - 1);
-    if (n0 + kPrefetchRows + NR <= n_total) {  // the tile kPrefetchRows ahead: codes, scales
+    if (n0 + ahead_rows + NR <= n_total) {  // the tile ahead_rows ahead: codes, scales
       for (int i = 0; i < NR; ++i) {
-        const char* ahead = reinterpret_cast<const char*>(rows[i] + kPrefetchRows * q_stride);
-        _mm_prefetch(ahead + s * 64, _MM_HINT_T0);
+        const char* ahead = reinterpret_cast<const char*>(rows[i] + ahead_rows * q_stride);
+        _mm_prefetch(ahead + s * 64, kPrefetchHint);
         if (s % (64 / per_step) == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(srow[i] + kPrefetchRows * groups + s * per_step), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(srow[i] + ahead_rows * groups + s * per_step), kPrefetchHint);
           if constexpr (HAS_MIN)
-            _mm_prefetch(reinterpret_cast<const char*>(mins + (n0 + i + kPrefetchRows) * groups + s * per_step), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(mins + (n0 + i + ahead_rows) * groups + s * per_step), kPrefetchHint);
         }
       }
     }
@@ -350,23 +360,24 @@ LEGATO_VNNI void tile_vnni_nibbles(const ActivationCodes& a, int64_t m0, int64_t
   __m512 acc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
-  const bool prefetch = n0 + kPrefetchRows + NR <= n_total;
+  const int64_t ahead_rows = prefetch_rows_ahead(q_stride);
+  const bool prefetch = n0 + ahead_rows + NR <= n_total;
   for (int64_t s = 0; s < steps; ++s) {
     const int blocks = s == steps - 1 ? tail_blocks : 4;
     const __mmask64 bmask = blocks == 4 ? ~0ull : (1ull << (16 * blocks)) - 1;
     const __mmask16 smask = __mmask16((1u << (blocks * per_block)) - 1);
     const __mmask16 pmask = __mmask16((1u << (4 * blocks)) - 1);
-    if (prefetch) {  // the tile kPrefetchRows ahead: nibbles, planes, scales (and offsets)
+    if (prefetch) {  // the tile ahead_rows ahead: nibbles, planes, scales (and offsets)
       for (int i = 0; i < NR; ++i) {
-        const char* ahead = reinterpret_cast<const char*>(rows[i] + kPrefetchRows * q_stride);
-        _mm_prefetch(ahead + s * 64, _MM_HINT_T0);
+        const char* ahead = reinterpret_cast<const char*>(rows[i] + ahead_rows * q_stride);
+        _mm_prefetch(ahead + s * 64, kPrefetchHint);
         if (s % 4 == 0) {  // a line holds 4 steps of a bit plane, or of 4-per-step scales
-          for (int p = 0; p < BITS - 4; ++p) _mm_prefetch(ahead + K / 2 + p * (K / 8) + s * 16, _MM_HINT_T0);
-          const int64_t n_ahead = n0 + i + kPrefetchRows;
+          for (int p = 0; p < BITS - 4; ++p) _mm_prefetch(ahead + K / 2 + p * (K / 8) + s * 16, kPrefetchHint);
+          const int64_t n_ahead = n0 + i + ahead_rows;
           for (int h = 0; h < per_block; ++h) {
-            _mm_prefetch(reinterpret_cast<const char*>(scales + n_ahead * groups + s * 4 * per_block + h * 16), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(scales + n_ahead * groups + s * 4 * per_block + h * 16), kPrefetchHint);
             if constexpr (HAS_MIN)
-              _mm_prefetch(reinterpret_cast<const char*>(mins + n_ahead * groups + s * 4 * per_block + h * 16), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(mins + n_ahead * groups + s * 4 * per_block + h * 16), kPrefetchHint);
           }
         }
       }
@@ -448,6 +459,33 @@ void vnni_tile(const ActivationCodes& a, int64_t m0, int64_t mr, int64_t K, cons
   else
     tile_vnni<BITS, G, HAS_MIN, NR, MR>(a, m0, mr, K, q, q_stride, scales, mins, n0, nr,
                                         n_total, y, ldy);
+}
+
+// One thread's share of a one-row VNNI matmul y[N] = x[K] @ W^T: weight tiles part * n /
+// parts .. (part + 1) * n / parts of the n = ceil(N / 4) four-row tiles that
+// quantized_matmul_int8 runs for one input row, so each output is that call's, bit for bit
+// (a's digits in the layout's order: vnni_nibble_order). For the decode stack's one
+// parallel region, where each thread runs its share of every projection.
+template <int BITS, int G, bool HAS_MIN>
+void vnni_row_share(const ActivationCodes& a, int64_t K, const uint8_t* q, int64_t N,
+                    const float* scales, const float* mins, float* y, int part, int parts) {
+  const int64_t q_stride = K * BITS / 8, n_tiles = (N + 3) / 4;
+  for (int64_t t = n_tiles * part / parts; t < n_tiles * (part + 1) / parts; ++t)
+    vnni_tile<BITS, G, HAS_MIN, 4, 1>(a, 0, 1, K, q, q_stride, scales, mins, t * 4,
+                                      std::min<int64_t>(4, N - t * 4), N, y, N);
+}
+
+using VnniRowShare = void (*)(const ActivationCodes&, int64_t, const uint8_t*, int64_t,
+                              const float*, const float*, float*, int, int);
+
+// The share kernel of a layout, or null for one the kernels do not hold.
+VnniRowShare vnni_row_share_for(int bits, int group, bool has_min) {
+#define LEGATO_SHARE(B, G)                                                   \
+  if (bits == B && group == G)                                               \
+    return has_min ? &vnni_row_share<B, G, true> : &vnni_row_share<B, G, false>;
+  LEGATO_FOR_EACH_LAYOUT(LEGATO_SHARE)
+#undef LEGATO_SHARE
+  return nullptr;
 }
 
 LEGATO_AVX2 inline float hsum256(__m256 v) {
