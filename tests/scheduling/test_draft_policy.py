@@ -3,6 +3,8 @@ backs off to none, probes again, and grows back while they are accepted."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from legato.scheduling.draft_policy import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
@@ -176,9 +178,9 @@ def test_step_cost_verifies_the_drafts_that_fill_the_last_row_tile() -> None:
     assert cost.allowances(8, [(2, 0.2)]) == [2]
 
 
-def test_the_scheduler_verifies_only_the_drafts_its_step_cost_allows() -> None:
-    """Driven through the scheduler: eight decoding requests all hold four drafts, two of
-    them with a history of accepted drafts; the next step verifies only those two's."""
+def _eight_decoding() -> Any:
+    """A harness whose real scheduler (n-gram, k=4) runs eight requests past their prompts
+    and one plain decode step."""
     from legato.config import SpeculativeConfig
 
     from .harness import Harness, make_config, make_request
@@ -188,6 +190,13 @@ def test_the_scheduler_verifies_only_the_drafts_its_step_cost_allows() -> None:
     h.add(*(make_request(f"r{i}", 5, max_tokens=64) for i in range(8)))
     for _ in range(2):  # the prompts, then one plain decode step
         h.step()
+    return h
+
+
+def test_the_scheduler_verifies_only_the_drafts_its_step_cost_allows() -> None:
+    """Driven through the scheduler: eight decoding requests all hold four drafts, two of
+    them with a history of accepted drafts; the next step verifies only those two's."""
+    h = _eight_decoding()
     sched = h.sched
     assert sched.step_cost is not None
     for rows, seconds in MEASURED_SECONDS.items():
@@ -229,16 +238,8 @@ def test_a_fresh_request_expects_the_engines_recent_share_not_every_draft() -> N
     each propose four drafts; while the engine's recent verifications accepted a quarter
     (free chat), the next step of eight verifies none of them; with every draft accepted
     recently (an edit), it verifies them."""
-    from legato.config import SpeculativeConfig
-
-    from .harness import Harness, make_config, make_request
-
     for share, verified in ((0.25, False), (1.0, True)):
-        spec = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4})
-        h = Harness(make_config(speculative_config=spec, max_num_seqs=8))
-        h.add(*(make_request(f"r{i}", 5, max_tokens=64) for i in range(8)))
-        for _ in range(2):  # the prompts, then one plain decode step
-            h.step()
+        h = _eight_decoding()
         sched = h.sched
         cost = sched.step_cost
         assert cost is not None

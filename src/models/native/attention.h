@@ -267,6 +267,22 @@ void seq_weighted_values_scalar(const float* p, const T* value_cache, const int3
   }
 }
 
+// Each of `heads` rows of `len` scores becomes its softmax numerators exp(s - max) in
+// place; totals[h] gets row h's sum (the caller divides once at the end).
+inline void softmax_numerators(float* s, int heads, int len, float* totals) {
+  for (int h = 0; h < heads; ++h) {
+    float* row = s + static_cast<int64_t>(h) * len;
+    const float top = max_of(row, len);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int t = 0; t < len; ++t) {
+      row[t] = exp_approx(row[t] - top);
+      total += row[t];
+    }
+    totals[h] = total;
+  }
+}
+
 // Attention of one query row per sequence (decode) over that sequence's paged K/V.
 //
 // query  [num_seqs, num_heads, head_dim] with strides (q_seq_stride, q_head_stride, 1)
@@ -338,17 +354,7 @@ int decode_attention(const T* query, int64_t q_seq_stride, int64_t q_head_stride
       else if (!bf16_dot)
         seq_scores_scalar<T>(q.data(), key_cache, value_cache, table, len, num_heads, group,
                              head_dim, block_size, token_stride, block_stride, s);
-      for (int h = 0; h < num_heads; ++h) {
-        float* row = s + static_cast<int64_t>(h) * len;
-        const float top = max_of(row, len);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int t = 0; t < len; ++t) {
-          row[t] = exp_approx(row[t] - top);
-          total += row[t];
-        }
-        totals[h] = total;
-      }
+      softmax_numerators(s, num_heads, len, totals.data());
 #if defined(LEGATO_ATTN_BF16_DOT)
       if constexpr (std::is_same<T, bf16>::value) {
         if (bf16_dot) {
@@ -406,17 +412,7 @@ void attend_heads_f32(const float* query, const float* key_cache, const float* v
   float* s = scores.data();
   seq_scores<float>(q.data(), key_cache, value_cache, table, len, heads, group, head_dim,
                     block_size, token_stride, block_stride, s, h0);
-  for (int h = 0; h < heads; ++h) {
-    float* row = s + static_cast<int64_t>(h) * len;
-    const float top = max_of(row, len);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int t = 0; t < len; ++t) {
-      row[t] = exp_approx(row[t] - top);
-      total += row[t];
-    }
-    totals[h] = total;
-  }
+  softmax_numerators(s, heads, len, totals.data());
   seq_weighted_values<float>(s, value_cache, table, len, heads, group, head_dim, block_size,
                              token_stride, block_stride, acc.data(), h0);
   for (int h = 0; h < heads; ++h) {
