@@ -115,14 +115,10 @@ int project_int8(const QuantPart& part, const float* x, int64_t T, int64_t K, fl
   if (T == 1 || K % 32 != 0 || T % 3 == 0)  // nothing padded: the general call
     return quantized_matmul_int8(x, K, T, K, part.codes, part.bits, part.group, part.rows,
                                  part.scales, part.offsets, y, ldy, num_threads);
-  const bool has_min = part.offsets != nullptr;
-#define LEGATO_ROWS(B, G)                                                             \
-  if (part.bits == B && part.group == G)                                              \
-    return has_min ? verify_rows_int8<B, G, true>(x, T, K, part, y, ldy, num_threads) \
-                   : verify_rows_int8<B, G, false>(x, T, K, part, y, ldy, num_threads);
-  LEGATO_FOR_EACH_LAYOUT(LEGATO_ROWS)
-#undef LEGATO_ROWS
-  return -2;
+  return with_layout(part.bits, part.group, part.offsets != nullptr, -2, [&](auto layout) {
+    using L = decltype(layout);
+    return verify_rows_int8<L::bits, L::group, L::has_min>(x, T, K, part, y, ldy, num_threads);
+  });
 }
 
 // y[T, N] = x[T, K] @ W^T over the projection's row blocks (each writes its columns).

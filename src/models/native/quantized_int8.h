@@ -480,12 +480,10 @@ using VnniRowShare = void (*)(const ActivationCodes&, int64_t, const uint8_t*, i
 
 // The share kernel of a layout, or null for one the kernels do not hold.
 VnniRowShare vnni_row_share_for(int bits, int group, bool has_min) {
-#define LEGATO_SHARE(B, G)                                                   \
-  if (bits == B && group == G)                                               \
-    return has_min ? &vnni_row_share<B, G, true> : &vnni_row_share<B, G, false>;
-  LEGATO_FOR_EACH_LAYOUT(LEGATO_SHARE)
-#undef LEGATO_SHARE
-  return nullptr;
+  return with_layout(bits, group, has_min, VnniRowShare{nullptr}, [](auto layout) {
+    using L = decltype(layout);
+    return VnniRowShare{&vnni_row_share<L::bits, L::group, L::has_min>};
+  });
 }
 
 LEGATO_AVX2 inline float hsum256(__m256 v) {
@@ -644,14 +642,11 @@ int quantized_matmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, con
                           int bits, int group, int64_t N, const float* scales, const float* mins,
                           float* y, int64_t ldy, int num_threads) {
   if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || ldx < K || ldy < N) return -1;
-  const bool has_min = mins != nullptr;
-#define LEGATO_Q8A(B, G)                                                                       \
-  if (bits == B && group == G)                                                                 \
-    return has_min ? qmatmul_int8<B, G, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads) \
-                   : qmatmul_int8<B, G, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
-  LEGATO_FOR_EACH_LAYOUT(LEGATO_Q8A)
-#undef LEGATO_Q8A
-  return -2;
+  return with_layout(bits, group, mins != nullptr, -2, [&](auto layout) {
+    using L = decltype(layout);
+    return qmatmul_int8<L::bits, L::group, L::has_min>(x, ldx, M, K, q, N, scales, mins, y, ldy,
+                                                       num_threads);
+  });
 }
 
 }  // namespace

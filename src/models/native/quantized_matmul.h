@@ -363,23 +363,39 @@ int qmatmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
 }
 
 // Every (bits, group) code layout the quantized kernels take, in dispatch order (the layout:
-// legato.models.quantized; Python's cpu_kernels.QUANTIZED_LAYOUTS lists the same). Each
-// dispatcher below expands X(bits, group) once per layout. (8, 16): no GGUF type repacks so
+// legato.models.quantized; Python's cpu_kernels.QUANTIZED_LAYOUTS lists the same).
+// with_layout below expands X(bits, group) once per layout. (8, 16): no GGUF type repacks so
 // today; kept for callers' layouts.
 #define LEGATO_FOR_EACH_LAYOUT(X) X(4, 32) X(8, 32) X(5, 32) X(6, 16) X(8, 16)
+
+// A code layout as a type, for the kernels' template arguments.
+template <int B, int G, bool HAS_MIN>
+struct Layout {
+  static constexpr int bits = B, group = G;
+  static constexpr bool has_min = HAS_MIN;
+};
+
+// What `kernel(Layout<bits, group, has_min>{})` returns, or `none` for a layout the kernels do
+// not take: the one dispatch from run-time layouts to kernel instances.
+template <typename R, typename Kernel>
+R with_layout(int bits, int group, bool has_min, R none, Kernel&& kernel) {
+#define LEGATO_LAYOUT(B, G) \
+  if (bits == B && group == G) \
+    return has_min ? R(kernel(Layout<B, G, true>{})) : R(kernel(Layout<B, G, false>{}));
+  LEGATO_FOR_EACH_LAYOUT(LEGATO_LAYOUT)
+#undef LEGATO_LAYOUT
+  return none;
+}
 
 int quantized_matmul(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
                      int bits, int group, int64_t N, const float* scales, const float* mins,
                      float* y, int64_t ldy, int num_threads) {
   if (M < 0 || N < 0 || K <= 0 || K % 32 != 0 || ldx < K || ldy < N) return -1;
-  const bool has_min = mins != nullptr;
-#define LEGATO_F32(B, G)                                                                     \
-  if (bits == B && group == G)                                                               \
-    return has_min ? qmatmul<B, G, true>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads) \
-                   : qmatmul<B, G, false>(x, ldx, M, K, q, N, scales, mins, y, ldy, num_threads);
-  LEGATO_FOR_EACH_LAYOUT(LEGATO_F32)
-#undef LEGATO_F32
-  return -2;
+  return with_layout(bits, group, mins != nullptr, -2, [&](auto layout) {
+    using L = decltype(layout);
+    return qmatmul<L::bits, L::group, L::has_min>(x, ldx, M, K, q, N, scales, mins, y, ldy,
+                                                  num_threads);
+  });
 }
 
 }  // namespace
