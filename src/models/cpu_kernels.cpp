@@ -19,6 +19,7 @@
 //   native/quantized_matmul.h  weight-only quantized matmul: the code layout, fp32 activations
 //   native/quantized_int8.h    the same with int8 activations (AVX-512 VNNI, AVX2, portable)
 //   native/decode_stack.h      every decoder layer of a decode step in one call
+//   native/lm_head.h           a greedy one-row step's last norm, LM head and argmax in one call
 // This file holds the C entry points only.
 
 #include <cstdint>
@@ -29,6 +30,7 @@
 #include "native/quantized_matmul.h"
 #include "native/quantized_int8.h"
 #include "native/decode_stack.h"
+#include "native/lm_head.h"
 
 extern "C" {
 
@@ -118,6 +120,16 @@ int legato_decode_layers_f32(const DecoderLayerWeights* layers, int num_layers, 
                        head_dim, intermediate, block_table, table_stride, table_cols, num_blocks,
                        block_size, seq_lens, slots, positions, cos_sin, max_position, eps, scale,
                        int8_max_rows, num_threads, sequences);
+}
+
+// A greedy one-row step's head (greedy_head in lm_head.h): residual[H] += hidden[H], normed[H]
+// = norm(residual), logits[N] = normed @ W^T on the int8 path, *token = argmax(logits).
+// Returns 1 if taken, 0 if not (nothing written: the caller runs the three ops), or -1.
+int legato_greedy_head_f32(const float* hidden, float* residual, const float* norm_weight,
+                           float* normed, const QuantProjection* head, int64_t H, int64_t N,
+                           float eps, float* logits, int64_t* token, int num_threads) {
+  return greedy_head(hidden, residual, norm_weight, normed, *head, H, N, eps, logits, token,
+                     num_threads);
 }
 
 }  // extern "C"

@@ -77,6 +77,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     # layers (an array of structs, legato.models.decode_stack), then as in the C++ source
     "legato_decode_layers_f32": [_P, _I, _P, _P, _L, _I, _I, _I, _I, _I, _P, _L, _L, _L, _I]
     + [_P, _P, _P, _P, _L, _F, _F, _I, _I, _L],
+    # the head: a projection struct (legato.models.decode_stack), then as in the C++ source
+    "legato_greedy_head_f32": [_P, _P, _P, _P, _P, _L, _L, _F, _P, _P, _I],
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 DTYPES = tuple(_SUFFIX)  # what the typed kernels take
@@ -552,3 +554,10 @@ def decode_layers_kernel() -> Any:
     (:mod:`legato.models.decode_stack` builds its arguments and checks them). Raises
     ``RuntimeError`` when the library is unavailable."""
     return _library().legato_decode_layers_f32
+
+
+def greedy_head_kernel() -> Any:
+    """The raw ctypes entry point that runs a greedy one-row step's last norm, LM head and
+    argmax in one call (:mod:`legato.models.decode_stack` builds its arguments; it returns 1
+    when taken, 0 when not). Raises ``RuntimeError`` when the library is unavailable."""
+    return _library().legato_greedy_head_f32

@@ -20,6 +20,7 @@ from torch import nn
 from .attention_backend import AttentionMetadata, Backend, StepContext
 from .config import ModelConfig
 from .decode_stack import DecodeStack
+from .greedy_head import GreedyHead
 from .layers import MLP, Attention, Embedding, Linear, RMSNorm
 from .quantized import QuantizedLinear, QuantizedWeight
 from .rotary import RotaryEmbedding
@@ -157,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
         # (.decode_stack); False keeps the layer-by-layer path (the fidelity reference)
         self.fused_decode = True
         self._stack: DecodeStack | None = None
+        self._head: GreedyHead | None = None  # the fused greedy head (.greedy_head)
 
     def forward(
         self,
@@ -184,10 +186,46 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm.add_forward(hidden, residual)
         return hidden
 
+    def forward_greedy(
+        self, input_ids: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(forward(...), tokens)`` for a step whose every row samples as the bare argmax
+        of its logits: ``tokens`` int64 ``[T]`` where one native call gave them (a one-row
+        decode step through the fused stack and :mod:`.greedy_head`: the same hidden row and
+        the argmax of the same logits as ``compute_logits`` then ``sampler.greedy``), else
+        None (the caller computes the logits)."""
+        if input_ids.shape[0] == 1 and meta.num_decodes == 1 and not meta.rows_as_decodes:
+            stack = self._decode_stack(kv_caches)
+            head = self._greedy_head() if stack is not None else None
+            if stack is not None and head is not None:
+                cos_sin_cache, meta = self.rotary.for_step(meta)
+                hidden, last = stack.run(self.model.embed_tokens(input_ids), meta, cos_sin_cache)
+                fused = head(hidden, last)
+                if fused is not None:
+                    return fused
+                hidden, _ = self.model.norm.add_forward(hidden, last)
+                return hidden, None
+        return self(input_ids, kv_caches, meta), None
+
+    def _greedy_head(self) -> GreedyHead | None:
+        """The fused norm + LM head + argmax when this model qualifies (its own
+        ``compute_logits``: a subclass's soft-capping or scaling is not in the kernel)."""
+        if type(self).compute_logits is not LlamaForCausalLM.compute_logits:
+            return None
+        quantized, norm = self.lm_head.quantized, self.model.norm.weight
+        head = self._head
+        if head is None or not head.matches(quantized, norm):
+            head = None
+            if quantized is not None and GreedyHead.eligible(quantized, norm, self.lm_head.bias):
+                head = GreedyHead(quantized, norm, self.model.norm.eps)
+            self._head = head
+        return head
+
     def release_decode_stack(self) -> None:
         """Forget the fused decode stack: it holds the KV cache (and the weights' addresses),
         which a runner going to sleep frees. Built again by the next decode step."""
         self._stack = None
+        self._head = None
 
     def _decode_stack(self, kv_caches: list[KVCache]) -> DecodeStack | None:
         """The one-call decoder stack for a decode-only step, when this model and these

@@ -349,7 +349,26 @@ class ModelRunner(RunnerMemory):
             input_ids = torch.from_numpy(
                 batch.token_ids[rows[seq_of_token], positions].astype(np.int64)
             ).to(self.device)
-            hidden = self.model(input_ids, self.kv_caches, meta)
+            if (
+                len(rows) == 1  # one decode row that samples, its argmax and nothing else
+                and q_lens[0] == 1
+                and ends[0] == known[0]
+                and spec_lens is None
+                and self.draft is None
+                and not uses_lora
+                and not len(self.pooler)
+                and not step.grammar_bitmask_follows
+                and not step.grammar_bitmask
+                and batch.plain_greedy(rows)
+            ):
+                hidden, greedy_tokens = self.model.forward_greedy(input_ids, self.kv_caches, meta)
+                if greedy_tokens is not None:
+                    return StepForward(
+                        out, order, rows, starts, ends, meta.query_start_loc_host, hidden,
+                        np.zeros(1, dtype=np.int64), None, greedy_tokens,
+                    )  # fmt: skip
+            else:
+                hidden = self.model(input_ids, self.kv_caches, meta)
             if self.draft is not None:  # its KV over the same tokens and slots
                 self.draft.observe(input_ids, meta, hidden)
             query_start_loc = meta.query_start_loc_host
