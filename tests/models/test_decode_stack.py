@@ -75,8 +75,8 @@ def test_one_sequence_region_equals_the_op_by_op_stack_bit_for_bit(
 ) -> None:
     """A step of one sequence on the integer path runs its stack in one parallel region (each
     of two threads a share of every matrix, attention shared by heads); pinned off, the same
-    stack runs op by op. Five one-row steps past a block boundary, and a verification step
-    over the same five tokens at once (rows 2 .. 5 attend to the rows before them), give
+    stack runs op by op. Seven one-row steps past a block boundary, and a verification step
+    over the same seven tokens at once (each row attends to the rows before it), give
     bit-identical hidden rows and KV cache either way, and each verified row is its one-row
     step's: the file's Q4_1, and re-quantized to Q8_0 (the 8-bit tile) and Q5_0 (nibbles
     plus a bit plane)."""
@@ -90,7 +90,7 @@ def test_one_sequence_region_equals_the_op_by_op_stack_bit_for_bit(
     if kind is not None:
         requantize_linears(runner.model, kind)
     prompt = list(range(100, 114))  # 14 tokens: the steps cross into the second block
-    following = [7 + 31 * j for j in range(5)]
+    following = [7 + 31 * j for j in range(7)]  # verified as tiles of 5 and 2 rows
     torch.set_num_threads(2)  # two shares of every matrix and of the heads (restored after)
 
     def cache() -> list[torch.Tensor]:
