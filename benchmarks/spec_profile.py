@@ -7,7 +7,16 @@ with the most time of their own (cProfile) over the timed steps; on CUDA also ho
 many kernels one step launched and how long the GPU was busy (torch.profiler), so
 host time and device time can be told apart.
 
+``--stack`` instead times the decoder stack alone (``legato_decode_layers_f32``) on the
+CPU, for one sequence at 1 row (a plain step) and at ``k + 1`` rows (a verification
+step: its last token and ``k`` drafts, each attending up to itself) after a 200-token
+prompt: the median of ``--reps`` calls, rounds alternating the stack in one parallel
+region (``cpu_kernels.decode_one_region``, the default) with the op-by-op path, so the
+two are compared in one process. ``t(1, k+1) / t(1, 1)`` is what the draft policy weighs
+a verification step by.
+
     python benchmarks/spec_profile.py [--k 4] [--max-tokens 128] [--top 25] [--dequantize]
+    flock -x /tmp/legato-cpu.lock python benchmarks/spec_profile.py --stack [--k 4] [--reps 60]
 """
 
 from __future__ import annotations
@@ -93,6 +102,67 @@ def run(args: argparse.Namespace, spec: dict[str, Any] | None) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
+def stack_rows(args: argparse.Namespace) -> None:
+    """The decoder stack's time at 1 and ``k + 1`` rows of one sequence (``--stack``)."""
+    import dataclasses
+    import statistics
+
+    import numpy as np
+    import torch
+
+    from legato.config import EngineConfig
+    from legato.default_model import default_model_gguf
+    from legato.models import cpu_kernels
+    from legato.models.runner import ModelRunner
+    from legato.models.step_metadata import build_metadata
+
+    runner = ModelRunner(
+        EngineConfig(model=str(default_model_gguf()), device="cpu", num_kv_blocks=64)
+    )
+    table = np.arange(32, dtype=np.int32).reshape(1, -1)
+    kernel = cpu_kernels.decode_layers_kernel()
+    seconds: list[float] = []
+
+    def timed(*call: Any) -> Any:
+        began = time.perf_counter()
+        code = kernel(*call)
+        seconds.append(time.perf_counter() - began)
+        return code
+
+    def forward(tokens: list[int], start: int) -> None:
+        meta, _, _ = build_metadata(
+            np.array([start], dtype=np.int64), np.array([len(tokens)], dtype=np.int64), table,
+            runner.block_size, runner.device,
+        )  # fmt: skip
+        if start:
+            meta = dataclasses.replace(meta, rows_as_decodes=True)
+        runner.model(torch.tensor(tokens, dtype=torch.int64), runner.kv_caches, meta)
+
+    context = 200
+    forward(list(range(100, 100 + context)), 0)
+    cpu_kernels.decode_layers_kernel = lambda: timed  # type: ignore[assignment]
+    times: dict[tuple[bool, int], list[float]] = {}
+    for _ in range(3):
+        for region in (True, False):
+            cpu_kernels.decode_one_region(region)
+            for rows in (1, args.k + 1):
+                seconds.clear()
+                for _ in range(args.reps):
+                    forward([7 + j for j in range(rows)], context)
+                times.setdefault((region, rows), []).append(1e3 * statistics.median(seconds))
+    cpu_kernels.decode_one_region(True)
+    print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+    for region in (True, False):
+        t1, tk = (statistics.median(times[(region, r)]) for r in (1, args.k + 1))
+        rounds = " ".join(
+            f"{a:.2f}/{b:.2f}" for a, b in zip(*(times[(region, r)] for r in (1, args.k + 1)))
+        )
+        print(
+            f"{'one region' if region else 'op by op':>10}: t(1,1) {t1:.2f} ms, t(1,{args.k + 1}) "
+            f"{tk:.2f} ms, ratio {tk / t1:.2f}  (rounds t(1,1)/t(1,{args.k + 1}): {rounds})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--k", type=int, default=4)
@@ -100,7 +170,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--dequantize", action="store_true")
     parser.add_argument("--chat", action="store_true", help="a free-chat prompt, not the edit")
+    parser.add_argument("--stack", action="store_true", help="time the decoder stack alone")
+    parser.add_argument("--reps", type=int, default=60, help="--stack: calls a median is of")
     args = parser.parse_args()
+    if args.stack:
+        stack_rows(args)
+        return
     spec = {
         "method": "ngram",
         "num_speculative_tokens": args.k,

@@ -152,6 +152,13 @@ class EngineCore:
         self._depth = 2 if self.async_scheduling else 1
         # Speculative decoding: while drafts wait to be verified, no step is planned ahead.
         self._drafts = self.scheduler.config.speculative_config is not None
+        # That costs the overlap async scheduling gives a plain step: the worker waits while
+        # this loop applies the drafted step and plans the next. The drafted step sent with
+        # no step ahead (and when), then when the worker went idle after it, by this loop's
+        # clock (sent + the worker's own time); the next send measures the wait for the draft
+        # policy (StepCost.observe_overlap). Never measured without async scheduling.
+        self._lone: tuple[PlannedStep, float] | None = None
+        self._worker_idle_from: float | None = None
         self._idle = trio.Event()
         self._idle.set()
         self._stats_dirty = False
@@ -292,6 +299,7 @@ class EngineCore:
         while True:
             if not self._has_work() and not self._sent:
                 self._note_idle()
+                self._worker_idle_from = None  # a wait for requests is no step's cost
                 await self._handle(await self._inbox.receive())
             while True:
                 try:
@@ -310,12 +318,13 @@ class EngineCore:
             if self._drafts and depth > 1 and self.scheduler.has_drafts_to_verify():
                 depth = 1
             if self._has_work() and len(self._sent) < depth:
-                sent = self._send_step()
+                sent = self._send_step(alone=depth < self._depth)
             if self._sent and (not sent or len(self._sent) >= depth):
                 await self._apply_oldest()
             elif not sent and not self._sent and self._has_work():
                 # Nothing can run (frozen, or waiting on blocks only an abort can free):
                 # wait for news instead of spinning.
+                self._worker_idle_from = None
                 await self._handle(await self._inbox.receive())
             await self._answer_waiters()
             self._note_idle()
@@ -324,8 +333,10 @@ class EngineCore:
     def _has_work(self) -> bool:
         return not self.sleeping and self.scheduler.has_unfinished_requests()
 
-    def _send_step(self) -> bool:
+    def _send_step(self, alone: bool = False) -> bool:
         """Plan a step and send it to the executor; False if nothing can run now.
+        ``alone``: planned with no step ahead because it has drafts to verify (the worker's
+        wait after it is measured).
 
         A constrained step's bitmask rows follow it: computed and sent at once when
         no earlier step is in flight (the worker's forward runs meanwhile), else
@@ -334,6 +345,12 @@ class EngineCore:
         planned = self.steps.plan(bitmask_follows=True)
         if planned is None:
             return False
+        now = time.perf_counter()
+        idle_from, self._worker_idle_from = self._worker_idle_from, None
+        cost = self.scheduler.step_cost
+        if idle_from is not None and cost is not None:
+            cost.observe_overlap(now - idle_from)
+        self._lone = (planned, now) if alone and not self._sent else None
         try:
             answer = self.executor.submit_step(planned.plan)
         except wire.WireError as exc:  # a frame that cannot be encoded fails its requests
@@ -358,6 +375,10 @@ class EngineCore:
         next step's bitmask rows if they wait for this step. A checkpoint."""
         planned, answer = self._sent[0]
         runner_out = await answer.wait()
+        lone = self._lone is not None and self._lone[0] is planned and len(self._sent) == 1
+        if lone and self._lone is not None and runner_out.step_seconds > 0:
+            self._worker_idle_from = self._lone[1] + runner_out.step_seconds
+        self._lone = None
         self._sent.popleft()
         self._stats_dirty = False
         self.outputs.send_nowait(self.steps.apply(planned, runner_out))

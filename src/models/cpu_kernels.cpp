@@ -18,6 +18,7 @@
 //   native/elementwise.h       K/V writes, RMS norm, SiLU-and-mul, rotary, argmax
 //   native/quantized_matmul.h  weight-only quantized matmul: the code layout, fp32 activations
 //   native/quantized_int8.h    the same with int8 activations (AVX-512 VNNI, AVX2, portable)
+//   native/quantized_share.h   one thread's share of an int8 matmul over one sequence's rows
 //   native/decode_stack.h      every decoder layer of a decode step in one call
 //   native/lm_head.h           a greedy one-row step's last norm, LM head and argmax in one call
 // This file holds the C entry points only.
@@ -29,6 +30,7 @@
 #include "native/elementwise.h"
 #include "native/quantized_matmul.h"
 #include "native/quantized_int8.h"
+#include "native/quantized_share.h"
 #include "native/decode_stack.h"
 #include "native/lm_head.h"
 

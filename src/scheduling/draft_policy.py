@@ -29,8 +29,10 @@ step must not make drafts look cheap for the steps after it),
 and a step verifies the drafts of the requests likeliest to be accepted first (by each
 request's recent share of drafts accepted; before its first verification, the engine's
 recent share over all requests, :meth:`StepCost.prior`), as many as give the most tokens a second,
-``(S + expected) / t(S, S + D)``, none unless that beats ``S / t(S, S)``
-(:meth:`StepCost.allowances`). A step's time is not linear in its rows: a CPU matmul
+``(S + expected) / (t(S, S + D) + overlap)``, none unless that beats ``S / t(S, S)``
+(:meth:`StepCost.allowances`; ``overlap``: the worker's idle time a step with drafts
+costs under async scheduling, which plans no step ahead of it, measured by the engine
+core). A step's time is not linear in its rows: a CPU matmul
 computes rows in tiles (of 4 in the fp32 tile, 3 in the int8 one), so a few drafts can
 fill the last tile nearly free while one more opens a new one. So a few streams that
 copy their prompt verify their drafts while the rest of a free-chat batch does not, and
@@ -108,7 +110,9 @@ _PRIOR_DECAY = 0.9  # weight of the past in the engine's share of drafts accepte
 class StepCost:
     """Measured step times by number of computed rows, and the drafting decision."""
 
-    __slots__ = ("seconds", "recent", "declined", "probing", "drafted", "accepted")
+    __slots__ = (
+        "seconds", "recent", "declined", "probing", "drafted", "accepted", "overlap", "gaps"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         # (sequences, rows) -> the step time, the lower median of the latest measurements:
@@ -120,6 +124,21 @@ class StepCost:
         self.probing = 0  # decisions the current probe has held
         self.drafted = 0.0  # decayed counts of drafts verified and accepted, all requests
         self.accepted = 0.0
+        # What a drafted step costs beyond its compute under async scheduling: the worker's
+        # idle time while the engine applies it and plans the next (observe_overlap); 0
+        # until measured, and never measured without async scheduling (every step pays it).
+        self.overlap = 0.0
+        self.gaps: collections.deque[float] = collections.deque(maxlen=_RECENT)
+
+    def observe_overlap(self, seconds: float) -> None:
+        """A step planned with no step ahead (it had drafts to verify) left the worker idle
+        ``seconds`` between finishing it and receiving the next: the overlap that async
+        scheduling gives a plain step and a drafted step gives up. Kept as the lower median
+        of the latest few, as step times are (:meth:`observe`)."""
+        if seconds < 0:
+            return
+        self.gaps.append(seconds)
+        self.overlap = statistics.median_low(self.gaps)
 
     def settle(self, num_drafts: int, num_accepted: int) -> None:
         """Learn from any request's verification of ``num_drafts`` drafts (> 0),
@@ -172,7 +191,8 @@ class StepCost:
         last tile nearly free, one more opens a new one). So the drafts are ranked by their
         request's share, and the step verifies the best ``D`` of them, for the ``D`` (0
         included) with the most tokens a second, ``(S + expected) / t(S, S + D)``, with
-        ``t`` measured where it was, interpolated where not. Once every ``PROBE_EVERY``
+        ``t`` measured where it was, interpolated where not, plus the overlap a drafted step
+        gives up under async scheduling (:meth:`observe_overlap`). Once every ``PROBE_EVERY``
         decisions that leave a request's drafts out, the next request's drafts verify too
         (a probe: its share went stale while it was left out), for ``PROBE_DECISIONS``
         decisions in a row: with async scheduling the step after a decision is often
@@ -194,6 +214,7 @@ class StepCost:
                 seconds = self._drafted_seconds(sequences, num, plain)
                 if seconds is None:
                     return None
+                seconds += self.overlap  # the step ahead it gives up (async scheduling)
                 if (sequences + expected) / seconds > best_rate:
                     best_rate, best = (sequences + expected) / seconds, num
         if best == total:

@@ -1,11 +1,13 @@
 """The one-call decoder stack (legato.models.decode_stack) against the layer-by-layer forward
 it replaces, on the default model's kept-quantized GGUF weights: decode steps of 1 and of 3
-sequences give the same logits, greedy tokens and KV cache."""
+sequences give the same logits, greedy tokens and KV cache; one sequence's steps (one row,
+or a verification step's several) run in one parallel region bit for bit as op by op."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +73,13 @@ def test_fused_decode_equals_the_layer_by_layer_path(
 def test_one_sequence_region_equals_the_op_by_op_stack_bit_for_bit(
     smollm2_gguf: Path, kind: str | None
 ) -> None:
-    """A decode step of one sequence on the integer path runs its stack in one parallel
-    region (each of two threads a share of every matrix, attention shared by heads); pinned
-    off, the same stack runs op by op. Over several steps past a block boundary, the hidden rows and
-    the KV cache are bit-identical: the file's Q4_1, and re-quantized to Q8_0 (the 8-bit
-    tile) and Q5_0 (nibbles plus a bit plane)."""
+    """A step of one sequence on the integer path runs its stack in one parallel region (each
+    of two threads a share of every matrix, attention shared by heads); pinned off, the same
+    stack runs op by op. Seven one-row steps past a block boundary, and a verification step
+    over the same seven tokens at once (each row attends to the rows before it), give
+    bit-identical hidden rows and KV cache either way, and each verified row is its one-row
+    step's: the file's Q4_1, and re-quantized to Q8_0 (the 8-bit tile) and Q5_0 (nibbles
+    plus a bit plane)."""
     if not cpu_kernels.available() or cpu_kernels.quantized_isa() != "avx512_vnni":
         pytest.skip("the one-region stack runs on the AVX-512 VNNI path only")
     config = EngineConfig(
@@ -86,35 +90,56 @@ def test_one_sequence_region_equals_the_op_by_op_stack_bit_for_bit(
     if kind is not None:
         requantize_linears(runner.model, kind)
     prompt = list(range(100, 114))  # 14 tokens: the steps cross into the second block
+    following = [7 + 31 * j for j in range(7)]  # verified as tiles of 5 and 2 rows
     torch.set_num_threads(2)  # two shares of every matrix and of the heads (restored after)
 
-    def decode(one_region: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def cache() -> list[torch.Tensor]:
+        return [c.clone() for pair in runner.kv_caches for c in pair]
+
+    def decode(
+        one_region: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
         cpu_kernels.decode_one_region(one_region)
         for key, value in runner.kv_caches:
             key.zero_()
             value.zero_()
         _forward(runner, prompt, 0)
-        rows = [_forward(runner, [7 + 31 * j], len(prompt) + j) for j in range(5)]
-        return rows, [c.clone() for pair in runner.kv_caches for c in pair]
+        rows = torch.cat([_forward(runner, [t], len(prompt) + j) for j, t in enumerate(following)])
+        step_cache = cache()
+        for key, value in runner.kv_caches:
+            key.zero_()
+            value.zero_()
+        _forward(runner, prompt, 0)
+        verified = _forward(runner, following, len(prompt), as_decodes=True)
+        return rows, step_cache, verified, cache()
 
     try:
-        op_rows, op_cache = decode(False)
-        rows, cache = decode(True)
+        op_rows, op_cache, op_verified, op_verified_cache = decode(False)
+        rows, step_cache, verified, verified_cache = decode(True)
     finally:
         cpu_kernels.decode_one_region(True)
-    for j, (a, b) in enumerate(zip(rows, op_rows, strict=True)):
-        assert torch.equal(a, b), j
-    for a, b in zip(cache, op_cache, strict=True):
+    for j in range(len(following)):
+        assert torch.equal(rows[j], op_rows[j]), j
+        assert torch.equal(verified[j], op_verified[j]), j
+        assert torch.equal(verified[j], rows[j]), j
+    for a, b, c, d in zip(step_cache, op_cache, verified_cache, op_verified_cache, strict=True):
         assert torch.equal(a, b)
+        assert torch.equal(c, d)
+        assert torch.equal(c, a)
 
 
-def _forward(runner: ModelRunner, tokens: list[int], start: int) -> torch.Tensor:
-    """One forward of one sequence's ``tokens`` from position ``start`` (blocks 0, 1, ...)."""
+def _forward(
+    runner: ModelRunner, tokens: list[int], start: int, as_decodes: bool = False
+) -> torch.Tensor:
+    """One forward of one sequence's ``tokens`` from position ``start`` (blocks 0, 1, ...);
+    with ``as_decodes`` its rows as a verification step's (each a decode row)."""
     table = np.arange(4, dtype=np.int32).reshape(1, -1)
     meta, _, _ = build_metadata(
         np.array([start], dtype=np.int64), np.array([len(tokens)], dtype=np.int64), table,
         runner.block_size, runner.device,
     )  # fmt: skip
+    if as_decodes:
+        meta = replace(meta, rows_as_decodes=True)
     hidden: torch.Tensor = runner.model(
         torch.tensor(tokens, dtype=torch.int64), runner.kv_caches, meta
     )

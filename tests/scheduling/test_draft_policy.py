@@ -279,3 +279,21 @@ def test_step_cost_ignores_a_burst_that_stretches_one_plain_step() -> None:
         cost.observe(8, 8, 2 * MEASURED_SECONDS[8])
     assert cost.seconds[(8, 8)] == 2 * MEASURED_SECONDS[8]
     assert cost.allowances(8, chat) == [4, 4] + [0] * 6  # drafts now pay, up to 16 rows
+
+
+def test_a_drafted_step_counts_the_overlap_it_gives_up() -> None:
+    """Eight streams, one request 35% accepted: four drafts add 5% to the step and pay on
+    compute alone. With async scheduling a drafted step plans no step ahead, and the
+    worker's measured wait after it (here 3 ms on a 20 ms step) counts into its cost: then
+    they do not pay, and the decision leaves them out. A one-off long wait (the lower
+    median) does not."""
+    cost = StepCost()
+    cost.observe(8, 8, 0.020)
+    cost.observe(8, 12, 0.021)
+    drafts = [(4, 0.35)] + [(0, 0.0)] * 7
+    assert cost.allowances(8, drafts) == [4] + [0] * 7  # (8 + 1.4) / 21 ms > 8 / 20 ms
+    cost.observe_overlap(0.050)  # one long wait: the median of one
+    for _ in range(4):
+        cost.observe_overlap(0.003)
+    assert cost.overlap == 0.003
+    assert cost.allowances(8, drafts) == [0] * 8  # (8 + 1.4) / 24 ms < 8 / 20 ms

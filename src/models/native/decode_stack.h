@@ -21,6 +21,8 @@
 #include "elementwise.h"
 #include "quantized_int8.h"
 #include "quantized_matmul.h"
+#include "quantized_share.h"
+
 namespace {
 
 // ------------------------------------------------------- a decode step's decoder stack
@@ -150,13 +152,19 @@ int project(const QuantProjection& w, const float* x, int64_t T, int64_t K, floa
 // 120 small matrices (a 576x576 Q4_1 matrix is 0.2 MB). Run as above, each kernel is its own
 // OpenMP region (about 240 forks and joins a step) and each matrix starts cold. Here the
 // whole stack is one region instead: each thread takes a fixed share of every projection's
-// four-row weight tiles (vnni_row_share: the tiles the one-row call runs, so each output is
+// four-row weight tiles (vnni_rows_share: the tiles the one-row call runs, so each output is
 // that call's, bit for bit), and the threads meet at a barrier between dependent ops. The
 // small ops between (norms, SiLU, the activations' quantization, the residual) each thread
 // does for itself, on its own copy: the same arithmetic in the same order as above. Attention
 // is shared by query heads (attend_heads_f32), and the new K/V rows by kv head. Before each
 // barrier a thread prefetches the opening rows of its share of the next matrix into L2,
 // where its tiles' own prefetch (prefetch_rows_ahead) does not reach.
+//
+// A verification step (T rows of one sequence: its last token, then its drafts) runs the
+// same region over its T rows: each thread's share of a matrix is the one-row step's, run
+// over every row while its weights are in cache, so the step streams the weights once, as a
+// plain step does. Row t attends to seq_lens[t] keys (its own position and before), and every
+// row's K/V is written before any row's attention reads; each row is the one-row step's.
 
 int one_region_choice = 1;  // decode_one_region: 0 pins the op-by-op path (tests compare)
 
@@ -167,34 +175,36 @@ int decode_one_region(int request) {
 
 #if defined(LEGATO_HAVE_X86)
 struct ShareKernels {  // per projection (qkv, o, gate_up, down), per part
-  VnniRowShare fn[4][kMaxParts];
+  VnniRowsShare fn[4][kMaxParts];
 };
 
 // The share kernels of one projection; false if a part's layout has none or the parts do
 // not add up to N columns.
-bool share_kernels(const QuantProjection& w, int64_t K, int64_t N, VnniRowShare (&fn)[kMaxParts]) {
+bool share_kernels(const QuantProjection& w, int64_t K, int64_t N, VnniRowsShare (&fn)[kMaxParts]) {
   int64_t rows = 0;
   if (K % 32 != 0 || w.num_parts < 1 || w.num_parts > kMaxParts) return false;
   for (int p = 0; p < w.num_parts; ++p) {
     const QuantPart& part = w.parts[p];
-    fn[p] = vnni_row_share_for(part.bits, part.group, part.offsets != nullptr);
+    fn[p] = vnni_rows_share_for(part.bits, part.group, part.offsets != nullptr);
     if (fn[p] == nullptr) return false;
     rows += part.rows;
   }
   return rows == N;
 }
 
-// This thread's share of y[N] = x[K] @ W^T over the projection's parts; `a` is the
-// thread's own activation codes (quantized again only where a part's layout reads others).
-void project_share(const QuantProjection& w, const VnniRowShare (&fn)[kMaxParts],
-                   const float* x, int64_t K, float* y, ActivationCodes& a, int part, int parts) {
+// This thread's share of y[T, N] = x[T, K] @ W^T over the projection's parts (y's rows N
+// apart); `a` is the thread's own activation codes (quantized again only where a part's
+// layout reads others).
+void project_share(const QuantProjection& w, const VnniRowsShare (&fn)[kMaxParts],
+                   const float* x, int64_t T, int64_t K, float* y, int64_t N, ActivationCodes& a,
+                   int part, int parts) {
   int64_t column = 0;
   for (int p = 0; p < w.num_parts; ++p) {
     const QuantPart& wp = w.parts[p];
     const bool nibbles = wp.bits != 8;  // vnni_nibble_order
     if (p == 0 || wp.group != w.parts[p - 1].group || nibbles != (w.parts[p - 1].bits != 8))
-      quantize_activations(x, K, 1, K, wp.group, a, nibbles);
-    fn[p](a, K, wp.codes, wp.rows, wp.scales, wp.offsets, y + column, part, parts);
+      quantize_activations(x, K, T, K, wp.group, a, nibbles);
+    fn[p](a, T, K, wp.codes, wp.rows, wp.scales, wp.offsets, y + column, N, part, parts);
     column += wp.rows;
   }
 }
@@ -217,21 +227,33 @@ void prefetch_share(const QuantProjection& w, int64_t K, int part, int parts) {
   }
 }
 
-// The stack for one row of one sequence (T == 1) in one region, as described above.
+// Where a one-sequence step's T rows read and write: row t's block-table row, length (keys
+// 0 .. seq_lens[t] - 1), K/V slot (< 0: none written) and position.
+struct SequenceRows {
+  int64_t T;
+  const int32_t* table;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  const int64_t* slots;
+  const int64_t* positions;
+};
+
+// The stack for the T rows of one sequence in one region, as described above.
 // `kernels` holds every layer's share kernels (checked by the caller).
 void one_sequence_region(const DecoderLayerWeights* layers, const ShareKernels* kernels,
                          int num_layers, float* hidden, float* residual, int H, int num_heads,
-                         int num_kv_heads, int head_dim, int intermediate,
-                         const int32_t* table, int block_size, int len, int64_t slot,
-                         const int64_t* position, const float* cos_sin, int64_t max_position,
+                         int num_kv_heads, int head_dim, int intermediate, int block_size,
+                         const SequenceRows& rows, const float* cos_sin, int64_t max_position,
                          float eps, float scale, int num_threads) {
+  const int64_t T = rows.T;
   const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
   const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
+  const int64_t gate_up_width = 2 * static_cast<int64_t>(intermediate);
   thread_local std::vector<float> qkv, attn, gate_up;  // the calling thread's, shared below
-  qkv.resize(qkv_width);
-  attn.resize(q_width);
-  gate_up.resize(2 * static_cast<int64_t>(intermediate));
+  qkv.resize(T * qkv_width);
+  attn.resize(T * q_width);
+  gate_up.resize(T * gate_up_width);
   float* const qkv_rows = qkv.data();
   float* const attn_rows = attn.data();
   float* const gate_up_rows = gate_up.data();
@@ -240,64 +262,73 @@ void one_sequence_region(const DecoderLayerWeights* layers, const ShareKernels* 
     const int part = omp_get_thread_num(), parts = omp_get_num_threads();
     thread_local ActivationCodes codes;
     thread_local std::vector<float> res, normed, act;  // this thread's own copies
-    res.assign(hidden, hidden + H);  // layer 0: the residual is the input
-    normed.resize(H);
-    act.resize(intermediate);
+    res.assign(hidden, hidden + T * H);  // layer 0: the residual is the input
+    normed.resize(T * H);
+    act.resize(T * intermediate);
     const int h0 = num_heads * part / parts, h1 = num_heads * (part + 1) / parts;
     const int k0 = num_kv_heads * part / parts, k1 = num_kv_heads * (part + 1) / parts;
-    rms_norm<float>(hidden, H, nullptr, layers[0].input_norm, normed.data(), 1, H, eps, 1);
+    rms_norm<float>(hidden, H, nullptr, layers[0].input_norm, normed.data(), T, H, eps, 1);
     for (int l = 0; l < num_layers; ++l) {
       const DecoderLayerWeights& layer = layers[l];
       const ShareKernels& fns = kernels[l];
       if (l > 0)  // residual += hidden; normed = norm(residual)
-        rms_norm<float>(hidden, H, res.data(), layer.input_norm, normed.data(), 1, H, eps, 1);
-      project_share(layer.qkv, fns.fn[0], normed.data(), H, qkv_rows, codes, part, parts);
+        rms_norm<float>(hidden, H, res.data(), layer.input_norm, normed.data(), T, H, eps, 1);
+      project_share(layer.qkv, fns.fn[0], normed.data(), T, H, qkv_rows, qkv_width, codes, part,
+                    parts);
       prefetch_share(layer.o, q_width, part, parts);
 #pragma omp barrier
       // rotary on this thread's query heads and kv heads, then its kv heads' new rows
-      rotary_neox<float>(qkv_rows + h0 * head_dim, qkv_width, head_dim, 1, h1 - h0, head_dim,
-                         position, cos_sin, max_position, 1);
-      rotary_neox<float>(qkv_rows + q_width + k0 * head_dim, qkv_width, head_dim, 1, k1 - k0,
-                         head_dim, position, cos_sin, max_position, 1);
-      if (slot >= 0)
+      rotary_neox<float>(qkv_rows + h0 * head_dim, qkv_width, head_dim, T, h1 - h0, head_dim,
+                         rows.positions, cos_sin, max_position, 1);
+      rotary_neox<float>(qkv_rows + q_width + k0 * head_dim, qkv_width, head_dim, T, k1 - k0,
+                         head_dim, rows.positions, cos_sin, max_position, 1);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = rows.slots[t];
+        if (slot < 0) continue;
+        const float* new_rows = qkv_rows + t * qkv_width + q_width;
         for (int k = k0; k < k1; ++k) {
           std::memcpy(layer.key_cache + slot * kv_width + k * head_dim,
-                      qkv_rows + q_width + k * head_dim, sizeof(float) * head_dim);
+                      new_rows + k * head_dim, sizeof(float) * head_dim);
           std::memcpy(layer.value_cache + slot * kv_width + k * head_dim,
-                      qkv_rows + q_width + kv_width + k * head_dim, sizeof(float) * head_dim);
+                      new_rows + kv_width + k * head_dim, sizeof(float) * head_dim);
         }
+      }
 #pragma omp barrier
-      attend_heads_f32(qkv_rows, layer.key_cache, layer.value_cache, table, len, h0, h1,
-                       num_heads, num_kv_heads, head_dim, block_size, scale, attn_rows);
+      for (int64_t t = 0; t < T; ++t)
+        attend_heads_f32(qkv_rows + t * qkv_width, layer.key_cache, layer.value_cache,
+                         rows.table + t * rows.table_stride, rows.seq_lens[t], h0, h1,
+                         num_heads, num_kv_heads, head_dim, block_size, scale,
+                         attn_rows + t * q_width);
 #pragma omp barrier
-      project_share(layer.o, fns.fn[1], attn_rows, q_width, hidden, codes, part, parts);
+      project_share(layer.o, fns.fn[1], attn_rows, T, q_width, hidden, H, codes, part, parts);
       prefetch_share(layer.gate_up, H, part, parts);
 #pragma omp barrier
-      rms_norm<float>(hidden, H, res.data(), layer.post_norm, normed.data(), 1, H, eps, 1);
-      project_share(layer.gate_up, fns.fn[2], normed.data(), H, gate_up_rows, codes, part, parts);
+      rms_norm<float>(hidden, H, res.data(), layer.post_norm, normed.data(), T, H, eps, 1);
+      project_share(layer.gate_up, fns.fn[2], normed.data(), T, H, gate_up_rows, gate_up_width,
+                    codes, part, parts);
       prefetch_share(layer.down, intermediate, part, parts);
 #pragma omp barrier
-      silu_and_mul<float>(gate_up_rows, 2 * intermediate, act.data(), 1, intermediate, 1);
-      project_share(layer.down, fns.fn[3], act.data(), intermediate, hidden, codes, part, parts);
+      silu_and_mul<float>(gate_up_rows, gate_up_width, act.data(), T, intermediate, 1);
+      project_share(layer.down, fns.fn[3], act.data(), T, intermediate, hidden, H, codes, part,
+                    parts);
       if (l + 1 < num_layers) prefetch_share(layers[l + 1].qkv, H, part, parts);
 #pragma omp barrier
     }
-    if (part == 0) std::memcpy(residual, res.data(), sizeof(float) * H);
+    if (part == 0) std::memcpy(residual, res.data(), sizeof(float) * T * H);
   }
 }
 
-// Whether the step takes one_sequence_region (and, if so, runs it): one row of one
+// Whether the step takes one_sequence_region (and, if so, runs it): T >= 1 rows of one
 // sequence on the VNNI integer path, fp32 attention's vector form, every projection's
 // layouts held. Returns 1 if taken, 0 if not (the caller runs the op-by-op path), or the
 // op-by-op path's error code for arguments it would refuse (checked before any write).
 int try_one_sequence(const DecoderLayerWeights* layers, int num_layers, float* hidden,
-                     float* residual, int64_t T, int H, int num_heads, int num_kv_heads,
-                     int head_dim, int intermediate, const int32_t* block_table,
-                     int64_t table_cols, int64_t num_blocks, int block_size,
-                     const int32_t* seq_lens, const int64_t* slots, const int64_t* positions,
-                     const float* cos_sin, int64_t max_position, float eps, float scale,
-                     RowMode mode, int num_threads) {
-  if (one_region_choice == 0 || T != 1 || mode != RowMode::kInteger ||
+                     float* residual, int H, int num_heads, int num_kv_heads, int head_dim,
+                     int intermediate, int64_t table_cols, int64_t num_blocks, int block_size,
+                     const SequenceRows& rows, const float* cos_sin, int64_t max_position,
+                     float eps, float scale, RowMode mode, int num_threads) {
+  const int64_t T = rows.T;
+  if (one_region_choice == 0 || T < 1 || mode != RowMode::kInteger ||
       quantized_isa(-1) != kAvx512Vnni || head_dim % 16 != 0 || num_kv_heads <= 0 ||
       num_heads % num_kv_heads != 0 || block_size <= 0 || num_layers < 1)
     return 0;
@@ -307,7 +338,7 @@ int try_one_sequence(const DecoderLayerWeights* layers, int num_layers, float* h
   kernels.resize(num_layers);
   for (int l = 0; l < num_layers; ++l) {
     const DecoderLayerWeights& w = layers[l];
-    VnniRowShare(&fn)[4][kMaxParts] = kernels[l].fn;
+    VnniRowsShare(&fn)[4][kMaxParts] = kernels[l].fn;
     if (!(share_kernels(w.qkv, H, q_width + 2 * kv_width, fn[0]) &&
           share_kernels(w.o, q_width, H, fn[1]) &&
           share_kernels(w.gate_up, H, 2 * static_cast<int64_t>(intermediate), fn[2]) &&
@@ -315,16 +346,20 @@ int try_one_sequence(const DecoderLayerWeights* layers, int num_layers, float* h
       return 0;
   }
   // what the op-by-op kernels check (rotary, write_kv, decode_attention), in their order
-  if (positions[0] < 0 || positions[0] >= max_position) return -2;
-  if (slots[0] >= num_blocks * block_size) return -2;
-  const int64_t len = seq_lens[0];
-  if (len < 1 || (len + block_size - 1) / block_size > table_cols) return -2;
-  for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
-    if (block_table[b] < 0 || block_table[b] >= num_blocks) return -3;
+  for (int64_t t = 0; t < T; ++t)
+    if (rows.positions[t] < 0 || rows.positions[t] >= max_position) return -2;
+  for (int64_t t = 0; t < T; ++t)
+    if (rows.slots[t] >= num_blocks * block_size) return -2;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t len = rows.seq_lens[t];
+    if (len < 1 || (len + block_size - 1) / block_size > table_cols) return -2;
+    const int32_t* table = rows.table + t * rows.table_stride;
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      if (table[b] < 0 || table[b] >= num_blocks) return -3;
+  }
   one_sequence_region(layers, kernels.data(), num_layers, hidden, residual, H, num_heads,
-                      num_kv_heads, head_dim, intermediate, block_table, block_size,
-                      static_cast<int>(len), slots[0], positions, cos_sin, max_position, eps,
-                      scale, num_threads);
+                      num_kv_heads, head_dim, intermediate, block_size, rows, cos_sin,
+                      max_position, eps, scale, num_threads);
   return 1;
 }
 #endif
@@ -343,10 +378,11 @@ int decode_layers(const DecoderLayerWeights* layers, int num_layers, float* hidd
   const RowMode mode = row_mode(sequences, int8_max_rows);
 #if defined(LEGATO_HAVE_X86)
   if (sequences == 1) {
-    const int taken = try_one_sequence(
-        layers, num_layers, hidden, residual, T, H, num_heads, num_kv_heads, head_dim,
-        intermediate, block_table, table_cols, num_blocks, block_size, seq_lens, slots,
-        positions, cos_sin, max_position, eps, scale, mode, num_threads);
+    const SequenceRows rows{T, block_table, table_stride, seq_lens, slots, positions};
+    const int taken = try_one_sequence(layers, num_layers, hidden, residual, H, num_heads,
+                                       num_kv_heads, head_dim, intermediate, table_cols,
+                                       num_blocks, block_size, rows, cos_sin, max_position, eps,
+                                       scale, mode, num_threads);
     if (taken != 0) return taken == 1 ? 0 : taken;
   }
 #endif

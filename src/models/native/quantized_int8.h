@@ -465,7 +465,8 @@ void vnni_tile(const ActivationCodes& a, int64_t m0, int64_t mr, int64_t K, cons
 // parts .. (part + 1) * n / parts of the n = ceil(N / 4) four-row tiles that
 // quantized_matmul_int8 runs for one input row, so each output is that call's, bit for bit
 // (a's digits in the layout's order: vnni_nibble_order). For the decode stack's one
-// parallel region, where each thread runs its share of every projection.
+// parallel region, where each thread runs its share of every projection (T rows of one
+// sequence: vnni_rows_share in quantized_share.h).
 template <int BITS, int G, bool HAS_MIN>
 void vnni_row_share(const ActivationCodes& a, int64_t K, const uint8_t* q, int64_t N,
                     const float* scales, const float* mins, float* y, int part, int parts) {
@@ -473,17 +474,6 @@ void vnni_row_share(const ActivationCodes& a, int64_t K, const uint8_t* q, int64
   for (int64_t t = n_tiles * part / parts; t < n_tiles * (part + 1) / parts; ++t)
     vnni_tile<BITS, G, HAS_MIN, 4, 1>(a, 0, 1, K, q, q_stride, scales, mins, t * 4,
                                       std::min<int64_t>(4, N - t * 4), N, y, N);
-}
-
-using VnniRowShare = void (*)(const ActivationCodes&, int64_t, const uint8_t*, int64_t,
-                              const float*, const float*, float*, int, int);
-
-// The share kernel of a layout, or null for one the kernels do not hold.
-VnniRowShare vnni_row_share_for(int bits, int group, bool has_min) {
-  return with_layout(bits, group, has_min, VnniRowShare{nullptr}, [](auto layout) {
-    using L = decltype(layout);
-    return VnniRowShare{&vnni_row_share<L::bits, L::group, L::has_min>};
-  });
 }
 
 LEGATO_AVX2 inline float hsum256(__m256 v) {
