@@ -215,7 +215,37 @@ struct ScoresBf16Dot {  // s[h * len + t] = qb[h] . k_t
 // tokens t and t + 1 interleaved (unpacklo / unpackhi of 16-bit words) meet the pair
 // (p_t, p_t+1). The accumulators hold each 32-wide slice of a head permuted: dims 8k..8k+3
 // in lanes 4k.. of the low half, dims 8k+4..8k+7 in the high half (unpermute_bf16_dot).
-// An odd count pairs its last token with a probability of 0 (the padding of pb).
+// An odd count pairs its last token with a probability of 0 (the padding of pb). Up to 4
+// slices of a head at once (8 accumulator chains: vdpbf16ps at its throughput, not its
+// latency; one slice at a time measured slower).
+template <int W>
+LEGATO_BF16_DOT inline void values_bf16_slices(const bf16* ph, const bf16* const (&rows)[16],
+                                               int n, int64_t offset, float* out) {
+  __m512 lo[W], hi[W];
+#pragma GCC unroll 4
+  for (int i = 0; i < W; ++i) {
+    lo[i] = _mm512_loadu_ps(out + i * 32);
+    hi[i] = _mm512_loadu_ps(out + i * 32 + 16);
+  }
+  for (int t = 0; t < n; t += 2) {
+    uint32_t pair;
+    std::memcpy(&pair, ph + t, sizeof(pair));
+    const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+#pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) {
+      const __m512i a = _mm512_loadu_si512(rows[t] + offset + i * 32);
+      const __m512i b = _mm512_loadu_si512(rows[t + 1] + offset + i * 32);
+      lo[i] = _mm512_dpbf16_ps(lo[i], w, reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b)));
+      hi[i] = _mm512_dpbf16_ps(hi[i], w, reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b)));
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < W; ++i) {
+    _mm512_storeu_ps(out + i * 32, lo[i]);
+    _mm512_storeu_ps(out + i * 32 + 16, hi[i]);
+  }
+}
+
 struct ValuesBf16Dot {
   const bf16* pb;
   int group, head_dim, padded;
@@ -223,20 +253,15 @@ struct ValuesBf16Dot {
   LEGATO_BF16_DOT void operator()(const bf16* const (&rows)[16], int first, int n, int h) const {
     const int64_t head = (h / group) * head_dim;
     const bf16* ph = pb + static_cast<int64_t>(h) * padded + first;
-    for (int c = 0; c < head_dim; c += 32) {
-      float* out = acc + h * head_dim + c;
-      __m512 lo = _mm512_loadu_ps(out), hi = _mm512_loadu_ps(out + 16);
-      for (int t = 0; t < n; t += 2) {
-        const __m512i a = _mm512_loadu_si512(rows[t] + head + c);
-        const __m512i b = _mm512_loadu_si512(rows[t + 1] + head + c);
-        uint32_t pair;
-        std::memcpy(&pair, ph + t, sizeof(pair));
-        const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-        lo = _mm512_dpbf16_ps(lo, w, reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b)));
-        hi = _mm512_dpbf16_ps(hi, w, reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b)));
-      }
-      _mm512_storeu_ps(out, lo);
-      _mm512_storeu_ps(out + 16, hi);
+    float* out = acc + h * head_dim;
+    const int slices = head_dim / 32;
+    int c = 0;
+    for (; c + 4 <= slices; c += 4) values_bf16_slices<4>(ph, rows, n, head + c * 32, out + c * 32);
+    switch (slices - c) {
+      case 3: values_bf16_slices<3>(ph, rows, n, head + c * 32, out + c * 32); break;
+      case 2: values_bf16_slices<2>(ph, rows, n, head + c * 32, out + c * 32); break;
+      case 1: values_bf16_slices<1>(ph, rows, n, head + c * 32, out + c * 32); break;
+      default: break;
     }
   }
 };
