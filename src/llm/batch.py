@@ -40,6 +40,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        # Offline, no first token is waited for: the step budget is chosen for throughput
+        # (EngineConfig.budget_for) unless the caller says otherwise.
+        engine_args = {"budget_for": "throughput", **engine_args}
         runner = EngineThread(model, engine_args, name="legato-llm")
         runner.start()
         # The async engine this LLM drives; it lives in the engine's thread.

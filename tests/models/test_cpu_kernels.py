@@ -53,7 +53,16 @@ def bf16_dot(request: pytest.FixtureRequest) -> Iterator[bool]:
 )
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block"),
-    [(4, 2, 16, 4), (6, 6, 64, 16), (8, 2, 128, 32), (4, 4, 24, 16), (8, 4, 64, 16)],
+    [
+        (4, 2, 16, 4),
+        (6, 6, 64, 16),
+        (8, 2, 128, 32),
+        (4, 4, 24, 16),
+        (8, 4, 64, 16),
+        (9, 3, 64, 16),
+        (6, 2, 48, 16),
+        (4, 2, 32, 32),
+    ],
 )
 def test_decode_attention_matches_reference(
     dtype: torch.dtype, bf16_dot: bool, heads: int, kv_heads: int, head_dim: int, block: int
@@ -61,7 +70,8 @@ def test_decode_attention_matches_reference(
     """Blocks shuffled over the pool, junk past each table's used entries, lengths that end
     mid-block and one that is a single token. The kernel reads 16 tokens at a time (a block
     of 4 spans four blocks, one of 32 two chunks); a head_dim that is not a multiple of 16
-    (24) takes its scalar loops. bf16 runs both ways: widened to fp32, and on vdpbf16ps
+    (24) takes its scalar loops; 48 and 32 leave 3 and 2 of the value pass's 16-wide slices
+    after its groups of 4 (128: two groups); 9:3 is the default model's GQA. bf16 runs both ways: widened to fp32, and on vdpbf16ps
     (head_dim a multiple of 32; q and the probabilities rounded to bf16 as the reference
     rounds them); both within the bf16 tolerance of the plain-torch reference."""
     lens = [1, block, 3 * block + 1, 5 * block - 1]

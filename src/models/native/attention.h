@@ -25,6 +25,13 @@ namespace {
 template <typename T>
 inline void token_rows(const T* cache, const int32_t* table, int first, int len, int block_size,
                        int64_t token_stride, int64_t block_stride, const T* (&rows)[16]) {
+  if (block_size % 16 == 0 && first % 16 == 0) {  // one block holds them: no divisions
+    const int last = std::min(15, len - 1 - first);
+    const T* row = cache + table[first / block_size] * block_stride +
+                   (first % block_size) * token_stride;
+    for (int t = 0; t < 16; ++t) rows[t] = row + std::min(t, last) * token_stride;
+    return;
+  }
   for (int t = 0; t < 16; ++t) {
     const int token = std::min(first + t, len - 1);
     rows[t] = cache + table[token / block_size] * block_stride + (token % block_size) * token_stride;
@@ -111,31 +118,62 @@ void seq_scores(const float* q, const T* key_cache, const T* value_cache, const 
   });
 }
 
+// W consecutive 16-wide slices of one head's acc (out) += sum over the n tokens of
+// ph[t] * rows[t][slice]: 2 W accumulator chains (even and odd tokens), so the FMAs run
+// at their throughput, not their latency (one chain per slice measured 2x slower).
+template <int W, typename T>
+inline void weighted_slices(const float* ph, const T* const (&rows)[16], int n, int64_t offset,
+                            float* out) {
+  attn_f32x16 even[W], odd[W];
+#pragma GCC unroll 8
+  for (int i = 0; i < W; ++i) {
+    even[i] = attn_load(out + i * 16);
+    odd[i] = attn_f32x16{};
+  }
+  int t = 0;
+  for (; t + 2 <= n; t += 2) {
+    const attn_f32x16 pe = attn_f32x16{} + ph[t], po = attn_f32x16{} + ph[t + 1];
+#pragma GCC unroll 8
+    for (int i = 0; i < W; ++i) {
+      even[i] = attn_fma(pe, attn_load(rows[t] + offset + i * 16), even[i]);
+      odd[i] = attn_fma(po, attn_load(rows[t + 1] + offset + i * 16), odd[i]);
+    }
+  }
+  if (t < n) {
+    const attn_f32x16 pe = attn_f32x16{} + ph[t];
+#pragma GCC unroll 8
+    for (int i = 0; i < W; ++i) even[i] = attn_fma(pe, attn_load(rows[t] + offset + i * 16), even[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < W; ++i) {
+    const attn_f32x16 sum = even[i] + odd[i];
+    std::memcpy(out + i * 16, &sum, sizeof(sum));
+  }
+}
+
 // acc[h] (head_dim floats each) = sum over t of p[h * len + t] * v_t, head_dim a multiple of
 // 16, for the query heads from first_head (as seq_scores); the tokens walked as in seq_scores.
+// Per chunk and query head, up to 4 slices of the head at once (weighted_slices).
 template <typename T>
 void seq_weighted_values(const float* p, const T* value_cache, const int32_t* table, int len,
                          int num_heads, int group, int head_dim, int block_size,
                          int64_t token_stride, int64_t block_stride, float* acc,
                          int first_head = 0) {
-  const int chunks = head_dim / 16;
+  const int slices = head_dim / 16;
   std::fill(acc, acc + static_cast<int64_t>(num_heads) * head_dim, 0.f);
   for_token_chunks(value_cache, static_cast<const T*>(nullptr), true, table, len, num_heads,
                    block_size, token_stride, block_stride,
                    [&](const T* const (&rows)[16], int first, int n, int h) {
     const int64_t head = ((first_head + h) / group) * head_dim;
     const float* ph = p + static_cast<int64_t>(h) * len + first;
-    for (int c = 0; c < chunks; ++c) {
-      float* out = acc + h * head_dim + c * 16;
-      attn_f32x16 even = attn_load(out), odd = attn_f32x16{};
-      int t = 0;
-      for (; t + 2 <= n; t += 2) {  // two chains: the FMA latency, not its throughput
-        even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
-        odd = attn_fma(attn_f32x16{} + ph[t + 1], attn_load(rows[t + 1] + head + c * 16), odd);
-      }
-      if (t < n) even = attn_fma(attn_f32x16{} + ph[t], attn_load(rows[t] + head + c * 16), even);
-      even += odd;
-      std::memcpy(out, &even, sizeof(even));
+    float* out = acc + static_cast<int64_t>(h) * head_dim;
+    int c = 0;
+    for (; c + 4 <= slices; c += 4) weighted_slices<4>(ph, rows, n, head + c * 16, out + c * 16);
+    switch (slices - c) {
+      case 3: weighted_slices<3>(ph, rows, n, head + c * 16, out + c * 16); break;
+      case 2: weighted_slices<2>(ph, rows, n, head + c * 16, out + c * 16); break;
+      case 1: weighted_slices<1>(ph, rows, n, head + c * 16, out + c * 16); break;
+      default: break;
     }
   });
 }
@@ -177,7 +215,37 @@ struct ScoresBf16Dot {  // s[h * len + t] = qb[h] . k_t
 // tokens t and t + 1 interleaved (unpacklo / unpackhi of 16-bit words) meet the pair
 // (p_t, p_t+1). The accumulators hold each 32-wide slice of a head permuted: dims 8k..8k+3
 // in lanes 4k.. of the low half, dims 8k+4..8k+7 in the high half (unpermute_bf16_dot).
-// An odd count pairs its last token with a probability of 0 (the padding of pb).
+// An odd count pairs its last token with a probability of 0 (the padding of pb). Up to 4
+// slices of a head at once (8 accumulator chains: vdpbf16ps at its throughput, not its
+// latency; one slice at a time measured slower).
+template <int W>
+LEGATO_BF16_DOT inline void values_bf16_slices(const bf16* ph, const bf16* const (&rows)[16],
+                                               int n, int64_t offset, float* out) {
+  __m512 lo[W], hi[W];
+#pragma GCC unroll 4
+  for (int i = 0; i < W; ++i) {
+    lo[i] = _mm512_loadu_ps(out + i * 32);
+    hi[i] = _mm512_loadu_ps(out + i * 32 + 16);
+  }
+  for (int t = 0; t < n; t += 2) {
+    uint32_t pair;
+    std::memcpy(&pair, ph + t, sizeof(pair));
+    const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+#pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) {
+      const __m512i a = _mm512_loadu_si512(rows[t] + offset + i * 32);
+      const __m512i b = _mm512_loadu_si512(rows[t + 1] + offset + i * 32);
+      lo[i] = _mm512_dpbf16_ps(lo[i], w, reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b)));
+      hi[i] = _mm512_dpbf16_ps(hi[i], w, reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b)));
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < W; ++i) {
+    _mm512_storeu_ps(out + i * 32, lo[i]);
+    _mm512_storeu_ps(out + i * 32 + 16, hi[i]);
+  }
+}
+
 struct ValuesBf16Dot {
   const bf16* pb;
   int group, head_dim, padded;
@@ -185,20 +253,15 @@ struct ValuesBf16Dot {
   LEGATO_BF16_DOT void operator()(const bf16* const (&rows)[16], int first, int n, int h) const {
     const int64_t head = (h / group) * head_dim;
     const bf16* ph = pb + static_cast<int64_t>(h) * padded + first;
-    for (int c = 0; c < head_dim; c += 32) {
-      float* out = acc + h * head_dim + c;
-      __m512 lo = _mm512_loadu_ps(out), hi = _mm512_loadu_ps(out + 16);
-      for (int t = 0; t < n; t += 2) {
-        const __m512i a = _mm512_loadu_si512(rows[t] + head + c);
-        const __m512i b = _mm512_loadu_si512(rows[t + 1] + head + c);
-        uint32_t pair;
-        std::memcpy(&pair, ph + t, sizeof(pair));
-        const __m512bh w = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-        lo = _mm512_dpbf16_ps(lo, w, reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(a, b)));
-        hi = _mm512_dpbf16_ps(hi, w, reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(a, b)));
-      }
-      _mm512_storeu_ps(out, lo);
-      _mm512_storeu_ps(out + 16, hi);
+    float* out = acc + h * head_dim;
+    const int slices = head_dim / 32;
+    int c = 0;
+    for (; c + 4 <= slices; c += 4) values_bf16_slices<4>(ph, rows, n, head + c * 32, out + c * 32);
+    switch (slices - c) {
+      case 3: values_bf16_slices<3>(ph, rows, n, head + c * 32, out + c * 32); break;
+      case 2: values_bf16_slices<2>(ph, rows, n, head + c * 32, out + c * 32); break;
+      case 1: values_bf16_slices<1>(ph, rows, n, head + c * 32, out + c * 32); break;
+      default: break;
     }
   }
 };
