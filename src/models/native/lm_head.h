@@ -56,7 +56,7 @@ inline ArgmaxShare argmax_share(const float* x, int64_t n0, int64_t n1) {
 int greedy_head_vnni(const float* hidden, float* residual, const float* norm_weight,
                      float* normed, const QuantProjection& head, int64_t H, int64_t N, float eps,
                      float* logits, int64_t* token, int num_threads) {
-  VnniRowShare fn[kMaxParts];
+  VnniRowsShare fn[kMaxParts];
   if (quantized_isa(-1) != kAvx512Vnni || !share_kernels(head, H, N, fn)) return 0;
   std::vector<ArgmaxShare> shares(std::max(num_threads, 1));
   int team = 1;
@@ -68,7 +68,7 @@ int greedy_head_vnni(const float* hidden, float* residual, const float* norm_wei
     res.assign(residual, residual + H);
     row.resize(H);
     rms_norm<float>(hidden, H, res.data(), norm_weight, row.data(), 1, H, eps, 1);
-    project_share(head, fn, row.data(), H, logits, codes, part, parts);
+    project_share(head, fn, row.data(), 1, H, logits, N, codes, part, parts);
 #pragma omp barrier
     if (part == 0) {  // after the barrier: every thread has read the residual
       team = parts;
