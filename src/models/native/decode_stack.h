@@ -76,53 +76,6 @@ RowMode row_mode(int64_t sequences, int int8_max_rows) {
   return sequences == 1 ? RowMode::kFp32RowByRow : RowMode::kFp32Tile;
 }
 
-// The integer path for the few rows of a verification step (1 < T <= 3 * kMaxTileRows):
-// quantized_matmul_int8 pads the last input tile to its MR rows (5 rows cost 6), so here each
-// weight tile runs input tiles of 3 rows and then one of exactly the rows left (1 or 2). The
-// VNNI tile's arithmetic for a (weight row, input row) pair does not depend on MR, so every
-// row's result is the one-row call's, bit for bit. Other ISAs take quantized_matmul_int8.
-template <int BITS, int G, bool HAS_MIN>
-int verify_rows_int8(const float* x, int64_t T, int64_t K, const QuantPart& part, float* y,
-                     int64_t ldy, int num_threads) {
-#if defined(LEGATO_HAVE_X86)
-  if (quantized_isa(-1) == kAvx512Vnni) {
-    thread_local ActivationCodes scratch;
-    const ActivationCodes& a = scratch;  // the calling thread's, shared by the team below
-    quantize_activations(x, K, T, K, G, scratch, vnni_nibble_order<BITS>());
-    constexpr int NR = 2, MR = 3;
-    const int64_t N = part.rows, q_stride = K * BITS / 8, n_tiles = (N + NR - 1) / NR;
-    const int64_t full = T / MR * MR, rest = T - full;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < n_tiles; ++t) {
-      const int64_t n0 = t * NR, nr = std::min<int64_t>(NR, N - n0);
-      for (int64_t m0 = 0; m0 < full; m0 += MR)
-        vnni_tile<BITS, G, HAS_MIN, NR, MR>(a, m0, MR, K, part.codes, q_stride, part.scales,
-                                            part.offsets, n0, nr, N, y, ldy);
-      if (rest == 2)
-        vnni_tile<BITS, G, HAS_MIN, NR, 2>(a, full, 2, K, part.codes, q_stride, part.scales,
-                                           part.offsets, n0, nr, N, y, ldy);
-      else if (rest == 1)
-        vnni_tile<BITS, G, HAS_MIN, NR, 1>(a, full, 1, K, part.codes, q_stride, part.scales,
-                                           part.offsets, n0, nr, N, y, ldy);
-    }
-    return 0;
-  }
-#endif
-  return quantized_matmul_int8(x, K, T, K, part.codes, part.bits, part.group, part.rows,
-                               part.scales, part.offsets, y, ldy, num_threads);
-}
-
-int project_int8(const QuantPart& part, const float* x, int64_t T, int64_t K, float* y,
-                 int64_t ldy, int num_threads) {
-  if (T == 1 || K % 32 != 0 || T % 3 == 0)  // nothing padded: the general call
-    return quantized_matmul_int8(x, K, T, K, part.codes, part.bits, part.group, part.rows,
-                                 part.scales, part.offsets, y, ldy, num_threads);
-  return with_layout(part.bits, part.group, part.offsets != nullptr, -2, [&](auto layout) {
-    using L = decltype(layout);
-    return verify_rows_int8<L::bits, L::group, L::has_min>(x, T, K, part, y, ldy, num_threads);
-  });
-}
-
 // y[T, N] = x[T, K] @ W^T over the projection's row blocks (each writes its columns).
 int project(const QuantProjection& w, const float* x, int64_t T, int64_t K, float* y, int64_t N,
             RowMode mode, int num_threads) {
@@ -131,7 +84,8 @@ int project(const QuantProjection& w, const float* x, int64_t T, int64_t K, floa
     const QuantPart& part = w.parts[p];
     int code = 0;
     if (mode == RowMode::kInteger) {
-      code = project_int8(part, x, T, K, y + column, N, num_threads);
+      code = quantized_matmul_int8(x, K, T, K, part.codes, part.bits, part.group, part.rows,
+                                   part.scales, part.offsets, y + column, N, num_threads);
     } else if (mode == RowMode::kFp32Tile || T == 1) {
       code = quantized_matmul(x, K, T, K, part.codes, part.bits, part.group, part.rows,
                               part.scales, part.offsets, y + column, N, num_threads);

@@ -604,8 +604,29 @@ int qmatmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_
       };
       over_tiles<decltype(tile), NR, MR>(tile, M, N, num_threads);
     };
-    if (M == 1) call(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
-    else call(std::integral_constant<int, 2>{}, std::integral_constant<int, 3>{});
+    if (M == 1) {
+      call(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
+      return 0;
+    }
+    // Weight tiles of 2 rows over input tiles of 3, the last input tile exactly the rows
+    // left (1 or 2): a tile of MR rows computes all MR, so a padded tail would cost a whole
+    // row of work (5 rows cost 6). A (weight row, input row) pair's arithmetic does not
+    // depend on MR, so every row is the one-row call's, bit for bit, whatever M is.
+    constexpr int NR = 2, MR = 3;
+    const int64_t n_tiles = (N + NR - 1) / NR, full = M / MR * MR, rest = M - full;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < n_tiles; ++t) {
+      const int64_t n0 = t * NR, nr = std::min<int64_t>(NR, N - n0);
+      for (int64_t m0 = 0; m0 < full; m0 += MR)
+        vnni_tile<BITS, G, HAS_MIN, NR, MR>(a, m0, MR, K, q, q_stride, scales, mins, n0, nr, N,
+                                            y, ldy);
+      if (rest == 2)
+        vnni_tile<BITS, G, HAS_MIN, NR, 2>(a, full, 2, K, q, q_stride, scales, mins, n0, nr, N,
+                                           y, ldy);
+      else if (rest == 1)
+        vnni_tile<BITS, G, HAS_MIN, NR, 1>(a, full, 1, K, q, q_stride, scales, mins, n0, nr, N,
+                                           y, ldy);
+    }
     return 0;
   }
   if (isa == kAvx2) {

@@ -18,8 +18,8 @@ namespace {
 // vnni_nibble_order). The thread takes the same weight rows as vnni_row_share (four-row tiles
 // part * n / parts .. (part + 1) * n / parts of the n = ceil(N / 4)), so a T-row step streams
 // each thread's share of every matrix exactly as a one-row step does. With T == 1 it is
-// vnni_row_share. With T > 1 each two weight rows run input tiles of 3 rows and then one of
-// exactly the rows left (1 or 2), as verify_rows_int8 runs them: the VNNI tile's arithmetic
+// vnni_row_share. With T > 1 each two weight rows run input tiles of kShareRows rows and then
+// one of exactly the rows left (1 to 4), never a padded one: the VNNI tile's arithmetic
 // for a (weight row, input row) pair does not depend on its NR or MR (each pair has its own
 // accumulator chain, and a row's lanes are summed four rows at a time whatever NR), so every
 // row's output is the one-row call's, bit for bit. The two weight rows are read from memory
