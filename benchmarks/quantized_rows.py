@@ -1,4 +1,4 @@
-"""Speed of the fp32-activation quantized matmul at a few rows (a 2..16-stream decode step).
+"""Speed of the quantized matmul at a few rows (a 2..16-stream decode step, a verification).
 
 Holds ``--layers`` (default 30) layers of SmolLM2-135M's projection shapes (qkv 960x576, o
 576x576, gate_up 3072x576, down 576x1536) of each GGUF type named, random blocks repacked
@@ -7,7 +7,9 @@ times one pass of fp32-tile matmuls (``int8_activations=False``) over all of the
 ``--rows`` (median of ``--reps``): ms a pass and GFLOP/s (2 * rows * weights a pass). At
 these row counts the pass is bound by fp32 arithmetic, not by the weight's bytes, so
 GFLOP/s against the cores' fp32 FMA peak says how much of the work is the matmul itself.
-Prints a table; never asserted.
+``--int8`` times the int8-activation path instead (``--layers 0 --head Q8_0 --rows 1 4 5
+6``: the default model's LM head at a verification step's rows). Prints a table; never
+asserted.
 
     flock -x /tmp/legato-cpu.lock python benchmarks/quantized_rows.py Q4_1 Q8_0 Q5_0 --rows 8 16
 """
@@ -33,6 +35,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--head", choices=sorted(BLOCK_SHAPES), default=None)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--int8", action="store_true", help="int8 activations")
     args = parser.parse_args()
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
     print(f"{'type':>6} {'rows':>4} {'ms/pass':>8} {'GFLOP/s':>8}")
@@ -54,8 +57,9 @@ def main() -> None:
             ) -> None:
                 for w, out in zip(weights, outs):
                     cpu_kernels.quantized_matmul(
-                        inputs[w.in_features], w.codes, w.scales, w.offsets, w.bits, w.group, out
-                    )
+                        inputs[w.in_features], w.codes, w.scales, w.offsets, w.bits, w.group,
+                        out, int8_activations=args.int8,
+                    )  # fmt: skip
 
             seconds = median_seconds(one_pass, args.reps)
             flops = 2 * rows * count / seconds / 1e9
