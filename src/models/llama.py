@@ -170,13 +170,11 @@ class LlamaForCausalLM(nn.Module):
 
         Writes each layer's new K/V into ``kv_caches`` at ``meta.slot_mapping``.
         """
-        cos_sin_cache, meta = self.rotary.for_step(meta)
-        decodes = meta.num_decodes == input_ids.shape[0] or meta.rows_as_decodes
-        stack = self._decode_stack(kv_caches) if decodes else None
-        if stack is not None:  # decode rows only: the whole stack in one native call
-            hidden, last = stack.run(self.model.embed_tokens(input_ids), meta, cos_sin_cache)
-            hidden, _ = self.model.norm.add_forward(hidden, last)
+        stacked = self._through_stack(input_ids, kv_caches, meta)
+        if stacked is not None:
+            hidden, _ = self.model.norm.add_forward(*stacked)
             return hidden
+        cos_sin_cache, meta = self.rotary.for_step(meta)
         step = self.backend.begin_step(meta, cos_sin_cache, self.dtype)
         hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
@@ -195,17 +193,28 @@ class LlamaForCausalLM(nn.Module):
         the argmax of the same logits as ``compute_logits`` then ``sampler.greedy``), else
         None (the caller computes the logits)."""
         if input_ids.shape[0] == 1 and meta.num_decodes == 1 and not meta.rows_as_decodes:
-            stack = self._decode_stack(kv_caches)
-            head = self._greedy_head() if stack is not None else None
-            if stack is not None and head is not None:
-                cos_sin_cache, meta = self.rotary.for_step(meta)
-                hidden, last = stack.run(self.model.embed_tokens(input_ids), meta, cos_sin_cache)
-                fused = head(hidden, last)
+            head = self._greedy_head()
+            stacked = None if head is None else self._through_stack(input_ids, kv_caches, meta)
+            if head is not None and stacked is not None:
+                fused = head(*stacked)
                 if fused is not None:
                     return fused
-                hidden, _ = self.model.norm.add_forward(hidden, last)
+                hidden, _ = self.model.norm.add_forward(*stacked)
                 return hidden, None
         return self(input_ids, kv_caches, meta), None
+
+    def _through_stack(
+        self, input_ids: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step of decode rows only, the decoder stack in one native call: the last
+        layer's ``(hidden, residual)``, before the final norm; None where the step or the
+        model does not take it (:meth:`_decode_stack`)."""
+        decodes = meta.num_decodes == input_ids.shape[0] or meta.rows_as_decodes
+        stack = self._decode_stack(kv_caches) if decodes else None
+        if stack is None:
+            return None
+        cos_sin_cache, meta = self.rotary.for_step(meta)
+        return stack.run(self.model.embed_tokens(input_ids), meta, cos_sin_cache)
 
     def _greedy_head(self) -> GreedyHead | None:
         """The fused norm + LM head + argmax when this model qualifies (its own

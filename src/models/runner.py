@@ -312,6 +312,15 @@ class ModelRunner(RunnerMemory):
             known = known + spec_lens  # the drafts are computed as if known
         self._check_step(req_ids, order, rows, ends, known)
 
+        def argmax_only(sampled: np.ndarray) -> bool:
+            """Whether the sampler would take these rows' argmax and nothing else."""
+            return (
+                spec_lens is None
+                and not step.grammar_bitmask_follows
+                and not step.grammar_bitmask
+                and batch.plain_greedy(sampled)
+            )
+
         uses_lora = self.lora is not None and self.lora.begin_step(
             [req_ids[int(k)] for k in order], q_lens
         )
@@ -353,13 +362,10 @@ class ModelRunner(RunnerMemory):
                 len(rows) == 1  # one decode row that samples, its argmax and nothing else
                 and q_lens[0] == 1
                 and ends[0] == known[0]
-                and spec_lens is None
                 and self.draft is None
                 and not uses_lora
                 and not len(self.pooler)
-                and not step.grammar_bitmask_follows
-                and not step.grammar_bitmask
-                and batch.plain_greedy(rows)
+                and argmax_only(rows)
             ):
                 hidden, greedy_tokens = self.model.forward_greedy(input_ids, self.kv_caches, meta)
                 if greedy_tokens is not None:
@@ -390,12 +396,7 @@ class ModelRunner(RunnerMemory):
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device)),
                 None if spec_lens is None else len(sampling),  # each row as a plain step's
             )
-            if (
-                spec_lens is None
-                and not step.grammar_bitmask_follows
-                and not step.grammar_bitmask
-                and batch.plain_greedy(rows[sampling])
-            ):  # the sampler would take the argmax and nothing else: take it now
+            if argmax_only(rows[sampling]):  # take it now
                 greedy_tokens, logits = greedy(logits.float()), None
         return StepForward(
             out,
