@@ -461,6 +461,37 @@ void vnni_tile(const ActivationCodes& a, int64_t m0, int64_t mr, int64_t K, cons
                                         n_total, y, ldy);
 }
 
+// A weight tile of nr <= 2 rows (from n0) over all M input rows: input tiles of MR rows,
+// then one of exactly the rows left, never a padded one (a tile of MR rows computes all MR:
+// a padded tail costs whole rows of work). A (weight row, input row) pair's arithmetic does
+// not depend on the tile's NR or MR, so every row is the one-row call's, bit for bit.
+template <int BITS, int G, bool HAS_MIN, int MR>
+void weight_pair_over_rows(const ActivationCodes& a, int64_t M, int64_t K, const uint8_t* q,
+                           int64_t q_stride, const float* scales, const float* mins, int64_t n0,
+                           int64_t nr, int64_t n_total, float* y, int64_t ldy) {
+  static_assert(MR >= 2 && MR <= 5, "a tail of 1 .. MR - 1 rows, each a tile instance");
+  auto tile = [&](auto rows_tag, int64_t m0) {
+    constexpr int R = decltype(rows_tag)::value;
+    vnni_tile<BITS, G, HAS_MIN, 2, R>(a, m0, R, K, q, q_stride, scales, mins, n0, nr, n_total,
+                                      y, ldy);
+  };
+  int64_t m0 = 0;
+  for (; M - m0 >= MR; m0 += MR) tile(std::integral_constant<int, MR>{}, m0);
+  switch (M - m0) {
+    case 4:
+      if constexpr (MR > 4) tile(std::integral_constant<int, 4>{}, m0);
+      break;
+    case 3:
+      if constexpr (MR > 3) tile(std::integral_constant<int, 3>{}, m0);
+      break;
+    case 2:
+      if constexpr (MR > 2) tile(std::integral_constant<int, 2>{}, m0);
+      break;
+    case 1: tile(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
+
 // One thread's share of a one-row VNNI matmul y[N] = x[K] @ W^T: weight tiles part * n /
 // parts .. (part + 1) * n / parts of the n = ceil(N / 4) four-row tiles that
 // quantized_matmul_int8 runs for one input row, so each output is that call's, bit for bit
@@ -608,25 +639,12 @@ int qmatmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_
       call(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
       return 0;
     }
-    // Weight tiles of 2 rows over input tiles of 3, the last input tile exactly the rows
-    // left (1 or 2): a tile of MR rows computes all MR, so a padded tail would cost a whole
-    // row of work (5 rows cost 6). A (weight row, input row) pair's arithmetic does not
-    // depend on MR, so every row is the one-row call's, bit for bit, whatever M is.
-    constexpr int NR = 2, MR = 3;
-    const int64_t n_tiles = (N + NR - 1) / NR, full = M / MR * MR, rest = M - full;
+    // Weight tiles of 2 rows over input tiles of 3, the last exactly the rows left.
+    const int64_t n_tiles = (N + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < n_tiles; ++t) {
-      const int64_t n0 = t * NR, nr = std::min<int64_t>(NR, N - n0);
-      for (int64_t m0 = 0; m0 < full; m0 += MR)
-        vnni_tile<BITS, G, HAS_MIN, NR, MR>(a, m0, MR, K, q, q_stride, scales, mins, n0, nr, N,
-                                            y, ldy);
-      if (rest == 2)
-        vnni_tile<BITS, G, HAS_MIN, NR, 2>(a, full, 2, K, q, q_stride, scales, mins, n0, nr, N,
-                                           y, ldy);
-      else if (rest == 1)
-        vnni_tile<BITS, G, HAS_MIN, NR, 1>(a, full, 1, K, q, q_stride, scales, mins, n0, nr, N,
-                                           y, ldy);
-    }
+    for (int64_t t = 0; t < n_tiles; ++t)
+      weight_pair_over_rows<BITS, G, HAS_MIN, 3>(a, M, K, q, q_stride, scales, mins, t * 2,
+                                                 std::min<int64_t>(2, N - t * 2), N, y, ldy);
     return 0;
   }
   if (isa == kAvx2) {

@@ -19,7 +19,7 @@ namespace {
 // part * n / parts .. (part + 1) * n / parts of the n = ceil(N / 4)), so a T-row step streams
 // each thread's share of every matrix exactly as a one-row step does. With T == 1 it is
 // vnni_row_share. With T > 1 each two weight rows run input tiles of kShareRows rows and then
-// one of exactly the rows left (1 to 4), never a padded one: the VNNI tile's arithmetic
+// one of exactly the rows left (weight_pair_over_rows): the VNNI tile's arithmetic
 // for a (weight row, input row) pair does not depend on its NR or MR (each pair has its own
 // accumulator chain, and a row's lanes are summed four rows at a time whatever NR), so every
 // row's output is the one-row call's, bit for bit. The two weight rows are read from memory
@@ -34,27 +34,13 @@ void vnni_rows_share(const ActivationCodes& a, int64_t T, int64_t K, const uint8
     vnni_row_share<BITS, G, HAS_MIN>(a, K, q, N, scales, mins, y, part, parts);
     return;
   }
-  constexpr int NR = 2;
   const int64_t q_stride = K * BITS / 8, n_tiles = (N + 3) / 4;
   const int64_t r0 = n_tiles * part / parts * 4;
   const int64_t r1 = std::min<int64_t>(N, n_tiles * (part + 1) / parts * 4);
-  for (int64_t n0 = r0; n0 < r1; n0 += NR) {
-    const int64_t nr = std::min<int64_t>(NR, r1 - n0);
-    auto tile = [&](auto mr_tag, int64_t m0) {
-      constexpr int MR = decltype(mr_tag)::value;
-      vnni_tile<BITS, G, HAS_MIN, NR, MR>(a, m0, MR, K, q, q_stride, scales, mins, n0, nr, N, y,
-                                          ldy);
-    };
-    int64_t m0 = 0;
-    for (; T - m0 >= kShareRows; m0 += kShareRows) tile(std::integral_constant<int, kShareRows>{}, m0);
-    switch (T - m0) {
-      case 4: tile(std::integral_constant<int, 4>{}, m0); break;
-      case 3: tile(std::integral_constant<int, 3>{}, m0); break;
-      case 2: tile(std::integral_constant<int, 2>{}, m0); break;
-      case 1: tile(std::integral_constant<int, 1>{}, m0); break;
-      default: break;
-    }
-  }
+  for (int64_t n0 = r0; n0 < r1; n0 += 2)
+    weight_pair_over_rows<BITS, G, HAS_MIN, kShareRows>(a, T, K, q, q_stride, scales, mins, n0,
+                                                        std::min<int64_t>(2, r1 - n0), N, y,
+                                                        ldy);
 }
 
 using VnniRowsShare = void (*)(const ActivationCodes&, int64_t, int64_t, const uint8_t*, int64_t,
