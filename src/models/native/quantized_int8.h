@@ -342,9 +342,16 @@ LEGATO_VNNI void tile_vnni_nibbles(const ActivationCodes& a, int64_t m0, int64_t
   const int64_t groups = K / G, kn = a.kn, steps = kn / 128;
   const int tail_blocks = static_cast<int>((K - (steps - 1) * 128) / 32);  // 1..4, last step
   constexpr int centre = code_centre<BITS, HAS_MIN>();
-  constexpr bool biased = centre != 0;  // signed codes go in biased by 128 (see tile_vnni)
+  // Centred codes (code - centre) go in as their unsigned codes, 0 .. 2^BITS - 1, and each
+  // lane's sum starts at -centre * (its 4 activation digits' sum): the activations' -128 *
+  // sum (ActivationCodes::nbias_q, nbias_r) shifted right, exact as centre divides 128. So
+  // the int32 dot is the centred one, the same as with the codes biased to code - centre +
+  // 128 and a -128 * sum start (tile_vnni), without an add per row and step.
+  constexpr bool biased = centre != 0;
+  static_assert(!biased || (centre == 16 || centre == 32), "a centre that divides 128 (shift below)");
+  constexpr int centre_shift = centre == 16 ? 3 : 2;  // -128 * sum >> shift = -centre * sum
   constexpr int per_block = 32 / G;     // scales a block uses
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), rebias = _mm512_set1_epi8(char(128 - centre));
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   // lane l lies in block l / 4: its scale is the step's scale l / 4 (G = 32), or 2 (l / 4)
   // for the low half and 2 (l / 4) + 1 for the high half (G = 16)
   const __m512i block_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -395,10 +402,6 @@ LEGATO_VNNI void tile_vnni_nibbles(const ActivationCodes& a, int64_t m0, int64_t
         lo[i] = _mm512_mask_add_epi8(lo[i], static_cast<__mmask64>(_mm_cvtsi128_si64(plane)), lo[i], add);
         hi[i] = _mm512_mask_add_epi8(hi[i], static_cast<__mmask64>(_mm_extract_epi64(plane, 1)), hi[i], add);
       }
-      if constexpr (biased) {
-        lo[i] = _mm512_add_epi8(lo[i], rebias);
-        hi[i] = _mm512_add_epi8(hi[i], rebias);
-      }
       const __m512 s_step = _mm512_maskz_loadu_ps(smask, srow[i] + s * 4 * per_block);
       if constexpr (G == 32) {
         ws_lo[i] = _mm512_permutexvar_ps(block_of_lane, s_step);
@@ -416,9 +419,9 @@ LEGATO_VNNI void tile_vnni_nibbles(const ActivationCodes& a, int64_t m0, int64_t
       const int32_t* bq = a.nbias_q.data() + xm[j] * kn / 4 + s * 32;
       const int32_t* br = a.nbias_r.data() + xm[j] * kn / 4 + s * 32;
       if constexpr (G == 32) {
-        const __m512i start_q = biased ? _mm512_add_epi32(_mm512_loadu_si512(bq), _mm512_loadu_si512(bq + 16))
+        const __m512i start_q = biased ? _mm512_srai_epi32(_mm512_add_epi32(_mm512_loadu_si512(bq), _mm512_loadu_si512(bq + 16)), centre_shift)
                                        : _mm512_setzero_si512();
-        const __m512i start_r = biased ? _mm512_add_epi32(_mm512_loadu_si512(br), _mm512_loadu_si512(br + 16))
+        const __m512i start_r = biased ? _mm512_srai_epi32(_mm512_add_epi32(_mm512_loadu_si512(br), _mm512_loadu_si512(br + 16)), centre_shift)
                                        : _mm512_setzero_si512();
         for (int i = 0; i < NR; ++i) {
           __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start_q, lo[i], xq_lo), hi[i], xq_hi);
@@ -428,8 +431,11 @@ LEGATO_VNNI void tile_vnni_nibbles(const ActivationCodes& a, int64_t m0, int64_t
         }
       } else {
         const __m512i zero = _mm512_setzero_si512();
-        const __m512i bq_lo = biased ? _mm512_loadu_si512(bq) : zero, bq_hi = biased ? _mm512_loadu_si512(bq + 16) : zero;
-        const __m512i br_lo = biased ? _mm512_loadu_si512(br) : zero, br_hi = biased ? _mm512_loadu_si512(br + 16) : zero;
+        auto start = [&](const int32_t* sums) {  // -centre * the lanes' sums (see above)
+          return biased ? _mm512_srai_epi32(_mm512_loadu_si512(sums), centre_shift) : zero;
+        };
+        const __m512i bq_lo = start(bq), bq_hi = start(bq + 16);
+        const __m512i br_lo = start(br), br_hi = start(br + 16);
         for (int i = 0; i < NR; ++i) {
           __m512i dl = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(bq_lo, lo[i], xq_lo), 8), br_lo);
           __m512i dh = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(bq_hi, hi[i], xq_hi), 8), br_hi);
