@@ -11,7 +11,9 @@ Decode tok/s counts each stream's tokens after its first, over the time from the
 first stream's first token to the last stream's last token (prefill excluded).
 Acceptance is vLLM's: accepted draft tokens / draft tokens, and the mean accepted
 length (1 + accepted / verifications: tokens a verified step yields); "drafted" is the
-mean number of drafts a verification carried (below k where the proposer found fewer). Prints a table; never asserted in tests.
+mean number of drafts a verification carried (below k where the proposer found fewer),
+"undrafted" the share of the decoded tokens that came from steps verifying no draft (the
+proposer found none, or the draft policy declined them). Prints a table; never asserted in tests.
 
 Both engines (each with its worker) are started once and stay alive side by side
 (the idle one waits on its socket). Then ``--rounds`` rounds each time every
@@ -184,6 +186,7 @@ async def run(args: argparse.Namespace) -> None:
     }
     ratios: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
     counts = {cell: [0, 0, 0] for cell in cells}
+    decoded = {cell: 0 for cell in cells}  # the speculative runs' tokens after the first
     reference: dict[tuple[str, int], list[list[int]]] = {}
     differ: dict[tuple[str, int], int] = {cell: 0 for cell in cells}
     acceptance = Counting()
@@ -219,6 +222,7 @@ async def run(args: argparse.Namespace) -> None:
                     if use_spec:
                         for j, (now, then) in enumerate(zip(acceptance.counts(), before)):
                             counts[cell][j] += now - then
+                        decoded[cell] += sum(len(o) - 1 for o in outs)
                     if cell not in reference:
                         reference[cell] = outs
                     elif outs != reference[cell]:
@@ -249,19 +253,22 @@ async def run(args: argparse.Namespace) -> None:
     print(
         f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} "
         f"{'speed-up (min-max)':>20} {'accept':>7} {'mean len':>9} {'drafted':>8} "
-        f"{'same out':>9}"
+        f"{'undrafted':>9} {'same out':>9}"
     )
     for w, n in cells:
         drafts, tokens, accepted = counts[(w, n)]
         rate = accepted / tokens if tokens else 0.0
         length = 1 + accepted / drafts if drafts else 1.0
         drafted = tokens / drafts if drafts else 0.0  # draft tokens a verification, <= k
+        # steps that verified no draft: each yields one token, a verification 1 + accepted
+        undrafted = (decoded[(w, n)] - drafts - accepted) / max(1, decoded[(w, n)])
         plain = statistics.median(tps[(w, n, False)])
         fast = statistics.median(tps[(w, n, True)])
         same = "yes" if not differ[(w, n)] else f"{differ[(w, n)]} differ"
         print(
             f"{w:8} {n:>7} {plain:>12.1f} {fast:>11.1f} {spread(ratios[(w, n)]):>20} "
-            f"{100 * rate:>6.1f}% {length:>9.2f} {drafted:>8.2f} {same:>9}"
+            f"{100 * rate:>6.1f}% {length:>9.2f} {drafted:>8.2f} {100 * undrafted:>8.1f}% "
+            f"{same:>9}"
         )
 
 
