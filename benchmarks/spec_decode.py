@@ -10,7 +10,10 @@ Two workloads, each at 1 and at N concurrent streams, greedy:
 Decode tok/s counts each stream's tokens after its first, over the time from the
 first stream's first token to the last stream's last token (prefill excluded).
 Acceptance is vLLM's: accepted draft tokens / draft tokens, and the mean accepted
-length (1 + accepted / verifications). Prints a table; never asserted in tests.
+length (1 + accepted / verifications: tokens a verified step yields); "drafted" is the
+mean number of drafts a verification carried (below k where the proposer found fewer),
+"undrafted" the share of the decoded tokens that came from steps verifying no draft (the
+proposer found none, or the draft policy declined them). Prints a table; never asserted in tests.
 
 Both engines (each with its worker) are started once and stay alive side by side
 (the idle one waits on its socket). Then ``--rounds`` rounds each time every
@@ -26,6 +29,7 @@ outputs are compared with the first plain run's ("same out": identical every run
 weights into ``$LEGATO_HOME`` (:func:`legato.models.layer_cut.cut_layers`).
 
     python benchmarks/spec_decode.py --streams 8 --max-tokens 128 --k 4 [--rounds 7] [--disable-by-batch-size 4]
+    python benchmarks/spec_decode.py --streams 1 --workloads edit --k 8
     python benchmarks/spec_decode.py --streams 8 --max-tokens 64 --k 3 --draft-layers 2
 """
 
@@ -175,13 +179,14 @@ async def run(args: argparse.Namespace) -> None:
     if args.draft_layers:
         spec = {"model": draft_model_dir(args.draft_layers), "num_speculative_tokens": args.k}
         proposer = f"draft model (the first {args.draft_layers} layers) k={args.k}"
-    cells = [(w, n) for w in ("edit", "chat") for n in dict.fromkeys((1, args.streams))]
+    cells = [(w, n) for w in args.workloads for n in dict.fromkeys((1, args.streams))]
     texts = {(w, n): prompts(w, n, tokenizer) for w, n in cells}
     tps: dict[tuple[str, int, bool], list[float]] = {
         (w, n, s): [] for w, n in cells for s in (False, True)
     }
     ratios: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
     counts = {cell: [0, 0, 0] for cell in cells}
+    decoded = {cell: 0 for cell in cells}  # the speculative runs' tokens after the first
     reference: dict[tuple[str, int], list[list[int]]] = {}
     differ: dict[tuple[str, int], int] = {cell: 0 for cell in cells}
     acceptance = Counting()
@@ -217,6 +222,7 @@ async def run(args: argparse.Namespace) -> None:
                     if use_spec:
                         for j, (now, then) in enumerate(zip(acceptance.counts(), before)):
                             counts[cell][j] += now - then
+                        decoded[cell] += sum(len(o) - 1 for o in outs)
                     if cell not in reference:
                         reference[cell] = outs
                     elif outs != reference[cell]:
@@ -246,18 +252,23 @@ async def run(args: argparse.Namespace) -> None:
     )
     print(
         f"{'workload':8} {'streams':>7} {'plain tok/s':>12} {'spec tok/s':>11} "
-        f"{'speed-up (min-max)':>20} {'accept':>7} {'mean len':>9} {'same out':>9}"
+        f"{'speed-up (min-max)':>20} {'accept':>7} {'mean len':>9} {'drafted':>8} "
+        f"{'undrafted':>9} {'same out':>9}"
     )
     for w, n in cells:
         drafts, tokens, accepted = counts[(w, n)]
         rate = accepted / tokens if tokens else 0.0
         length = 1 + accepted / drafts if drafts else 1.0
+        drafted = tokens / drafts if drafts else 0.0  # draft tokens a verification, <= k
+        # steps that verified no draft: each yields one token, a verification 1 + accepted
+        undrafted = (decoded[(w, n)] - drafts - accepted) / max(1, decoded[(w, n)])
         plain = statistics.median(tps[(w, n, False)])
         fast = statistics.median(tps[(w, n, True)])
         same = "yes" if not differ[(w, n)] else f"{differ[(w, n)]} differ"
         print(
             f"{w:8} {n:>7} {plain:>12.1f} {fast:>11.1f} {spread(ratios[(w, n)]):>20} "
-            f"{100 * rate:>6.1f}% {length:>9.2f} {same:>9}"
+            f"{100 * rate:>6.1f}% {length:>9.2f} {drafted:>8.2f} {100 * undrafted:>8.1f}% "
+            f"{same:>9}"
         )
 
 
@@ -268,6 +279,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument(
+        "--workloads", nargs="+", choices=("edit", "chat"), default=["edit", "chat"]
+    )
     parser.add_argument(
         "--rounds", type=int, default=7, help="alternating plain/spec pairs per workload"
     )

@@ -10,13 +10,14 @@ host time and device time can be told apart.
 ``--stack`` instead times the decoder stack alone (``legato_decode_layers_f32``) on the
 CPU, for one sequence at 1 row (a plain step) and at ``k + 1`` rows (a verification
 step: its last token and ``k`` drafts, each attending up to itself) after a 200-token
-prompt: the median of ``--reps`` calls, rounds alternating the stack in one parallel
-region (``cpu_kernels.decode_one_region``, the default) with the op-by-op path, so the
-two are compared in one process. ``t(1, k+1) / t(1, 1)`` is what the draft policy weighs
+prompt: the median of ``--reps`` calls, ``--rounds`` rounds alternating three paths in one
+process: one parallel region with the verification rows' norms and activation codes shared
+between the threads (``cpu_kernels.decode_verify_rows``, the default), one region with every
+thread doing every row, and the op-by-op path (``cpu_kernels.decode_one_region(False)``). ``t(1, k+1) / t(1, 1)`` is what the draft policy weighs
 a verification step by.
 
     python benchmarks/spec_profile.py [--k 4] [--max-tokens 128] [--top 25] [--dequantize]
-    flock -x /tmp/legato-cpu.lock python benchmarks/spec_profile.py --stack [--k 4] [--reps 60]
+    flock -x /tmp/legato-cpu.lock python benchmarks/spec_profile.py --stack [--k 4] [--reps 60] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -141,25 +142,30 @@ def stack_rows(args: argparse.Namespace) -> None:
     context = 200
     forward(list(range(100, 100 + context)), 0)
     cpu_kernels.decode_layers_kernel = lambda: timed  # type: ignore[assignment]
-    times: dict[tuple[bool, int], list[float]] = {}
-    for _ in range(3):
-        for region in (True, False):
+    # one region with the verification rows' norms and codes shared between the threads,
+    # one region with every thread doing every row, and op by op
+    paths = {"rows shared": (True, True), "one region": (True, False), "op by op": (False, True)}
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for name, (region, shared) in paths.items():
             cpu_kernels.decode_one_region(region)
+            cpu_kernels.decode_verify_rows(shared)
             for rows in (1, args.k + 1):
                 seconds.clear()
                 for _ in range(args.reps):
                     forward([7 + j for j in range(rows)], context)
-                times.setdefault((region, rows), []).append(1e3 * statistics.median(seconds))
+                times.setdefault((name, rows), []).append(1e3 * statistics.median(seconds))
     cpu_kernels.decode_one_region(True)
+    cpu_kernels.decode_verify_rows(True)
     print(f"cpu: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
-    for region in (True, False):
-        t1, tk = (statistics.median(times[(region, r)]) for r in (1, args.k + 1))
+    for name in paths:
+        t1, tk = (statistics.median(times[(name, r)]) for r in (1, args.k + 1))
         rounds = " ".join(
-            f"{a:.2f}/{b:.2f}" for a, b in zip(*(times[(region, r)] for r in (1, args.k + 1)))
+            f"{a:.2f}/{b:.2f}" for a, b in zip(*(times[(name, r)] for r in (1, args.k + 1)))
         )
         print(
-            f"{'one region' if region else 'op by op':>10}: t(1,1) {t1:.2f} ms, t(1,{args.k + 1}) "
-            f"{tk:.2f} ms, ratio {tk / t1:.2f}  (rounds t(1,1)/t(1,{args.k + 1}): {rounds})"
+            f"{name:>11}: t(1,1) {t1:.2f} ms, t(1,{args.k + 1}) {tk:.2f} ms, ratio "
+            f"{tk / t1:.2f}  (rounds t(1,1)/t(1,{args.k + 1}): {rounds})"
         )
 
 
@@ -172,6 +178,7 @@ def main() -> None:
     parser.add_argument("--chat", action="store_true", help="a free-chat prompt, not the edit")
     parser.add_argument("--stack", action="store_true", help="time the decoder stack alone")
     parser.add_argument("--reps", type=int, default=60, help="--stack: calls a median is of")
+    parser.add_argument("--rounds", type=int, default=3, help="--stack: rounds of every path")
     args = parser.parse_args()
     if args.stack:
         stack_rows(args)

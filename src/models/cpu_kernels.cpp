@@ -107,6 +107,11 @@ int legato_attention_bf16_dot(int request) { return attention_bf16_dot(request);
 // op (0; the same numbers, bit for bit): request >= 0 picks, request < 0 only reads.
 int legato_decode_one_region(int request) { return decode_one_region(request); }
 
+// Whether a one-sequence step of T > 1 rows in one region shares the rows' norms and
+// quantization between the threads (1) or has each thread do every row (0; the same numbers,
+// bit for bit): request >= 0 picks, request < 0 only reads.
+int legato_decode_verify_rows(int request) { return decode_verify_rows(request); }
+
 // The decoder stack of a decode step (decode_layers above): hidden [T, H] in (the
 // embeddings) and out (the last layer's MLP output), residual [T, H] out; the T rows belong
 // to `sequences` sequences (1 <= sequences <= T; -5 otherwise).

@@ -74,6 +74,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_quantized_isa": [_I],
     "legato_attention_bf16_dot": [_I],
     "legato_decode_one_region": [_I],
+    "legato_decode_verify_rows": [_I],
     # layers (an array of structs, legato.models.decode_stack), then as in the C++ source
     "legato_decode_layers_f32": [_P, _I, _P, _P, _L, _I, _I, _I, _I, _I, _P, _L, _L, _L, _I]
     + [_P, _P, _P, _P, _L, _F, _F, _I, _I, _L],
@@ -470,6 +471,16 @@ def decode_one_region(request: bool | None = None) -> bool:
     ``RuntimeError`` when the library is unavailable."""
     code = -1 if request is None else int(request)
     return bool(_library().legato_decode_one_region(code))
+
+
+def decode_verify_rows(request: bool | None = None) -> bool:
+    """Whether a one-region step of several rows of one sequence (a verification step) has
+    each thread norm and quantize only its share of the rows, into codes the threads share,
+    rather than every row itself (bit-identical numbers either way): on by default, or with
+    ``request`` set so (benchmarks compare). Process-wide. Raises ``RuntimeError`` when the
+    library is unavailable."""
+    code = -1 if request is None else int(request)
+    return bool(_library().legato_decode_verify_rows(code))
 
 
 def quantized_matmul(

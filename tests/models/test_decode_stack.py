@@ -78,7 +78,8 @@ def test_one_sequence_region_equals_the_op_by_op_stack_bit_for_bit(
     stack runs op by op. Seven one-row steps past a block boundary, and a verification step
     over the same seven tokens at once (each row attends to the rows before it), give
     bit-identical hidden rows and KV cache either way, and each verified row is its one-row
-    step's: the file's Q4_1, and re-quantized to Q8_0 (the 8-bit tile) and Q5_0 (nibbles
+    step's, whether the threads share the verified rows' norms and activation codes (each
+    thread its rows: 3 and 4) or each does every row: the file's Q4_1, and re-quantized to Q8_0 (the 8-bit tile) and Q5_0 (nibbles
     plus a bit plane)."""
     if not cpu_kernels.available() or cpu_kernels.quantized_isa() != "avx512_vnni":
         pytest.skip("the one-region stack runs on the AVX-512 VNNI path only")
@@ -116,16 +117,23 @@ def test_one_sequence_region_equals_the_op_by_op_stack_bit_for_bit(
     try:
         op_rows, op_cache, op_verified, op_verified_cache = decode(False)
         rows, step_cache, verified, verified_cache = decode(True)
+        cpu_kernels.decode_verify_rows(False)  # every thread norms and quantizes every row
+        _, _, each_verified, each_cache = decode(True)
     finally:
         cpu_kernels.decode_one_region(True)
+        cpu_kernels.decode_verify_rows(True)
     for j in range(len(following)):
         assert torch.equal(rows[j], op_rows[j]), j
         assert torch.equal(verified[j], op_verified[j]), j
         assert torch.equal(verified[j], rows[j]), j
-    for a, b, c, d in zip(step_cache, op_cache, verified_cache, op_verified_cache, strict=True):
+        assert torch.equal(each_verified[j], rows[j]), j
+    for a, b, c, d, e in zip(
+        step_cache, op_cache, verified_cache, op_verified_cache, each_cache, strict=True
+    ):
         assert torch.equal(a, b)
         assert torch.equal(c, d)
         assert torch.equal(c, a)
+        assert torch.equal(e, a)
 
 
 def _forward(
