@@ -17,8 +17,11 @@
 //   native/attention.h         decode attention over the paged KV cache
 //   native/elementwise.h       K/V writes, RMS norm, SiLU-and-mul, rotary, argmax
 //   native/quantized_matmul.h  weight-only quantized matmul: the code layout, fp32 activations
+//   native/int8_activations.h  input rows as two int8 digits, for the int8 matmul
 //   native/quantized_int8.h    the same with int8 activations (AVX-512 VNNI, AVX2, portable)
 //   native/quantized_share.h   one thread's share of an int8 matmul over one sequence's rows
+//   native/decoder_layer.h     a decoder layer's quantized weights; one projection, op by op
+//   native/one_sequence.h      one sequence's decode or verification step in one parallel region
 //   native/decode_stack.h      every decoder layer of a decode step in one call
 //   native/lm_head.h           a greedy one-row step's last norm, LM head and argmax in one call
 // This file holds the C entry points only.
@@ -29,8 +32,11 @@
 #include "native/attention.h"
 #include "native/elementwise.h"
 #include "native/quantized_matmul.h"
+#include "native/int8_activations.h"
 #include "native/quantized_int8.h"
 #include "native/quantized_share.h"
+#include "native/decoder_layer.h"
+#include "native/one_sequence.h"
 #include "native/decode_stack.h"
 #include "native/lm_head.h"
 

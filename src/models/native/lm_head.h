@@ -12,9 +12,10 @@
 
 #include <omp.h>
 
-#include "decode_stack.h"
+#include "decoder_layer.h"
 #include "elementwise.h"
 #include "quantized_int8.h"
+#include "quantized_share.h"
 namespace {
 
 // ------------------------------------------------- the head of a greedy one-row step

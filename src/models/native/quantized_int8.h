@@ -16,20 +16,17 @@
 #endif
 
 #include "common.h"
+#include "int8_activations.h"
 #include "quantized_matmul.h"
+
 namespace {
 
 // ------------------------------------------------ quantized matmul, int8 activations
 //
 // The fast path: integer dot products as llama.cpp computes them, with activations held
-// as two int8 digits. Each input row is quantized per block of 32 values: with
-// y = x * 127 / max|x|, the high digit q = round(y) (ggml's q8_0 code) and the low digit
-// r = round(256 * (y - q)) (clamped to +-127), so x = d * (256 q + r) with d = max|x| /
-// (127 * 256), within d / 2 (about 1 / 65000 of the block's largest value). One int8 digit
-// alone (llama.cpp's q8_0 activations) lost 6% teacher-forced top-1 agreement on the default
-// model: the normed hidden states have outlier channels that coarsen whole blocks. Each
-// group's sum(w_code * (256 q + r)) is exact in int32; y = sum_g s_g * d * dot_g +
-// m_g * sum(x_g) (the offset term uses the exact fp32 sum of x over the group).
+// as two int8 digits (int8_activations.h). Each group's sum(w_code * (256 q + r)) is exact in
+// int32; y = sum_g s_g * d * dot_g + m_g * sum(x_g) (the offset term uses the exact fp32 sum
+// of x over the group).
 //
 // Paths, chosen at run time (quantized_isa): AVX-512 VNNI (vpdpbusd: u8 x s8 -> s32, 64
 // codes an instruction), AVX2 (vpmaddubsw + vpmaddwd, 32 codes), and portable C++. Each
@@ -40,113 +37,6 @@ namespace {
 // vpdpbusd wants unsigned weights: 8-bit codes are biased by 128 (code ^ 0x80) and the bias
 // is taken back exactly by starting each lane's sum at -128 * (its 4 activation codes' sum).
 // vpmaddubsw saturates at 16 bits, so AVX2 uses |w| * sign(x, w) instead (|w| <= 128).
-
-struct ActivationCodes {
-  int64_t kp = 0;              // K rounded up to 64 (codes past K are 0)
-  std::vector<int8_t> q;       // [M, kp] high digits
-  std::vector<int8_t> r;       // [M, kp] low digits
-  std::vector<float> d;        // [M, kp / 32] block scales (of 256 q + r)
-  std::vector<float> lane_d;   // [M, kp / 4] d of the block each 4-code lane lies in
-  std::vector<int32_t> bias_q; // [M, kp / 4] -128 * the sum of the lane's 4 high digits
-  std::vector<int32_t> bias_r; // [M, kp / 4] -128 * the sum of the lane's 4 low digits
-  std::vector<float> gsum;     // [M, K / G] exact fp32 sum of x per weight group
-  // The same digits in the nibble order (filled instead of q .. bias_r when asked: the VNNI
-  // tile for 4/5/6-bit codes, tile_vnni_nibbles). Per step of 128 codes (4 blocks of 32):
-  // 64 "low" codes (codes 0-15 of each block, block after block), then the 64 "high" codes
-  // (codes 16-31 of each block), i.e. the codes a 64-byte load of 4-bit weights holds in its
-  // low and in its high nibbles.
-  int64_t kn = 0;                // K rounded up to 128 (codes past K are 0)
-  std::vector<int8_t> nq;        // [M, kn] high digits, nibble order
-  std::vector<int8_t> nr;        // [M, kn] low digits, nibble order
-  std::vector<float> nlane_d;    // [M, kn / 8] per step: d of the block each 4-code lane lies in
-  std::vector<int32_t> nbias_q;  // [M, kn / 4] per step: -128 * lane sums, 16 low lanes then 16 high
-  std::vector<int32_t> nbias_r;  // [M, kn / 4] the same for the low digits
-};
-
-// round half to even by the 1.5 * 2^23 trick (|v| <= 2^22), in plain arithmetic (vectorises)
-inline int32_t round_to_int(float v) {
-  const float shifted = v + 12582912.0f;
-  int32_t bits;
-  std::memcpy(&bits, &shifted, sizeof(bits));
-  return bits - 0x4B400000;
-}
-
-// Every row's two digits (see above), in the plain order (q .. bias_r) or, with
-// nibble_order, in the nibble order (nq .. nbias_r); gsum either way.
-void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int G,
-                          ActivationCodes& a, bool nibble_order = false) {
-  const int64_t kp = (K + 63) / 64 * 64, kn = (K + 127) / 128 * 128;
-  a.kp = kp;
-  a.kn = kn;
-  const int64_t plain = nibble_order ? 0 : M, nibbled = nibble_order ? M : 0;
-  a.q.assign(plain * kp, 0);
-  a.r.assign(plain * kp, 0);
-  a.d.assign(plain * kp / 32, 0.0f);
-  a.lane_d.assign(plain * kp / 4, 0.0f);
-  a.bias_q.assign(plain * kp / 4, 0);
-  a.bias_r.assign(plain * kp / 4, 0);
-  a.nq.assign(nibbled * kn, 0);
-  a.nr.assign(nibbled * kn, 0);
-  a.nlane_d.assign(nibbled * kn / 8, 0.0f);
-  a.nbias_q.assign(nibbled * kn / 4, 0);
-  a.nbias_r.assign(nibbled * kn / 4, 0);
-  a.gsum.assign(M * (K / G), 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * ldx;
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const float* v = row + b * 32;
-      float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const float d = amax / 127.0f / 256.0f;
-      int32_t high[32], low[32];
-#pragma omp simd
-      for (int j = 0; j < 32; ++j) {
-        const float y = v[j] * inv;
-        high[j] = round_to_int(y);
-        low[j] = std::min(127, std::max(-127, round_to_int((y - static_cast<float>(high[j])) * 256.0f)));
-      }
-      int32_t sum_q[8], sum_r[8];  // per 4-code lane of the block
-      for (int l = 0; l < 8; ++l) {
-        sum_q[l] = -128 * (high[4 * l] + high[4 * l + 1] + high[4 * l + 2] + high[4 * l + 3]);
-        sum_r[l] = -128 * (low[4 * l] + low[4 * l + 1] + low[4 * l + 2] + low[4 * l + 3]);
-      }
-      if (nibble_order) {  // block b is block b % 4 of step b / 4
-        const int64_t step = m * kn + b / 4 * 128, c = b % 4;
-        for (int j = 0; j < 32; ++j) {
-          const int64_t at = step + (j < 16 ? 0 : 64) + c * 16 + j % 16;
-          a.nq[at] = static_cast<int8_t>(high[j]);
-          a.nr[at] = static_cast<int8_t>(low[j]);
-        }
-        const int64_t lanes = m * kn / 4 + b / 4 * 32 + c * 4;  // low lanes; high ones 16 on
-        for (int u = 0; u < 4; ++u) {
-          a.nlane_d[m * kn / 8 + b / 4 * 16 + c * 4 + u] = d;
-          a.nbias_q[lanes + u] = sum_q[u];
-          a.nbias_r[lanes + u] = sum_r[u];
-          a.nbias_q[lanes + 16 + u] = sum_q[4 + u];
-          a.nbias_r[lanes + 16 + u] = sum_r[4 + u];
-        }
-      } else {
-        a.d[m * kp / 32 + b] = d;
-        for (int j = 0; j < 32; ++j) {
-          a.q[m * kp + b * 32 + j] = static_cast<int8_t>(high[j]);
-          a.r[m * kp + b * 32 + j] = static_cast<int8_t>(low[j]);
-        }
-        for (int l = 0; l < 8; ++l) {
-          a.lane_d[m * kp / 4 + b * 8 + l] = d;
-          a.bias_q[m * kp / 4 + b * 8 + l] = sum_q[l];
-          a.bias_r[m * kp / 4 + b * 8 + l] = sum_r[l];
-        }
-      }
-    }
-    for (int64_t g = 0; g < K / G; ++g) {
-      float total = 0.0f;
-      for (int j = 0; j < G; ++j) total += row[g * G + j];
-      a.gsum[m * (K / G) + g] = total;
-    }
-  }
-}
 
 inline float offset_term(const float* mins, const float* gsum, int64_t groups) {
   float total = 0.0f;

@@ -1,5 +1,5 @@
 // One thread's share of a VNNI int8 matmul over the few rows of one sequence, for the decode
-// stack's one parallel region (decode_stack.h). One part of the CPU kernels (cpu_kernels.cpp
+// stack's one parallel region (one_sequence.h). One part of the CPU kernels (cpu_kernels.cpp
 // includes every part, in one translation unit; the conventions are stated there); it reads
 // the tiles of quantized_int8.h and never changes their arithmetic.
 
