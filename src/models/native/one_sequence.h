@@ -148,6 +148,27 @@ void rotate_and_write_kv(const DecoderLayerWeights& layer, float* qkv_rows,
   }
 }
 
+// A one-sequence step's row widths, and the calling thread's buffers for its T rows' qkv,
+// attention output and gate/up projections, which a region's threads share (sized here;
+// valid until the calling thread's next step).
+struct StepRows {
+  int64_t q_width, qkv_width, gate_up_width;
+  float* qkv;
+  float* attn;
+  float* gate_up;
+};
+
+StepRows step_rows(int64_t T, int num_heads, int num_kv_heads, int head_dim, int intermediate) {
+  thread_local std::vector<float> qkv, attn, gate_up;
+  const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
+  const int64_t qkv_width = q_width + 2 * static_cast<int64_t>(num_kv_heads) * head_dim;
+  const int64_t gate_up_width = 2 * static_cast<int64_t>(intermediate);
+  qkv.resize(T * qkv_width);
+  attn.resize(T * q_width);
+  gate_up.resize(T * gate_up_width);
+  return {q_width, qkv_width, gate_up_width, qkv.data(), attn.data(), gate_up.data()};
+}
+
 // The stack for the T rows of one sequence in one region, as described above.
 // `kernels` holds every layer's share kernels (checked by the caller).
 void one_sequence_region(const DecoderLayerWeights* layers, const ShareKernels* kernels,
@@ -156,17 +177,7 @@ void one_sequence_region(const DecoderLayerWeights* layers, const ShareKernels* 
                          const SequenceRows& rows, const float* cos_sin, int64_t max_position,
                          float eps, float scale, int num_threads) {
   const int64_t T = rows.T;
-  const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
-  const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
-  const int64_t qkv_width = q_width + 2 * kv_width;
-  const int64_t gate_up_width = 2 * static_cast<int64_t>(intermediate);
-  thread_local std::vector<float> qkv, attn, gate_up;  // the calling thread's, shared below
-  qkv.resize(T * qkv_width);
-  attn.resize(T * q_width);
-  gate_up.resize(T * gate_up_width);
-  float* const qkv_rows = qkv.data();
-  float* const attn_rows = attn.data();
-  float* const gate_up_rows = gate_up.data();
+  const StepRows step = step_rows(T, num_heads, num_kv_heads, head_dim, intermediate);
 #pragma omp parallel num_threads(num_threads)
   {
     const int part = omp_get_thread_num(), parts = omp_get_num_threads();
@@ -183,28 +194,28 @@ void one_sequence_region(const DecoderLayerWeights* layers, const ShareKernels* 
       const ShareKernels& fns = kernels[l];
       if (l > 0)  // residual += hidden; normed = norm(residual)
         rms_norm<float>(hidden, H, res.data(), layer.input_norm, normed.data(), T, H, eps, 1);
-      project_share(layer.qkv, fns.fn[0], normed.data(), T, H, qkv_rows, qkv_width, codes, part,
-                    parts);
-      prefetch_share(layer.o, q_width, part, parts);
+      project_share(layer.qkv, fns.fn[0], normed.data(), T, H, step.qkv, step.qkv_width, codes,
+                    part, parts);
+      prefetch_share(layer.o, step.q_width, part, parts);
 #pragma omp barrier
-      rotate_and_write_kv(layer, qkv_rows, rows, h0, h1, k0, k1, num_heads, num_kv_heads,
+      rotate_and_write_kv(layer, step.qkv, rows, h0, h1, k0, k1, num_heads, num_kv_heads,
                           head_dim, cos_sin, max_position);
 #pragma omp barrier
       for (int64_t t = 0; t < T; ++t)
-        attend_heads_f32(qkv_rows + t * qkv_width, layer.key_cache, layer.value_cache,
+        attend_heads_f32(step.qkv + t * step.qkv_width, layer.key_cache, layer.value_cache,
                          rows.table + t * rows.table_stride, rows.seq_lens[t], h0, h1,
                          num_heads, num_kv_heads, head_dim, block_size, scale,
-                         attn_rows + t * q_width);
+                         step.attn + t * step.q_width);
 #pragma omp barrier
-      project_share(layer.o, fns.fn[1], attn_rows, T, q_width, hidden, H, codes, part, parts);
+      project_share(layer.o, fns.fn[1], step.attn, T, step.q_width, hidden, H, codes, part, parts);
       prefetch_share(layer.gate_up, H, part, parts);
 #pragma omp barrier
       rms_norm<float>(hidden, H, res.data(), layer.post_norm, normed.data(), T, H, eps, 1);
-      project_share(layer.gate_up, fns.fn[2], normed.data(), T, H, gate_up_rows, gate_up_width,
+      project_share(layer.gate_up, fns.fn[2], normed.data(), T, H, step.gate_up, step.gate_up_width,
                     codes, part, parts);
       prefetch_share(layer.down, intermediate, part, parts);
 #pragma omp barrier
-      silu_and_mul<float>(gate_up_rows, gate_up_width, act.data(), T, intermediate, 1);
+      silu_and_mul<float>(step.gate_up, step.gate_up_width, act.data(), T, intermediate, 1);
       project_share(layer.down, fns.fn[3], act.data(), T, intermediate, hidden, H, codes, part,
                     parts);
       if (l + 1 < num_layers) prefetch_share(layers[l + 1].qkv, H, part, parts);
@@ -293,20 +304,10 @@ void verify_rows_region(const DecoderLayerWeights* layers, const ShareKernels* k
                         const SequenceRows& rows, const float* cos_sin, int64_t max_position,
                         float eps, float scale, int num_threads) {
   const int64_t T = rows.T;
-  const int64_t q_width = static_cast<int64_t>(num_heads) * head_dim;
-  const int64_t kv_width = static_cast<int64_t>(num_kv_heads) * head_dim;
-  const int64_t qkv_width = q_width + 2 * kv_width;
-  const int64_t gate_up_width = 2 * static_cast<int64_t>(intermediate);
-  thread_local std::vector<float> qkv, attn, gate_up;  // the calling thread's, shared below
+  const StepRows step = step_rows(T, num_heads, num_kv_heads, head_dim, intermediate);
   thread_local ActivationCodes shared[kMaxParts];
-  qkv.resize(T * qkv_width);
-  attn.resize(T * q_width);
-  gate_up.resize(T * gate_up_width);
   for (ActivationCodes& a : shared)
-    size_shared_codes(a, T, std::max<int64_t>({H, q_width, intermediate}));
-  float* const qkv_rows = qkv.data();
-  float* const attn_rows = attn.data();
-  float* const gate_up_rows = gate_up.data();
+    size_shared_codes(a, T, std::max<int64_t>({H, step.q_width, intermediate}));
   ActivationCodes* const codes = shared;
 #pragma omp parallel num_threads(num_threads)
   {
@@ -334,37 +335,38 @@ void verify_rows_region(const DecoderLayerWeights* layers, const ShareKernels* k
         rms_norm<float>(hidden + m0 * H, H, my_res, layer.input_norm, my_normed, own, H, eps, 1);
       quantize_rows_share(layer.qkv, my_normed, m0, m1, H, mine, codes, part);
 #pragma omp barrier
-      project_rows_share(layer.qkv, fns.fn[0], codes, T, H, qkv_rows, qkv_width, part, parts);
-      prefetch_share(layer.o, q_width, part, parts);
+      project_rows_share(layer.qkv, fns.fn[0], codes, T, H, step.qkv, step.qkv_width, part, parts);
+      prefetch_share(layer.o, step.q_width, part, parts);
 #pragma omp barrier
-      rotate_and_write_kv(layer, qkv_rows, rows, h0, h1, k0, k1, num_heads, num_kv_heads,
+      rotate_and_write_kv(layer, step.qkv, rows, h0, h1, k0, k1, num_heads, num_kv_heads,
                           head_dim, cos_sin, max_position);
 #pragma omp barrier
       for (int64_t t = p0 / num_heads; t * num_heads < p1; ++t) {  // this thread's pairs
         const int a0 = static_cast<int>(std::max<int64_t>(p0 - t * num_heads, 0));
         const int a1 = static_cast<int>(std::min<int64_t>(p1 - t * num_heads, num_heads));
-        attend_heads_f32(qkv_rows + t * qkv_width, layer.key_cache, layer.value_cache,
+        attend_heads_f32(step.qkv + t * step.qkv_width, layer.key_cache, layer.value_cache,
                          rows.table + t * rows.table_stride, rows.seq_lens[t], a0, a1,
                          num_heads, num_kv_heads, head_dim, block_size, scale,
-                         attn_rows + t * q_width);
+                         step.attn + t * step.q_width);
       }
 #pragma omp barrier
-      quantize_rows_share(layer.o, attn_rows + m0 * q_width, m0, m1, q_width, mine, codes, part);
+      quantize_rows_share(layer.o, step.attn + m0 * step.q_width, m0, m1, step.q_width, mine,
+                          codes, part);
 #pragma omp barrier
-      project_rows_share(layer.o, fns.fn[1], codes, T, q_width, hidden, H, part, parts);
+      project_rows_share(layer.o, fns.fn[1], codes, T, step.q_width, hidden, H, part, parts);
       prefetch_share(layer.gate_up, H, part, parts);
 #pragma omp barrier
       if (own > 0)
         rms_norm<float>(hidden + m0 * H, H, my_res, layer.post_norm, my_normed, own, H, eps, 1);
       quantize_rows_share(layer.gate_up, my_normed, m0, m1, H, mine, codes, part);
 #pragma omp barrier
-      project_rows_share(layer.gate_up, fns.fn[2], codes, T, H, gate_up_rows, gate_up_width,
+      project_rows_share(layer.gate_up, fns.fn[2], codes, T, H, step.gate_up, step.gate_up_width,
                          part, parts);
       prefetch_share(layer.down, intermediate, part, parts);
 #pragma omp barrier
       float* const my_act = act.data() + m0 * intermediate;
       if (own > 0)
-        silu_and_mul<float>(gate_up_rows + m0 * gate_up_width, gate_up_width, my_act, own,
+        silu_and_mul<float>(step.gate_up + m0 * step.gate_up_width, step.gate_up_width, my_act, own,
                             intermediate, 1);
       quantize_rows_share(layer.down, my_act, m0, m1, intermediate, mine, codes, part);
 #pragma omp barrier
