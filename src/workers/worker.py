@@ -48,6 +48,7 @@ from ..protocol import wire
 from ..protocol.errors import ValidationError
 from ..protocol.runner import Runner
 from ..serving_gc import tune_gc_for_serving
+from .step_timeline import StepTimeline
 from .weight_transfer import DiskWeightTransfer
 
 
@@ -55,11 +56,16 @@ class UnexpectedFrame(Exception):
     """A frame of a type the worker does not serve: the engine and worker disagree."""
 
 
-def read_frame(stream: BinaryIO) -> tuple[int, object] | None:
-    """One frame's id and decoded message, or None at a clean end of stream. Blocks."""
+def read_frame(
+    stream: BinaryIO, on_header: Callable[[], None] | None = None
+) -> tuple[int, object] | None:
+    """One frame's id and decoded message, or None at a clean end of stream. Blocks.
+    ``on_header`` runs once the header has arrived (the step timeline's mark)."""
     header = stream.read(wire.HEADER_SIZE)
     if not header:
         return None
+    if on_header is not None:
+        on_header()
     if len(header) < wire.HEADER_SIZE:
         raise wire.WireError("truncated frame header")
     size, frame_id = wire.read_frame_header(header)
@@ -302,11 +308,14 @@ def serve(
         return 1
     tune_gc_for_serving()  # the model and its runner are built: what steps allocate is young
     write_frame(out, frame_id, worker.ready())
+    timeline = StepTimeline.from_env()
     while True:
-        frame = read_frame(inp)
+        frame = read_frame(inp, timeline.read if timeline else None)
         if frame is None:
             return 0
         frame_id, message = frame
+        if timeline:
+            timeline.decoded()
         try:
             answer = worker.handle(message)
         except UnexpectedFrame as exc:
@@ -316,8 +325,12 @@ def serve(
             traceback.print_exc()
             write_frame(out, frame_id, m.WorkerError(str(exc), type(exc).__name__, fatal=True))
             return 1
+        if timeline:
+            timeline.computed()
         if answer is not None:
             write_frame(out, frame_id, answer)
+        if timeline:
+            timeline.done(message)
 
 
 def main() -> None:

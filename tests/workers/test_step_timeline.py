@@ -1,0 +1,78 @@
+"""The worker's env-gated step timeline (benchmarks/serve_timeline.py reads it)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+import pytest
+
+from legato.config import EngineConfig
+from legato.protocol import messages as m
+from legato.protocol.wire import encode, frame_header
+from legato.workers.step_timeline import COLUMNS, ENV
+from legato.workers.worker import read_frame, serve
+
+NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to_dict())
+
+
+def _framed(*messages: object) -> bytes:
+    out = b""
+    for frame_id, message in enumerate(messages, start=1):
+        payload = encode(message)
+        out += frame_header(len(payload), frame_id) + payload
+    return out
+
+
+def _steps() -> list[m.SchedulerOutput]:
+    """Step 1 prefills two prompts (3 and 2 tokens); step 2 decodes both."""
+    new = [
+        m.NewRequestData("a", [1, 2, 3], "p", [1], 0),
+        m.NewRequestData("b", [4, 5], "p", [2], 0),
+    ]
+    first = m.SchedulerOutput(
+        1, new, m.CachedRequestData(), {"a": 3, "b": 2}, 5,
+        sampling_params={"p": m.RunnerSamplingParams()},
+    )  # fmt: skip
+    second = m.SchedulerOutput(2, [], m.CachedRequestData(["a", "b"], [3, 2]), {"a": 1, "b": 1}, 2)
+    return [first, second]
+
+
+def test_each_step_frame_logs_its_kind_and_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "timeline.tsv"
+    monkeypatch.setenv(ENV, str(path))
+    first, second = _steps()
+    out = io.BytesIO()
+    assert serve(io.BytesIO(_framed(NULL_INIT, first, m.HealthPing(1, 0.0), second)), out) == 0
+    answers = []
+    stream = io.BytesIO(out.getvalue())
+    while (frame := read_frame(stream)) is not None:
+        answers.append(frame[1])
+    assert [type(a) for a in answers[1:]] == [
+        m.ModelRunnerOutput,
+        m.HealthPong,
+        m.ModelRunnerOutput,
+    ]
+    with open(path) as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    assert list(rows[0]) == list(COLUMNS)
+    # the ping is not a step: one line per step frame, with its prefill tokens and decode rows
+    assert [(r["step"], r["prefill_tokens"], r["decode_rows"]) for r in rows] == [
+        ("1", "5", "0"),
+        ("2", "0", "2"),
+    ]
+    for r in rows:
+        assert all(float(r[c]) >= 0.0 for c in COLUMNS[3:])
+        assert float(r["compute_s"]) > 0.0
+
+
+def test_without_the_variable_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert serve(io.BytesIO(_framed(NULL_INIT, *_steps())), io.BytesIO()) == 0
+    assert list(tmp_path.iterdir()) == []
