@@ -9,7 +9,10 @@
 # Drives the default model's converted directory in fp32 with vLLM's own client, exactly as
 # ../shared/anchors/vllm-cpu/serve_compare.sh does (random 256-token prompts, 128 out, EOS
 # ignored; that script's setup.sh must have run once). Prints the client's summary lines,
-# then wall seconds and each process's CPU seconds; with py-spy, the worker's hottest frames.
+# then wall seconds and each process's CPU seconds (the wall includes the client's start-up,
+# about 10 s: divide by the client's "Benchmark duration" instead), the worker's step timeline
+# summed by benchmarks/serve_timeline.py (idle waits, compute wall and CPU per step kind), and
+# with py-spy, the worker's hottest frames.
 # A figure, never asserted; run it alone (flock -x /tmp/legato-cpu.lock on the shared machine).
 set -uo pipefail
 n=${1:-64}; c=${2:-32}; hz=${3:-0}; shift $(( $# < 3 ? $# : 3 ))
@@ -21,7 +24,7 @@ model=${MODEL_DIR:-${LEGATO_HOME:-$HOME/.cache/legato}/SmolLM2-135M-Instruct-v1}
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 out=$(mktemp -d)
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-setsid "$root/.venv/bin/legato" serve "$model" --dtype float32 --port "$port" --ws-port 0 \
+LEGATO_STEP_TIMELINE=$out/timeline.tsv setsid "$root/.venv/bin/legato" serve "$model" --dtype float32 --port "$port" --ws-port 0 \
   --served-model-name m --max-model-len 2048 --disable-log-requests "$@" >"$out/serve.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null 2>&1 && break; sleep 1; done
@@ -41,6 +44,7 @@ s1=$(cpu "$pid"); w1=$(cpu "$worker"); t1=$(date +%s.%N)
 echo "wall $(echo "$t1 - $t0" | bc) s (client start-up included); CPU s: server $(echo "$s1 - $s0" | bc), worker $(echo "$w1 - $w0" | bc)"
 [[ -n $spy ]] && { kill -INT "$spy" 2>/dev/null; wait "$spy" 2>/dev/null; }
 kill -INT -- -"$pid" 2>/dev/null; sleep 4; kill -KILL -- -"$pid" 2>/dev/null
+[[ -s $out/timeline.tsv ]] && "$root/.venv/bin/python" "$root/benchmarks/serve_timeline.py" "$out/timeline.tsv"
 if [[ -f $out/worker.txt ]]; then
   python3 - "$out/worker.txt" <<'PY'
 import collections, sys
