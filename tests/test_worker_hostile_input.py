@@ -27,7 +27,7 @@ from legato.actors.process_executor import _FrameReader
 from legato.config import EngineConfig
 from legato.protocol import messages as m
 from legato.protocol import wire
-from legato.protocol.wire import HEADER_SIZE, MAX_FRAME_SIZE, WireError, encode, frame_header
+from legato.protocol.wire import HEADER_SIZE, MAX_FRAME_SIZE, WireError, frame_header
 from legato.workers.worker import read_frame, serve
 
 NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to_dict())
@@ -35,11 +35,7 @@ NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to
 
 def framed(*messages: object) -> bytes:
     """The messages as the engine sends them: frame ids 1, 2, ..."""
-    out = b""
-    for frame_id, message in enumerate(messages, start=1):
-        payload = encode(message)
-        out += frame_header(len(payload), frame_id) + payload
-    return out
+    return b"".join(wire.frame(message, frame_id) for frame_id, message in enumerate(messages, 1))
 
 
 def raw_frame(payload: bytes) -> bytes:

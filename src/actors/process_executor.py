@@ -241,8 +241,7 @@ class ProcessExecutor(WorkerFrames):
     def _frame(self, message: object) -> tuple[int, bytes]:
         """A new frame id and the whole frame (header and payload) for ``message``."""
         self._last_id += 1
-        payload = wire.encode(message)
-        return self._last_id, wire.frame_header(len(payload), self._last_id) + payload
+        return self._last_id, wire.frame(message, self._last_id)
 
     def _submit(self, message: object) -> FrameAnswer:
         """Queue ``message`` for the worker; its answer arrives in the returned slot.

@@ -235,6 +235,13 @@ def frame_header(size: int, frame_id: int = 0, *, max_size: int = MAX_FRAME_SIZE
     return _HEADER.pack(size, frame_id)
 
 
+def frame(message: object, frame_id: int = 0, *, max_size: int = MAX_FRAME_SIZE) -> bytes:
+    """``message`` as one whole frame on a stream: its header (:func:`frame_header`), then
+    its payload (:func:`encode`). Raises :class:`WireError` as those do."""
+    payload = encode(message, max_size=max_size)
+    return frame_header(len(payload), frame_id, max_size=max_size) + payload
+
+
 def read_frame_header(
     header: bytes | bytearray | memoryview, *, max_size: int = MAX_FRAME_SIZE
 ) -> tuple[int, int]:

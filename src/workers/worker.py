@@ -80,7 +80,7 @@ def write_frame(stream: BinaryIO, frame_id: int, message: object) -> None:
     one frame, say) is replaced by one that fails the step's requests: they fail, not
     the worker."""
     try:
-        payload = wire.encode(message)
+        data = wire.frame(message, frame_id)
     except wire.WireError as exc:
         if not isinstance(message, m.ModelRunnerOutput):
             raise
@@ -90,8 +90,8 @@ def write_frame(stream: BinaryIO, frame_id: int, message: object) -> None:
         failed = m.ModelRunnerOutput(
             message.step_id, ids, [0] * len(ids), [], failed=dict.fromkeys(ids, reason)
         )
-        payload = wire.encode(failed)
-    stream.write(wire.frame_header(len(payload), frame_id) + payload)
+        data = wire.frame(failed, frame_id)
+    stream.write(data)
     stream.flush()
 
 

@@ -56,6 +56,7 @@ from legato.protocol.wire import (
     WireError,
     decode,
     encode,
+    frame,
     frame_header,
     read_frame_header,
 )
@@ -510,6 +511,15 @@ def test_oversized_frames_are_rejected_both_ways() -> None:
         WireError, match=r"UtilityCall \(tag 50\) frame is \d+ bytes, over the limit"
     ):
         encode(UtilityCall(0, "x" * 100, [], {}), max_size=50)
+
+
+def test_a_whole_frame_is_its_header_then_its_payload() -> None:
+    call = UtilityCall(3, "ping", [1], {})
+    data = frame(call, 7)
+    assert read_frame_header(data[:HEADER_SIZE]) == (len(data) - HEADER_SIZE, 7)
+    assert decode(data[HEADER_SIZE:]) == call
+    with pytest.raises(WireError, match="over the limit"):
+        frame(UtilityCall(0, "x" * 100, [], {}), 1, max_size=50)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 
 from legato.config import EngineConfig
 from legato.protocol import messages as m
-from legato.protocol.wire import encode, frame_header
+from legato.protocol import wire
 from legato.workers.step_timeline import COLUMNS, ENV
 from legato.workers.worker import read_frame, serve
 
@@ -18,11 +18,7 @@ NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to
 
 
 def _framed(*messages: object) -> bytes:
-    out = b""
-    for frame_id, message in enumerate(messages, start=1):
-        payload = encode(message)
-        out += frame_header(len(payload), frame_id) + payload
-    return out
+    return b"".join(wire.frame(message, frame_id) for frame_id, message in enumerate(messages, 1))
 
 
 def _steps() -> list[m.SchedulerOutput]:
