@@ -6,7 +6,8 @@
 # usage: benchmarks/serve_profile.sh [NPROMPTS] [CONCURRENCY] [SPY_HZ] [legato serve args...]
 #   NPROMPTS 64, CONCURRENCY 32; SPY_HZ 0 = no py-spy (pip install py-spy into .venv first;
 #   keep it at 10 or below: sampling faster takes a core's share from a 2-core machine).
-# Drives the default model's converted directory in fp32 with vLLM's own client, exactly as
+# Drives the default model in fp32 (benchmarks/fp32_model_dir.py's directory, written once; MODEL_DIR
+# names another) with vLLM's own client, exactly as
 # ../shared/anchors/vllm-cpu/serve_compare.sh does (random 256-token prompts, 128 out, EOS
 # ignored; that script's setup.sh must have run once). Prints the client's summary lines,
 # then wall seconds and each process's CPU seconds (the wall includes the client's start-up,
@@ -20,7 +21,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 anchors=${ANCHOR_HOME:-$HOME/.cache/legato-anchors}
 vpy=$anchors/vllm/bin/python
 cli=${VLLM_CLI:-$root/../shared/anchors/vllm-cpu/vllm_cli.py}
-model=${MODEL_DIR:-${LEGATO_HOME:-$HOME/.cache/legato}/SmolLM2-135M-Instruct-v1}
+model=${MODEL_DIR:-$("$root/.venv/bin/python" "$root/benchmarks/fp32_model_dir.py")}
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 out=$(mktemp -d)
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
