@@ -40,7 +40,9 @@ TEXT = (
     "exchange salt, wool and grain. Over the centuries the town grew into a market centre, then "
     "a port, and its people built walls, bridges, churches and schools. "
 ) * 12
-LLAMACPP_PYTHON = Path.home() / ".cache/legato-anchors/llamacpp/bin/python"
+# the anchor's venv, where its scripts put it ($ANCHOR_HOME, as theirs)
+ANCHOR_HOME = Path(os.environ.get("ANCHOR_HOME", Path.home() / ".cache/legato-anchors"))
+LLAMACPP_PYTHON = ANCHOR_HOME / "llamacpp/bin/python"
 
 
 def prompts(ids: list[int], streams: int, length: int, run: int) -> list[list[int]]:
