@@ -49,7 +49,10 @@ agreement on the default model), each group's ``codes . x_codes`` an exact
 int32 dot product (AVX-512 VNNI, AVX2 or portable, chosen at run time), then
 scaled in fp32; the offset term uses the exact fp32 sum of x. More rows take
 the fp32 tile below, which forms each weight once for all rows and measured
-faster than the integer tile from 2 rows up.
+faster than the integer tile from 2 rows up. (A verification step's rows of one
+sequence take the integer tile, to match a one-row step bit for bit; there, on
+AVX-512 VNNI, 8-bit codes meet the two digits as one int16, ``256 q + r``, by
+``vpdpwssd``: the same exact int32 sums, in fewer instructions a row.)
 
 The fidelity path (``int8_max_rows=0``, engine argument
 ``gguf_activations="fp32"``): activations stay fp32 (bf16 inputs are widened and the result

@@ -32,6 +32,12 @@ struct ActivationCodes {
   std::vector<int32_t> bias_q; // [M, kp / 4] -128 * the sum of the lane's 4 high digits
   std::vector<int32_t> bias_r; // [M, kp / 4] -128 * the sum of the lane's 4 low digits
   std::vector<float> gsum;     // [M, K / G] exact fp32 sum of x per weight group
+  // The two digits as one int16, v = 256 q + r (|v| <= 127 * 257, exact), for the VNNI tile of
+  // 8-bit codes over several input rows (vpdpwssd, tile_vnni): per 4-code lane (codes 4l ..
+  // 4l + 3 of the plain order) two int16s in each, v_even codes 4l and 4l + 2, v_odd codes
+  // 4l + 1 and 4l + 3. Filled with the plain order.
+  std::vector<int16_t> v_even;  // [M, kp / 2]
+  std::vector<int16_t> v_odd;   // [M, kp / 2]
   // The same digits in the nibble order (filled instead of q .. bias_r when asked: the VNNI
   // tile for 4/5/6-bit codes, tile_vnni_nibbles). Per step of 128 codes (4 blocks of 32):
   // 64 "low" codes (codes 0-15 of each block, block after block), then the 64 "high" codes
@@ -67,6 +73,8 @@ void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int
   a.lane_d.assign(plain * kp / 4, 0.0f);
   a.bias_q.assign(plain * kp / 4, 0);
   a.bias_r.assign(plain * kp / 4, 0);
+  a.v_even.assign(plain * kp / 2, 0);
+  a.v_odd.assign(plain * kp / 2, 0);
   a.nq.assign(nibbled * kn, 0);
   a.nr.assign(nibbled * kn, 0);
   a.nlane_d.assign(nibbled * kn / 8, 0.0f);
@@ -114,6 +122,9 @@ void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int
         for (int j = 0; j < 32; ++j) {
           a.q[m * kp + b * 32 + j] = static_cast<int8_t>(high[j]);
           a.r[m * kp + b * 32 + j] = static_cast<int8_t>(low[j]);
+          // lane (b * 32 + j) / 4: codes 0 and 2 of a lane to v_even, 1 and 3 to v_odd
+          const int64_t at = m * kp / 2 + (b * 32 + j) / 4 * 2 + (j % 4) / 2;
+          (j % 2 == 0 ? a.v_even : a.v_odd)[at] = static_cast<int16_t>(256 * high[j] + low[j]);
         }
         for (int l = 0; l < 8; ++l) {
           a.lane_d[m * kp / 4 + b * 8 + l] = d;

@@ -247,6 +247,7 @@ void put_code_rows(const ActivationCodes& mine, int64_t rows, int64_t m0, Activa
   put(mine.bias_q, all.bias_q), put(mine.bias_r, all.bias_r), put(mine.gsum, all.gsum);
   put(mine.nq, all.nq), put(mine.nr, all.nr), put(mine.nlane_d, all.nlane_d);
   put(mine.nbias_q, all.nbias_q), put(mine.nbias_r, all.nbias_r);
+  put(mine.v_even, all.v_even), put(mine.v_odd, all.v_odd);
 }
 
 // Room for T rows of K <= k_max codes in either order, for every group size.
@@ -257,6 +258,7 @@ void size_shared_codes(ActivationCodes& a, int64_t T, int64_t k_max) {
   a.d.resize(T * kp / 32), a.lane_d.resize(T * kp / 4), a.nlane_d.resize(T * kn / 8);
   for (auto* v : {&a.bias_q, &a.bias_r}) v->resize(T * kp / 4);
   for (auto* v : {&a.nbias_q, &a.nbias_r}) v->resize(T * kn / 4);
+  for (auto* v : {&a.v_even, &a.v_odd}) v->resize(T * kp / 2);
   a.gsum.resize(T * k_max);
 }
 

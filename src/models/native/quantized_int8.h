@@ -36,6 +36,12 @@ namespace {
 //
 // vpdpbusd wants unsigned weights: 8-bit codes are biased by 128 (code ^ 0x80) and the bias
 // is taken back exactly by starting each lane's sum at -128 * (its 4 activation codes' sum).
+// Over several input rows, 8-bit codes take vpdpwssd instead: the two digits as one int16,
+// v = 256 q + r (ActivationCodes::v_even, v_odd), against the codes sign-extended to int16
+// once per weight row and step (a lane's codes 0 and 2, then 1 and 3), two instructions a
+// pair of rows and 64 codes instead of two vpdpbusd, a shift and an add. Each lane's int32 is
+// the same exact sum of code * v over its 4 codes either way, so a row's output does not depend
+// on how many rows its tile holds.
 // vpmaddubsw saturates at 16 bits, so AVX2 uses |w| * sign(x, w) instead (|w| <= 128).
 
 inline float offset_term(const float* mins, const float* gsum, int64_t groups) {
@@ -180,14 +186,22 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     const bool half = partial && s == steps - 1;
-    __m512i xq[MR], xr[MR], bq[MR], br[MR];
+    // one input row: its two digits and lane biases (vpdpbusd); more: v = 256 q + r as int16
+    // pairs (vpdpwssd), whose sign extension of the codes the rows share
+    constexpr int R1 = MR == 1 ? 1 : 0, RN = MR == 1 ? 0 : MR;
+    __m512i xq[R1 + 1], xr[R1 + 1], bq[R1 + 1], br[R1 + 1], v_even[RN + 1], v_odd[RN + 1];
     __m512 xd[MR];
     for (int j = 0; j < MR; ++j) {
-      xq[j] = _mm512_loadu_si512(a.q.data() + xm[j] * kp + s * 64);
-      xr[j] = _mm512_loadu_si512(a.r.data() + xm[j] * kp + s * 64);
       xd[j] = _mm512_loadu_ps(a.lane_d.data() + xm[j] * kp / 4 + s * 16);
-      bq[j] = _mm512_loadu_si512(a.bias_q.data() + xm[j] * kp / 4 + s * 16);
-      br[j] = _mm512_loadu_si512(a.bias_r.data() + xm[j] * kp / 4 + s * 16);
+      if constexpr (MR == 1) {
+        xq[j] = _mm512_loadu_si512(a.q.data() + xm[j] * kp + s * 64);
+        xr[j] = _mm512_loadu_si512(a.r.data() + xm[j] * kp + s * 64);
+        bq[j] = _mm512_loadu_si512(a.bias_q.data() + xm[j] * kp / 4 + s * 16);
+        br[j] = _mm512_loadu_si512(a.bias_r.data() + xm[j] * kp / 4 + s * 16);
+      } else {
+        v_even[j] = _mm512_loadu_si512(a.v_even.data() + xm[j] * kp / 2 + s * 32);
+        v_odd[j] = _mm512_loadu_si512(a.v_odd.data() + xm[j] * kp / 2 + s * 32);
+      }
     }
     const __mmask16 smask = half ? __mmask16((1u << (per_step / 2)) - 1) : __mmask16((1u << per_step) - 1);
     if (n0 + ahead_rows + NR <= n_total) {  // the tile ahead_rows ahead: codes, scales
@@ -201,15 +215,24 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
         }
       }
     }
+    const __mmask64 bmask = half ? 0xFFFFFFFFull : ~0ull;
     for (int i = 0; i < NR; ++i) {
-      const __mmask64 bmask = half ? 0xFFFFFFFFull : ~0ull;  // codes biased by 128 (see above)
-      const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bmask, rows[i] + s * 64), flip);
       const __m512 ws = _mm512_permutexvar_ps(
           scale_lanes, _mm512_maskz_loadu_ps(smask, srow[i] + s * per_step));
-      for (int j = 0; j < MR; ++j) {
-        const __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(bq[j], w, xq[j]), 8);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_add_epi32(high, br[j]), w, xr[j]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xd[j]), acc[i][j]);
+      const __m512i codes = _mm512_maskz_loadu_epi8(bmask, rows[i] + s * 64);
+      if constexpr (MR == 1) {  // codes biased by 128 (see above)
+        const __m512i w = _mm512_xor_si512(codes, flip);
+        const __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(bq[0], w, xq[0]), 8);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_add_epi32(high, br[0]), w, xr[0]);
+        acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xd[0]), acc[i][0]);
+      } else {  // a lane's codes 0 and 2, 1 and 3 as int16 pairs against v (see above)
+        const __m512i w_even = _mm512_srai_epi16(_mm512_slli_epi16(codes, 8), 8);
+        const __m512i w_odd = _mm512_srai_epi16(codes, 8);
+        for (int j = 0; j < MR; ++j) {
+          const __m512i dot = _mm512_dpwssd_epi32(
+              _mm512_dpwssd_epi32(_mm512_setzero_si512(), w_even, v_even[j]), w_odd, v_odd[j]);
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xd[j]), acc[i][j]);
+        }
       }
     }
   }
@@ -535,8 +558,16 @@ int qmatmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_
       call(std::integral_constant<int, 4>{}, std::integral_constant<int, 1>{});
       return 0;
     }
-    // Weight tiles of 2 rows over input tiles of 3, the last exactly the rows left.
+    // Weight tiles of 2 rows over input tiles of 3, the last exactly the rows left; up to 5
+    // rows (a verification step's LM head) one tile of them all.
     const int64_t n_tiles = (N + 1) / 2;
+    if (M <= 5) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+      for (int64_t t = 0; t < n_tiles; ++t)
+        weight_pair_over_rows<BITS, G, HAS_MIN, 5>(a, M, K, q, q_stride, scales, mins, t * 2,
+                                                   std::min<int64_t>(2, N - t * 2), N, y, ldy);
+      return 0;
+    }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < n_tiles; ++t)
       weight_pair_over_rows<BITS, G, HAS_MIN, 3>(a, M, K, q, q_stride, scales, mins, t * 2,
