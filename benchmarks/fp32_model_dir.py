@@ -13,26 +13,31 @@ once.
 
 from __future__ import annotations
 
-import shutil
+from pathlib import Path
 
 import common  # noqa: F401  (the offline environment)
 
 from legato.default_model import DEFAULT_MODEL_NAME, default_model_gguf
-from legato.model_cache import legato_home
+from legato.model_cache import build_atomically, legato_home
 from legato.models.gguf_convert import convert_gguf
 
+MARKER_FILE = "legato-fp32-conversion.json"
 
-def main() -> None:
+
+def fp32_model_dir() -> Path:
+    """The directory, converted on the first call (seconds) and again when the shipped file
+    changes (its path and size are the build's marker)."""
+    gguf = default_model_gguf()
+    marker = {"source_path": str(gguf.resolve()), "source_bytes": gguf.stat().st_size}
     out = legato_home() / f"{DEFAULT_MODEL_NAME}-fp32"
-    if not (out / "model.safetensors").exists():
-        partial = out.with_name(out.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        convert_gguf(default_model_gguf(), partial, label=DEFAULT_MODEL_NAME)
-        shutil.rmtree(out, ignore_errors=True)
-        partial.rename(out)
-    print(out)
+    return build_atomically(
+        out,
+        MARKER_FILE,
+        marker,
+        lambda tmp: convert_gguf(gguf, tmp, label=DEFAULT_MODEL_NAME),
+        f"{out} exists but is not this script's conversion of {gguf.name}; remove it",
+    )
 
 
 if __name__ == "__main__":
-    main()
+    print(fp32_model_dir())

@@ -82,23 +82,20 @@ def prompts(workload: str, n: int, tokenizer: Any) -> list[str]:
 
 def draft_model_dir(num_layers: int) -> str:
     """The default model's first ``num_layers`` layers as a draft model directory, made
-    once (the GGUF file's weights dequantized to fp32, then cut)."""
+    once (cut from fp32_model_dir.py's fp32 conversion of the GGUF file)."""
     import shutil
     import tempfile
     from pathlib import Path
 
-    from legato.default_model import default_model_gguf
+    from fp32_model_dir import fp32_model_dir
+
     from legato.model_cache import legato_home
-    from legato.models.gguf_convert import convert_gguf
     from legato.models.layer_cut import cut_layers
 
     out = legato_home() / f"smollm2-draft-{num_layers}-layers"
     if not (out / "config.json").exists():
         with tempfile.TemporaryDirectory() as tmp:
-            full = Path(tmp) / "full"
-            full.mkdir()
-            convert_gguf(default_model_gguf(), full, label="draft")
-            cut_layers(full, Path(tmp) / "cut", num_layers)
+            cut_layers(fp32_model_dir(), Path(tmp) / "cut", num_layers)
             shutil.move(str(Path(tmp) / "cut"), out)
     return str(out)
 
