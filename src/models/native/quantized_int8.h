@@ -186,18 +186,16 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
     for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
     const bool half = partial && s == steps - 1;
-    // one input row: its two digits and lane biases (vpdpbusd); more: v = 256 q + r as int16
-    // pairs (vpdpwssd), whose sign extension of the codes the rows share
-    constexpr int R1 = MR == 1 ? 1 : 0, RN = MR == 1 ? 0 : MR;
-    __m512i xq[R1 + 1], xr[R1 + 1], bq[R1 + 1], br[R1 + 1], v_even[RN + 1], v_odd[RN + 1];
     __m512 xd[MR];
+    __m512i xq{}, xr{}, bq{}, br{};  // one input row: two digits and lane biases (vpdpbusd)
+    __m512i v_even[MR], v_odd[MR];   // more: v = 256 q + r as int16 pairs (vpdpwssd)
     for (int j = 0; j < MR; ++j) {
       xd[j] = _mm512_loadu_ps(a.lane_d.data() + xm[j] * kp / 4 + s * 16);
       if constexpr (MR == 1) {
-        xq[j] = _mm512_loadu_si512(a.q.data() + xm[j] * kp + s * 64);
-        xr[j] = _mm512_loadu_si512(a.r.data() + xm[j] * kp + s * 64);
-        bq[j] = _mm512_loadu_si512(a.bias_q.data() + xm[j] * kp / 4 + s * 16);
-        br[j] = _mm512_loadu_si512(a.bias_r.data() + xm[j] * kp / 4 + s * 16);
+        xq = _mm512_loadu_si512(a.q.data() + xm[j] * kp + s * 64);
+        xr = _mm512_loadu_si512(a.r.data() + xm[j] * kp + s * 64);
+        bq = _mm512_loadu_si512(a.bias_q.data() + xm[j] * kp / 4 + s * 16);
+        br = _mm512_loadu_si512(a.bias_r.data() + xm[j] * kp / 4 + s * 16);
       } else {
         v_even[j] = _mm512_loadu_si512(a.v_even.data() + xm[j] * kp / 2 + s * 32);
         v_odd[j] = _mm512_loadu_si512(a.v_odd.data() + xm[j] * kp / 2 + s * 32);
@@ -222,8 +220,8 @@ LEGATO_VNNI void tile_vnni(const ActivationCodes& a, int64_t m0, int64_t mr, int
       const __m512i codes = _mm512_maskz_loadu_epi8(bmask, rows[i] + s * 64);
       if constexpr (MR == 1) {  // codes biased by 128 (see above)
         const __m512i w = _mm512_xor_si512(codes, flip);
-        const __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(bq[0], w, xq[0]), 8);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_add_epi32(high, br[0]), w, xr[0]);
+        const __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(bq, w, xq), 8);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_add_epi32(high, br), w, xr);
         acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws, xd[0]), acc[i][0]);
       } else {  // a lane's codes 0 and 2, 1 and 3 as int16 pairs against v (see above)
         const __m512i w_even = _mm512_srai_epi16(_mm512_slli_epi16(codes, 8), 8);
@@ -560,18 +558,16 @@ int qmatmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_
     }
     // Weight tiles of 2 rows over input tiles of 3, the last exactly the rows left; up to 5
     // rows (a verification step's LM head) one tile of them all.
-    const int64_t n_tiles = (N + 1) / 2;
-    if (M <= 5) {
+    auto pairs = [&](auto mr_tag) {
+      constexpr int MR = decltype(mr_tag)::value;
+      const int64_t n_tiles = (N + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
       for (int64_t t = 0; t < n_tiles; ++t)
-        weight_pair_over_rows<BITS, G, HAS_MIN, 5>(a, M, K, q, q_stride, scales, mins, t * 2,
-                                                   std::min<int64_t>(2, N - t * 2), N, y, ldy);
-      return 0;
-    }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < n_tiles; ++t)
-      weight_pair_over_rows<BITS, G, HAS_MIN, 3>(a, M, K, q, q_stride, scales, mins, t * 2,
-                                                 std::min<int64_t>(2, N - t * 2), N, y, ldy);
+        weight_pair_over_rows<BITS, G, HAS_MIN, MR>(a, M, K, q, q_stride, scales, mins, t * 2,
+                                                    std::min<int64_t>(2, N - t * 2), N, y, ldy);
+    };
+    if (M <= 5) pairs(std::integral_constant<int, 5>{});
+    else pairs(std::integral_constant<int, 3>{});
     return 0;
   }
   if (isa == kAvx2) {
