@@ -37,7 +37,9 @@ computes rows in tiles (of 4 in the fp32 tile, 3 in the int8 one), so a few draf
 fill the last tile nearly free while one more opens a new one. So a few streams that
 copy their prompt verify their drafts while the rest of a free-chat batch does not, and
 one stream of an edit (about 90% accepted) keeps all of its. A number of sequences never
-measured with drafts is tried (that is how it gets measured), and every ``PROBE_EVERY``
+measured with drafts is judged by the cost of a draft row measured beside another number
+(two or more sequences: the batched path), and tried only while there is none (that is
+how it gets measured; one sequence's verification is a path of its own), and every ``PROBE_EVERY``
 decisions that leave requests out, the next of them verifies anyway (a probe of a few
 rows, not the whole batch), to follow a change in the workload.
 
@@ -201,7 +203,7 @@ class StepCost:
         total = sum(n for n, _ in drafts)
         if not total:
             return counts
-        plain = self.seconds.get((sequences, sequences))
+        plain = self._plain_seconds(sequences)
         if plain is None:
             return None
         ranked = sorted(range(len(drafts)), key=lambda i: -drafts[i][1])
@@ -237,18 +239,44 @@ class StepCost:
             best -= counts[i]
         return counts
 
+    def _plain_seconds(self, sequences: int) -> float | None:
+        """The time of a plain step of ``sequences`` sequences: measured; else, for two or
+        more, the line through the plain steps of the two nearest numbers (two or more)
+        measured, or the one measured times ``sequences`` over its number. None: none
+        measured. A batch whose count changed (a request finished) is so judged at once,
+        where an unmeasured count verified every request's drafts, step after step while
+        it stayed unmeasured (each drafted step measured its drafted rows, never its plain
+        ones: chat at 8 streams verified every proposal at 5, 4, 3 sequences)."""
+        measured = self.seconds.get((sequences, sequences))
+        if measured is not None or sequences < 2:
+            return measured
+        plains = sorted(
+            ((abs(s - sequences), s, t) for (s, r), t in self.seconds.items() if s == r > 1)
+        )
+        if not plains:
+            return None
+        (_, s1, t1), *rest = plains
+        if not rest:
+            return t1 * sequences / s1
+        _, s2, t2 = rest[0]
+        line = t1 + (t2 - t1) * (sequences - s1) / (s2 - s1)
+        return line if line > 0 else t1 * sequences / s1
+
     def _drafted_seconds(self, sequences: int, drafts: int, plain: float) -> float | None:
         """The time of a step of ``sequences`` sequences and ``drafts`` drafts: measured;
         else interpolated between the nearest row counts measured below and above; past the
         largest, that one's plus the mean cost of a draft row in the drafted steps of
-        ``sequences`` measured so far. None: none measured."""
+        ``sequences`` measured so far. With none of ``sequences`` measured (two or more), the
+        plain step plus the mean cost of a draft row measured beside another number of
+        sequences, two or more (:meth:`_draft_row_elsewhere`). None: none measured."""
         rows = sequences + drafts
         measured = self.seconds.get((sequences, rows))
         if measured is not None:
             return measured
         known = sorted((r, t) for (s, r), t in self.seconds.items() if s == sequences and r > s)
         if not known:
-            return None
+            per_row = self._draft_row_elsewhere() if sequences > 1 else None
+            return None if per_row is None else plain + drafts * per_row
         low_rows, low = sequences, plain
         for r, t in known:
             if r > rows:  # the nearest above: interpolate
@@ -256,3 +284,18 @@ class StepCost:
             low_rows, low = r, t
         per_row = sum((t - plain) / (r - sequences) for r, t in known) / len(known)
         return low + (rows - low_rows) * max(0.0, per_row)
+
+    def _draft_row_elsewhere(self) -> float | None:
+        """The mean cost of a draft row over the drafted steps measured beside two or more
+        sequences (each against its own plain step), or None. Several sequences' steps run
+        the batched path, whose time grows with its rows about alike whatever their number
+        of sequences, where one sequence's verification is a path of its own. A count of
+        sequences the batch reaches anew (a request finished or joined) is so judged at
+        once, where trying it verified every request's drafts (chat at 8 streams: each
+        new count cost a step of twice the rows, and the probes measure it later anyway)."""
+        costs = [
+            (t - plain) / (r - s)
+            for (s, r), t in self.seconds.items()
+            if s > 1 and r > s and (plain := self.seconds.get((s, s))) is not None
+        ]
+        return max(0.0, sum(costs) / len(costs)) if costs else None

@@ -100,7 +100,8 @@ def test_step_cost_tries_unmeasured_row_counts_and_probes_after_declining() -> N
     cost = StepCost()
     assert cost.drafts_pay(8, 32, 0.0)  # nothing measured: drafting is how it gets measured
     cost = _measured()
-    assert cost.drafts_pay(3, 6, 0.0)  # 3 sequences never measured
+    # 3 sequences never measured: judged by eight's plain step and draft rows, not tried
+    assert not cost.drafts_pay(3, 6, 0.0)
     # 8 sequences with 2 drafts each (24 rows) measured, 8 with 1 each (16 rows) not: the
     # plain step plus the measured cost of a draft row, not tried
     del cost.seconds[(8, 16)]
@@ -114,6 +115,31 @@ def test_step_cost_tries_unmeasured_row_counts_and_probes_after_declining() -> N
     assert decisions == [False] * (PROBE_EVERY - 1) + [True] * PROBE_DECISIONS
     assert not cost.drafts_pay(8, 32, 8 * _expected(CHAT_ACCEPTANCE, 4))
     assert not cost.drafts_pay(1, 0, 0.0)  # no drafts: nothing to verify
+
+
+def test_a_new_number_of_sequences_borrows_the_costs_measured_beside_others() -> None:
+    """Seven sequences, their plain step measured and no drafted one: judged by the cost of
+    a draft row measured at eight (not tried with every request's drafts, as with nothing
+    measured beside two or more sequences); five, with no step measured at all, by the
+    plain step the measured counts' line gives; one sequence never borrows either."""
+    cost = _measured()
+    per_row_8 = MEASURED_SECONDS[8] / 8
+    cost.observe(7, 7, 7 * per_row_8)
+    assert not cost.drafts_pay(7, 28, 7 * _expected(CHAT_ACCEPTANCE, 4))
+    # a draft row costs about 2.5 ms at eight, a token 4.3 ms at seven: drafts accepted at
+    # 99% pay, at 49.5% (chat) they do not
+    assert cost.drafts_pay(7, 4, _expected(0.99, 4))
+    # five sequences, not even their plain step measured: the line through seven's and
+    # eight's plain steps
+    assert not cost.drafts_pay(5, 20, 5 * _expected(CHAT_ACCEPTANCE, 4))
+    assert cost.drafts_pay(5, 4, _expected(0.99, 4))
+    fresh = StepCost()
+    fresh.observe(7, 7, 7 * per_row_8)
+    assert fresh.drafts_pay(7, 28, 7 * _expected(CHAT_ACCEPTANCE, 4))  # nothing to borrow: try
+    fresh.observe(1, 1, MEASURED_SECONDS[1])
+    fresh.observe(1, 5, MEASURED_SECONDS[5])
+    fresh.observe(2, 2, MEASURED_SECONDS[1] * 1.5)
+    assert fresh.drafts_pay(2, 4, 0.0)  # one sequence's verification is not the batched path
 
 
 def test_step_cost_follows_new_measurements() -> None:
