@@ -1,9 +1,10 @@
 """A per-frame timeline of the worker's serve loop, for benchmarks only.
 
-Off unless ``LEGATO_STEP_TIMELINE`` names a file; then each step frame appends one
-tab-separated line: step id, prefill tokens, decode rows, the wall seconds the
-worker waited for the frame (idle), spent decoding it, computing its answer and
-writing it, and the process CPU seconds of the compute (CPU / wall near the thread
+Off unless ``LEGATO_STEP_TIMELINE`` names a file (``{pid}`` in it becomes the worker's
+process id, so engines side by side, as in ``benchmarks/spec_decode.py``, write one file
+each); then each step frame appends one tab-separated line: step id, prefill tokens,
+decode rows, draft tokens verified, the wall seconds the worker waited for the frame
+(idle), spent decoding it, computing its answer and writing it, and the process CPU seconds of the compute (CPU / wall near the thread
 count means both cores were busy; near 1, one core idled). ``benchmarks/serve_timeline.py``
 sums a file. Must never import torch or the model code: it times them from outside.
 """
@@ -21,6 +22,7 @@ COLUMNS = (
     "step",
     "prefill_tokens",
     "decode_rows",
+    "draft_tokens",
     "wait_s",
     "decode_s",
     "compute_s",
@@ -29,18 +31,21 @@ COLUMNS = (
 )
 
 
-def step_kind(message: object) -> tuple[int, int]:
-    """(prefill tokens, decode rows) of a SchedulerOutput: a request scheduling one
-    token is a decode row, more is a prefill chunk (drafts count as prefill here)."""
+def step_kind(message: object) -> tuple[int, int, int]:
+    """(prefill tokens, decode rows, draft tokens) of a SchedulerOutput: a request
+    scheduling one token, or one and the drafts it verifies, is a decode row (and its
+    drafts); more is a prefill chunk."""
     if not isinstance(message, m.SchedulerOutput):
-        return 0, 0
-    prefill = rows = 0
-    for n in message.num_scheduled_tokens.values():
-        if n == 1:
+        return 0, 0, 0
+    prefill = rows = drafts = 0
+    for req_id, n in message.num_scheduled_tokens.items():
+        verified = len(message.scheduled_spec_decode_tokens.get(req_id, ()))
+        if n == 1 + verified:
             rows += 1
+            drafts += verified
         else:
             prefill += n
-    return prefill, rows
+    return prefill, rows, drafts
 
 
 class StepTimeline:
@@ -55,7 +60,9 @@ class StepTimeline:
     @classmethod
     def from_env(cls) -> StepTimeline | None:
         path = os.environ.get(ENV)
-        return cls(open(path, "w", buffering=1)) if path else None  # noqa: SIM115 - lives as long as the worker
+        if not path:
+            return None
+        return cls(open(path.replace("{pid}", str(os.getpid())), "w", buffering=1))  # noqa: SIM115 - lives as long as the worker
 
     def read(self) -> None:
         """The frame's header has arrived (the wait ends)."""
@@ -74,11 +81,12 @@ class StepTimeline:
         got, decoded, computed = self._marks
         if isinstance(message, m.SchedulerOutput | m.GrammarBitmask):
             step = getattr(message, "step_id", -1)
-            prefill, rows = step_kind(message)
+            prefill, rows, drafts = step_kind(message)
             fields = (
                 step,
                 prefill,
                 rows,
+                drafts,
                 got - self._last_end,
                 decoded - got,
                 computed - decoded,
