@@ -3,8 +3,8 @@
 usage: python benchmarks/serve_timeline.py TIMELINE.tsv
 Prints, over the file's steps and split by kind (prefill-only, mixed, decode-only, decode
 rows verifying drafts): the worker's idle wait before each step, frame decoding, compute
-wall and CPU seconds, and answer writing; then the busy span (first frame to last answer) and the share of it the
-worker spent computing. A figure, never asserted.
+wall and CPU seconds, and answer writing; then the busy span (first frame to last answer)
+and the share of it the worker spent computing. A figure, never asserted.
 """
 
 from __future__ import annotations

@@ -37,11 +37,11 @@ computes rows in tiles (of 4 in the fp32 tile, 3 in the int8 one), so a few draf
 fill the last tile nearly free while one more opens a new one. So a few streams that
 copy their prompt verify their drafts while the rest of a free-chat batch does not, and
 one stream of an edit (about 90% accepted) keeps all of its. A number of sequences never
-measured with drafts is judged by the cost of a draft row measured beside another number
-(two or more sequences: the batched path), and tried only while there is none (that is
-how it gets measured; one sequence's verification is a path of its own), and every ``PROBE_EVERY``
-decisions that leave requests out, the next of them verifies anyway (a probe of a few
-rows, not the whole batch), to follow a change in the workload.
+measured is judged by the steps measured at other numbers (two or more sequences: the
+batched path), and tried only while there are none (that is how it gets measured; one
+sequence's verification is a path of its own), and every ``PROBE_EVERY`` decisions that
+leave requests out, the next of them verifies anyway (a probe of a few rows, not the
+whole batch), to follow a change in the workload.
 
 Pure Python; never imports torch or trio.
 """
@@ -289,10 +289,7 @@ class StepCost:
         """The mean cost of a draft row over the drafted steps measured beside two or more
         sequences (each against its own plain step), or None. Several sequences' steps run
         the batched path, whose time grows with its rows about alike whatever their number
-        of sequences, where one sequence's verification is a path of its own. A count of
-        sequences the batch reaches anew (a request finished or joined) is so judged at
-        once, where trying it verified every request's drafts (chat at 8 streams: each
-        new count cost a step of twice the rows, and the probes measure it later anyway)."""
+        of sequences; one sequence's verification is a path of its own."""
         costs = [
             (t - plain) / (r - s)
             for (s, r), t in self.seconds.items()

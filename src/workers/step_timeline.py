@@ -4,9 +4,10 @@ Off unless ``LEGATO_STEP_TIMELINE`` names a file (``{pid}`` in it becomes the wo
 process id, so engines side by side, as in ``benchmarks/spec_decode.py``, write one file
 each); then each step frame appends one tab-separated line: step id, prefill tokens,
 decode rows, draft tokens verified, the wall seconds the worker waited for the frame
-(idle), spent decoding it, computing its answer and writing it, and the process CPU seconds of the compute (CPU / wall near the thread
-count means both cores were busy; near 1, one core idled). ``benchmarks/serve_timeline.py``
-sums a file. Must never import torch or the model code: it times them from outside.
+(idle), spent decoding it, computing its answer and writing it, and the process CPU
+seconds of the compute (CPU / wall near the thread count means both cores were busy;
+near 1, one core idled). ``benchmarks/serve_timeline.py`` sums a file. Must never
+import torch or the model code: it times them from outside.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class StepTimeline:
         path = os.environ.get(ENV)
         if not path:
             return None
-        return cls(open(path.replace("{pid}", str(os.getpid())), "w", buffering=1))  # noqa: SIM115 - lives as long as the worker
+        path = path.replace("{pid}", str(os.getpid()))
+        return cls(open(path, "w", buffering=1))  # noqa: SIM115 - lives as long as the worker
 
     def read(self) -> None:
         """The frame's header has arrived (the wait ends)."""
