@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+from collections.abc import Callable
 
 FIRST_BACKOFF = 4  # samples without drafts after the first fall to zero
 MAX_BACKOFF = 64  # the longest back-off, after repeated failed probes
@@ -206,6 +207,9 @@ class StepCost:
         plain = self._plain_seconds(sequences)
         if plain is None:
             return None
+        drafted_seconds = self._drafted_seconds(sequences, plain)
+        if drafted_seconds is None:
+            return None
         ranked = sorted(range(len(drafts)), key=lambda i: -drafts[i][1])
         best_rate, best, expected, num = sequences / plain, 0, 0.0, 0
         for i in ranked:
@@ -213,10 +217,8 @@ class StepCost:
             for _ in range(n):
                 num += 1
                 expected += share
-                seconds = self._drafted_seconds(sequences, num, plain)
-                if seconds is None:
-                    return None
-                seconds += self.overlap  # the step ahead it gives up (async scheduling)
+                # plus the step ahead it gives up (async scheduling)
+                seconds = drafted_seconds(num) + self.overlap
                 if (sequences + expected) / seconds > best_rate:
                     best_rate, best = (sequences + expected) / seconds, num
         if best == total:
@@ -262,28 +264,35 @@ class StepCost:
         line = t1 + (t2 - t1) * (sequences - s1) / (s2 - s1)
         return line if line > 0 else t1 * sequences / s1
 
-    def _drafted_seconds(self, sequences: int, drafts: int, plain: float) -> float | None:
-        """The time of a step of ``sequences`` sequences and ``drafts`` drafts: measured;
-        else interpolated between the nearest row counts measured below and above; past the
-        largest, that one's plus the mean cost of a draft row in the drafted steps of
-        ``sequences`` measured so far. With none of ``sequences`` measured (two or more), the
-        plain step plus the mean cost of a draft row measured beside another number of
-        sequences, two or more (:meth:`_draft_row_elsewhere`). None: none measured."""
-        rows = sequences + drafts
-        measured = self.seconds.get((sequences, rows))
-        if measured is not None:
-            return measured
+    def _drafted_seconds(self, sequences: int, plain: float) -> Callable[[int], float] | None:
+        """The time of a step of ``sequences`` sequences, as a function of its number of
+        drafts: measured; else interpolated between the nearest row counts measured below
+        and above; past the largest, that one's plus the mean cost of a draft row in the
+        drafted steps of ``sequences`` measured so far. With none of ``sequences`` measured
+        (two or more), the plain step plus the mean cost of a draft row measured beside
+        another number of sequences, two or more (:meth:`_draft_row_elsewhere`). None: none
+        measured. The measurements are read once here, not once for each number of drafts
+        a decision weighs."""
         known = sorted((r, t) for (s, r), t in self.seconds.items() if s == sequences and r > s)
         if not known:
-            per_row = self._draft_row_elsewhere() if sequences > 1 else None
-            return None if per_row is None else plain + drafts * per_row
-        low_rows, low = sequences, plain
-        for r, t in known:
-            if r > rows:  # the nearest above: interpolate
-                return low + (t - low) * (rows - low_rows) / (r - low_rows)
-            low_rows, low = r, t
-        per_row = sum((t - plain) / (r - sequences) for r, t in known) / len(known)
-        return low + (rows - low_rows) * max(0.0, per_row)
+            elsewhere = self._draft_row_elsewhere() if sequences > 1 else None
+            if elsewhere is None:
+                return None
+            return lambda drafts: plain + drafts * elsewhere
+        per_row = max(0.0, sum((t - plain) / (r - sequences) for r, t in known) / len(known))
+
+        def seconds(drafts: int) -> float:
+            rows = sequences + drafts
+            low_rows, low = sequences, plain
+            for r, t in known:
+                if r == rows:  # measured
+                    return t
+                if r > rows:  # the nearest above: interpolate
+                    return low + (t - low) * (rows - low_rows) / (r - low_rows)
+                low_rows, low = r, t
+            return low + (rows - low_rows) * per_row
+
+        return seconds
 
     def _draft_row_elsewhere(self) -> float | None:
         """The mean cost of a draft row over the drafted steps measured beside two or more
