@@ -82,22 +82,23 @@ def prompts(workload: str, n: int, tokenizer: Any) -> list[str]:
 
 def draft_model_dir(num_layers: int) -> str:
     """The default model's first ``num_layers`` layers as a draft model directory, made
-    once (cut from fp32_model_dir.py's fp32 conversion of the GGUF file)."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
+    once (cut from fp32_model_dir.py's fp32 conversion of the GGUF file, through
+    ``build_atomically`` as that is: its marker names the source and the layers)."""
     from fp32_model_dir import fp32_model_dir
 
-    from legato.model_cache import legato_home
+    from legato.model_cache import build_atomically, legato_home
     from legato.models.layer_cut import cut_layers
 
+    source = fp32_model_dir()
     out = legato_home() / f"smollm2-draft-{num_layers}-layers"
-    if not (out / "config.json").exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            cut_layers(fp32_model_dir(), Path(tmp) / "cut", num_layers)
-            shutil.move(str(Path(tmp) / "cut"), out)
-    return str(out)
+    built = build_atomically(
+        out,
+        "legato-draft-cut.json",
+        {"source_dir": str(source), "layers": num_layers},
+        lambda tmp: cut_layers(source, tmp, num_layers),
+        f"{out} exists but is not this script's {num_layers}-layer cut of {source}; remove it",
+    )
+    return str(built)
 
 
 async def measure(engine: Any, texts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
