@@ -51,6 +51,7 @@ def _forward(
         ("fp32", 1, None),
         ("fp32", 3, None),
         ("int8", 1, "Q5_0"),  # 5-bit codes: the nibbles plus a bit plane
+        ("int8", 1, "Q8_0"),  # 8-bit codes: the rows' digits as int16 pairs (vpdpwssd)
     ],
 )
 def test_verified_rows_equal_plain_decode_bit_for_bit(
@@ -64,7 +65,8 @@ def test_verified_rows_equal_plain_decode_bit_for_bit(
     (through the decode stack: its one call sees them all) against 5 plain decode steps of
     ``num_seqs`` rows; logits and KV cache equal bit for bit (int8 activations at one
     sequence, the fp32 tile at three; in fp32 mode one sequence takes the one-row kernel);
-    also with the matrices re-quantized to Q5_0 (the 5-bit layout's integer rows)."""
+    also with the matrices re-quantized to Q5_0 (the 5-bit layout's integer rows) and to Q8_0
+    (the 8-bit layout's, whose tile over several rows reads the digits as int16 pairs)."""
     if not cpu_kernels.available():
         pytest.skip("the native CPU kernels did not build here")
     config = EngineConfig(
