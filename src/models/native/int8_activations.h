@@ -35,7 +35,8 @@ struct ActivationCodes {
   // The two digits as one int16, v = 256 q + r (|v| <= 127 * 257, exact), for the VNNI tile of
   // 8-bit codes over several input rows (vpdpwssd, tile_vnni): per 4-code lane (codes 4l ..
   // 4l + 3 of the plain order) two int16s in each, v_even codes 4l and 4l + 2, v_odd codes
-  // 4l + 1 and 4l + 3. Filled with the plain order.
+  // 4l + 1 and 4l + 3. Filled with the plain order when asked (int16_pairs: the caller's tile
+  // has several input rows; a one-row tile reads q .. bias_r only).
   std::vector<int16_t> v_even;  // [M, kp / 2]
   std::vector<int16_t> v_odd;   // [M, kp / 2]
   // The same digits in the nibble order (filled instead of q .. bias_r when asked: the VNNI
@@ -59,10 +60,10 @@ inline int32_t round_to_int(float v) {
   return bits - 0x4B400000;
 }
 
-// Every row's two digits (see above), in the plain order (q .. bias_r) or, with
-// nibble_order, in the nibble order (nq .. nbias_r); gsum either way.
+// Every row's two digits (see above), in the plain order (q .. bias_r, and with int16_pairs
+// v_even, v_odd) or, with nibble_order, in the nibble order (nq .. nbias_r); gsum either way.
 void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int G,
-                          ActivationCodes& a, bool nibble_order = false) {
+                          ActivationCodes& a, bool nibble_order, bool int16_pairs) {
   const int64_t kp = (K + 63) / 64 * 64, kn = (K + 127) / 128 * 128;
   a.kp = kp;
   a.kn = kn;
@@ -73,8 +74,9 @@ void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int
   a.lane_d.assign(plain * kp / 4, 0.0f);
   a.bias_q.assign(plain * kp / 4, 0);
   a.bias_r.assign(plain * kp / 4, 0);
-  a.v_even.assign(plain * kp / 2, 0);
-  a.v_odd.assign(plain * kp / 2, 0);
+  const int64_t paired = int16_pairs ? plain : 0;
+  a.v_even.assign(paired * kp / 2, 0);
+  a.v_odd.assign(paired * kp / 2, 0);
   a.nq.assign(nibbled * kn, 0);
   a.nr.assign(nibbled * kn, 0);
   a.nlane_d.assign(nibbled * kn / 8, 0.0f);
@@ -122,6 +124,8 @@ void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int
         for (int j = 0; j < 32; ++j) {
           a.q[m * kp + b * 32 + j] = static_cast<int8_t>(high[j]);
           a.r[m * kp + b * 32 + j] = static_cast<int8_t>(low[j]);
+        }
+        for (int j = 0; paired && j < 32; ++j) {
           // lane (b * 32 + j) / 4: codes 0 and 2 of a lane to v_even, 1 and 3 to v_odd
           const int64_t at = m * kp / 2 + (b * 32 + j) / 4 * 2 + (j % 4) / 2;
           (j % 2 == 0 ? a.v_even : a.v_odd)[at] = static_cast<int16_t>(256 * high[j] + low[j]);

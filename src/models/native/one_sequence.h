@@ -86,7 +86,7 @@ void project_share(const QuantProjection& w, const VnniRowsShare (&fn)[kMaxParts
     const QuantPart& wp = w.parts[p];
     const bool nibbles = wp.bits != 8;  // vnni_nibble_order
     if (p == 0 || wp.group != w.parts[p - 1].group || nibbles != (w.parts[p - 1].bits != 8))
-      quantize_activations(x, K, T, K, wp.group, a, nibbles);
+      quantize_activations(x, K, T, K, wp.group, a, nibbles, T > 1);
     fn[p](a, T, K, wp.codes, wp.rows, wp.scales, wp.offsets, y + column, N, part, parts);
     column += wp.rows;
   }
@@ -281,7 +281,8 @@ void quantize_rows_share(const QuantProjection& w, const float* x, int64_t m0, i
     ActivationCodes& all = shared[p];
     if (part == 0) all.kp = (K + 63) / 64 * 64, all.kn = (K + 127) / 128 * 128;
     if (m1 <= m0) continue;
-    quantize_activations(x, K, m1 - m0, K, w.parts[p].group, mine, w.parts[p].bits != 8);
+    // T > 1 here (verify_rows_region): the tiles read the int16 pairs of every row
+    quantize_activations(x, K, m1 - m0, K, w.parts[p].group, mine, w.parts[p].bits != 8, true);
     put_code_rows(mine, m1 - m0, m0, all);
   }
 }

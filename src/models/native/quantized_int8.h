@@ -542,7 +542,8 @@ int qmatmul_int8(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_
   thread_local ActivationCodes scratch;  // reused: a decode step calls this ~200 times
   ActivationCodes& a = scratch;  // (a lambda naming `scratch` would see its own thread's)
   const int isa = quantized_isa(-1);
-  quantize_activations(x, ldx, M, K, G, a, isa == kAvx512Vnni && vnni_nibble_order<BITS>());
+  quantize_activations(x, ldx, M, K, G, a, isa == kAvx512Vnni && vnni_nibble_order<BITS>(),
+                       isa == kAvx512Vnni && M > 1);
 #if defined(LEGATO_HAVE_X86)
   if (isa == kAvx512Vnni) {
     auto call = [&](auto nr_tag, auto mr_tag) {
