@@ -24,18 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from legato.actors.process_executor import _FrameReader
-from legato.config import EngineConfig
 from legato.protocol import messages as m
 from legato.protocol import wire
 from legato.protocol.wire import HEADER_SIZE, MAX_FRAME_SIZE, WireError, frame_header
+from legato.testing.worker_frames import NULL_INIT, framed
 from legato.workers.worker import read_frame, serve
-
-NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to_dict())
-
-
-def framed(*messages: object) -> bytes:
-    """The messages as the engine sends them: frame ids 1, 2, ..."""
-    return b"".join(wire.frame(message, frame_id) for frame_id, message in enumerate(messages, 1))
 
 
 def raw_frame(payload: bytes) -> bytes:

@@ -1,1 +1,1 @@
-"""Testing aids shipped with legato: chaos hooks and the null-model runner."""
+"""Testing aids shipped with legato: chaos hooks, the null-model runner, a worker's input frames."""

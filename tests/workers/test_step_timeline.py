@@ -9,17 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from legato.config import EngineConfig
 from legato.protocol import messages as m
-from legato.protocol import wire
+from legato.testing.worker_frames import NULL_INIT, framed
 from legato.workers.step_timeline import COLUMNS, ENV
 from legato.workers.worker import read_frame, serve
-
-NULL_INIT = m.WorkerInit(config=EngineConfig(runner="null", num_kv_blocks=64).to_dict())
-
-
-def _framed(*messages: object) -> bytes:
-    return b"".join(wire.frame(message, frame_id) for frame_id, message in enumerate(messages, 1))
 
 
 def _steps() -> list[m.SchedulerOutput]:
@@ -48,7 +41,7 @@ def test_each_step_frame_logs_its_kind_and_times(
     monkeypatch.setenv(ENV, str(path))
     first, second, third = _steps()
     out = io.BytesIO()
-    frames = _framed(NULL_INIT, first, m.HealthPing(1, 0.0), second, third)
+    frames = framed(NULL_INIT, first, m.HealthPing(1, 0.0), second, third)
     assert serve(io.BytesIO(frames), out) == 0
     answers = []
     stream = io.BytesIO(out.getvalue())
@@ -81,7 +74,7 @@ def test_a_pid_in_the_path_names_each_workers_own_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV, str(tmp_path / "timeline-{pid}.tsv"))
-    assert serve(io.BytesIO(_framed(NULL_INIT, *_steps())), io.BytesIO()) == 0
+    assert serve(io.BytesIO(framed(NULL_INIT, *_steps())), io.BytesIO()) == 0
     assert [p.name for p in tmp_path.iterdir()] == [f"timeline-{os.getpid()}.tsv"]
 
 
@@ -90,5 +83,5 @@ def test_without_the_variable_nothing_is_written(
 ) -> None:
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.chdir(tmp_path)
-    assert serve(io.BytesIO(_framed(NULL_INIT, *_steps())), io.BytesIO()) == 0
+    assert serve(io.BytesIO(framed(NULL_INIT, *_steps())), io.BytesIO()) == 0
     assert list(tmp_path.iterdir()) == []
