@@ -194,7 +194,7 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     k = codes.shape[1] * 8 // bits
     chunks = codes[:, : k // 2].reshape(n, -1, 16)
     values = torch.cat((chunks & 0x0F, chunks >> 4), dim=-1).reshape(n, k).to(torch.int16)
-    shifts = torch.arange(8, dtype=torch.int16)
+    shifts = torch.arange(8, dtype=torch.int16, device=codes.device)
     for plane in range(bits - 4):
         start = k // 2 + plane * (k // 8)
         packed = codes[:, start : start + k // 8].to(torch.int16)

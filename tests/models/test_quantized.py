@@ -19,7 +19,7 @@ from legato.models.attention_backend import TorchBackend
 from legato.models.config import load_model_config
 from legato.models.layers import Linear
 from legato.models.loader import load_model
-from legato.models.quantized import KEPT_TYPES, QuantizedLinear, from_gguf
+from legato.models.quantized import KEPT_TYPES, QuantizedLinear, from_gguf, unpack_codes
 from legato.models.registry import resolve_architecture
 from legato.protocol.params import SamplingParams
 from legato.testing.gguf_blocks import random_blocks, reference_weight, requantize_linears
@@ -40,6 +40,16 @@ def test_dequantized_values_are_gguf_values(kind: str) -> None:
     raw = random_blocks(kind, 7, 512, seed=1)
     weight = from_gguf(raw, kind, 7, 512)
     assert torch.equal(weight.dequantize(), reference_weight(raw, kind))
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K"])
+def test_codes_unpack_on_the_codes_device(kind: str) -> None:
+    """Bit planes are unpacked where the codes are (the GPU benchmark's reference and
+    the dense copies of a CUDA model): ``meta`` stands for a device other than the CPU,
+    and any tensor left on the CPU would refuse to mix with it."""
+    weight = from_gguf(random_blocks(kind, 3, 256, seed=2), kind, 3, 256)
+    unpacked = unpack_codes(weight.codes.to("meta"), weight.bits)
+    assert unpacked.device.type == "meta" and unpacked.shape == (3, 256)
 
 
 @pytest.mark.parametrize("kind", KEPT_TYPES)
