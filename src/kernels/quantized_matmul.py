@@ -22,6 +22,13 @@ from "dequantize, then ``F.linear``" only by summation order; fp16 / bf16
 inputs multiply the weight rounded to their dtype, accumulating in fp32, as
 a tensor-core matmul does. The result has the input's dtype.
 
+A ``tl.dot`` takes at least 16 rows, and an IEEE fp32 dot runs on the CUDA
+cores, not the tensor cores: a one-row fp32 call padded to 16 rows does 16
+times its arithmetic. So with ``LaunchConfig.gemv`` fp32 rows (a tile of any
+power of 2) multiply and sum in registers instead (``[rows, weight rows, K
+step]`` products summed over K): the same fp32 products in another summation
+order. CUDA's default takes it for one row (H100: 2.6 to 5x the dot's speed).
+
 The reference is ``QuantizedWeight.dequantize`` followed by ``F.linear``
 (tests/kernels/test_quantized_matmul.py, under ``TRITON_INTERPRET=1`` on CPU).
 Imports triton at module import; never imports legato.models (the layer above):
@@ -57,9 +64,12 @@ class QuantizedLayout(Protocol):
 
 
 @triton.jit
-def _dot_acc(x, w, acc, FP32_DOT: tl.constexpr):
+def _dot_acc(x, w, acc, FP32_DOT: tl.constexpr, GEMV: tl.constexpr):
     """``acc + x @ w^T`` for ``x`` ``[BLOCK_M, K]`` and the fp32 weight tile ``w``
-    ``[BLOCK_N, K]``: in IEEE fp32, or on ``w`` rounded to ``x``'s dtype."""
+    ``[BLOCK_N, K]``: in IEEE fp32 (as products summed in registers when ``GEMV``),
+    or on ``w`` rounded to ``x``'s dtype."""
+    if GEMV:
+        return acc + tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     if FP32_DOT:
         return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
     return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
@@ -88,6 +98,7 @@ def _quantized_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    GEMV: tl.constexpr,
 ):
     """Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``; each program one
     ``[BLOCK_M, BLOCK_N]`` tile of the output over its ``K // SPLIT_K`` slice of K,
@@ -125,7 +136,7 @@ def _quantized_matmul_kernel(
             x = tl.load(
                 x_row + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=row_mask[:, None], other=0.0
             )
-            acc = _dot_acc(x, tl.reshape(w3, (BLOCK_N, BLOCK_K)), acc, FP32_DOT)
+            acc = _dot_acc(x, tl.reshape(w3, (BLOCK_N, BLOCK_K)), acc, FP32_DOT, GEMV)
         else:
             # Byte j of a 32-run holds the low 4 bits of code j (low nibble) and of code
             # j + 16 (high nibble): the low nibbles meet x's first 16 columns of each run,
@@ -161,8 +172,8 @@ def _quantized_matmul_kernel(
                 w_high = w_high + off_high[:, :, None]
             x_low = tl.load(x_row + at_low[None, :], mask=row_mask[:, None], other=0.0)
             x_high = tl.load(x_row + (at_low + 16)[None, :], mask=row_mask[:, None], other=0.0)
-            acc = _dot_acc(x_low, tl.reshape(w_low, (BLOCK_N, HALF)), acc, FP32_DOT)
-            acc = _dot_acc(x_high, tl.reshape(w_high, (BLOCK_N, HALF)), acc, FP32_DOT)
+            acc = _dot_acc(x_low, tl.reshape(w_low, (BLOCK_N, HALF)), acc, FP32_DOT, GEMV)
+            acc = _dot_acc(x_high, tl.reshape(w_high, (BLOCK_N, HALF)), acc, FP32_DOT, GEMV)
     at = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols64[None, :]
     if SPLIT_K == 1:
         tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -179,6 +190,7 @@ class LaunchConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False  # fp32 only: products summed in registers, block_m any power of 2
 
 
 def launch_config(
@@ -190,7 +202,14 @@ def launch_config(
     CUDA, up to 16 rows (decode): tiles of 32 weight rows by 256 codes (64 for ``fp32``
     activations, whose IEEE dots would spill registers on sm_90 at 256), K split until
     there are about two programs per SM of an H100 / H200 (132), so that the weight
-    streams from every SM at once. More rows: 64- or 128-row tiles. CPU (the
+    streams from every SM at once. One fp32 row sums in registers (``gemv``), over
+    tiles of 16 weight rows by 64 codes with K split into the most slices up to 8
+    (any count dividing its steps) that keep to 2048 programs: many small programs
+    keep more loads in flight (``--sweep --dtype fp32`` on an H100: 960 x 576 in 8.4
+    us split 3, 4096 x 4096 in 32.9 us split 8; the 16-row dot took 26.5 and 164.8).
+    2 to 4 fp32 rows keep the dot: at its tiling the registers' form was slower on
+    the default model's shapes (29.5 against 26.3 us at 4 rows), and no other tiling
+    of theirs was timed. More rows: 64- or 128-row tiles. CPU (the
     interpreter, tests only): small tiles keep the run short."""
     if device_type != "cuda":
         return LaunchConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, 64 if k % 64 == 0 else 32)
@@ -201,6 +220,10 @@ def launch_config(
         split = 1
         while split < 8 and tiles * split * 2 <= 264 and k % (block_k * split * 2) == 0:
             split *= 2
+        if fp32 and m == 1:
+            tiles, steps = triton.cdiv(n, 16), k // block_k
+            split = max(d for d in range(1, 9) if steps % d == 0 and (d == 1 or tiles * d <= 2048))
+            return LaunchConfig(1, 16, block_k, split, gemv=True)
         return LaunchConfig(16, block_n, block_k, split)
     block_k = 64 if k % 64 == 0 else 32
     return LaunchConfig(64 if m <= 64 else 128, 64, block_k)
@@ -251,6 +274,8 @@ def quantized_matmul(
     )
     if config.block_k % 32 or k % (config.block_k * config.split_k):
         raise ValueError(f"quantized_matmul: {config} does not divide in_features {k}")
+    if config.gemv and x.dtype != torch.float32:
+        raise ValueError(f"quantized_matmul: gemv is for fp32 x, got {x.dtype}")
     split = config.split_k > 1
     out = (torch.zeros if split else torch.empty)(
         m, n, dtype=torch.float32 if split else x.dtype, device=x.device
@@ -284,6 +309,7 @@ def quantized_matmul(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_K=config.split_k,
+        GEMV=config.gemv,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

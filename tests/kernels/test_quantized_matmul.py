@@ -107,3 +107,38 @@ def test_launch_configs_agree(device: str, kind: str, config: LaunchConfig) -> N
     torch.testing.assert_close(got.cpu().float(), expected, rtol=2e-3, atol=2e-3)
     with pytest.raises(ValueError, match="does not divide in_features 512"):
         quantized_matmul(x.to(device), weight, config._replace(split_k=3))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize(("rows", "block_m", "split"), [(1, 1, 1), (3, 4, 2), (2, 2, 1)])
+def test_fp32_rows_summed_in_registers(
+    device: str, kind: str, rows: int, block_m: int, split: int
+) -> None:
+    """``gemv`` (fp32 rows; CUDA's default for one) takes the products of
+    the 16-row dot in another summation order: within fp32 rounding of the reference,
+    odd N masked, K split too; any other dtype is refused, naming it."""
+    raw = random_blocks(kind, 37, 512, seed=10 + rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    weight = on(from_gguf(raw, kind, 37, 512), device)
+    config = LaunchConfig(block_m, 16, 64, split, gemv=True)
+    got = quantized_matmul(x.to(device), weight, config)
+    reference = gguf_weight(raw, kind).double()
+    expected = F.linear(x.double(), reference)
+    bound = 1e-5 * F.linear(x.double().abs(), reference.abs()) + 1e-6
+    assert got.shape == (rows, 37)
+    assert ((got.cpu().double() - expected).abs() <= bound).all()
+    with pytest.raises(ValueError, match="gemv is for fp32 x, got torch.float16"):
+        quantized_matmul(x.half().to(device), weight, config)
+
+
+def test_cuda_decode_default_sums_one_fp32_row_in_registers() -> None:
+    """A 16-row IEEE dot would pad one fp32 row 16 times on the CUDA cores: one fp32 row
+    takes ``gemv`` tiles of 16 weight rows, K split into as many slices (up to 8, any
+    count dividing its steps) as keep to 2048 programs; 16-bit rows and 2 or more keep
+    the dot."""
+    one = launch_config(1, 960, 576, 4, "cuda", fp32=True)
+    assert one == LaunchConfig(1, 16, 64, 3, gemv=True)  # 9 steps of 64: 60 tiles x 3
+    assert launch_config(1, 4096, 4096, 4, "cuda", fp32=True).split_k == 8
+    assert launch_config(1, 28672, 4096, 4, "cuda", fp32=True).split_k == 1  # 1792 tiles
+    assert not launch_config(2, 960, 576, 4, "cuda", fp32=True).gemv
+    assert not launch_config(1, 960, 576, 4, "cuda").gemv
