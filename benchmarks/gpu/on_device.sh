@@ -6,9 +6,10 @@
 #
 # The machine has python3 with torch (CUDA), triton, transformers, pytest; what it lacks
 # (trio, outcome, sniffio, pytest-trio, trio-websocket, wsproto, h11: py3 wheels fetched
-# beforehand with `pip download --no-deps`)
-# comes as wheels in $WHEELS (default ../.whl: the copy of the repository sits in a
-# folder beside the wheels' folder), installed into /tmp/site. legato goes on the path as a link /tmp/pkg/legato -> src. A Triton
+# beforehand with `pip download --no-deps`; also msgspec, llguidance, pydantic and
+# pydantic_core, annotated-types, typing-inspection, gguf, swagger-ui-bundle-v2)
+# comes as wheels in $WHEELS (default .whl: an ignored folder of the repository root,
+# named in the call's carry), installed into /tmp/site. legato goes on the path as a link /tmp/pkg/legato -> src. A Triton
 # cache from an earlier call (.triton-cache.tgz beside src/) is unpacked first, and the
 # cache is packed into $OUT at the end, so kernels compiled once are not compiled again.
 # Extra arguments for the benchmark come in $BENCH_ARGS; logs and JSON go to $OUT.
@@ -21,7 +22,7 @@ OUT=${OUT:-/tmp/legato-out}
 mkdir -p "$OUT"
 export LEGATO_HOME=${LEGATO_HOME:-/tmp/lh}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-WHEELS=${WHEELS:-../.whl}
+WHEELS=${WHEELS:-.whl}
 if [ -d "$WHEELS" ]; then  # a later call on the same machine finds them in /tmp/site
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "$WHEELS"/*.whl || exit 1

@@ -5,11 +5,14 @@ For every kept GGUF type (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) on
 Llama-3-8B's projection shapes, random blocks are repacked by the loader's own
 ``from_gguf`` and moved to the device. Per batch ``M`` the table gives:
 
+- ``path``: ``dot`` (``tl.dot`` tiles of 16 rows) or ``gemv`` (fp32 rows, products
+  summed in registers: the default for one fp32 row);
 - ``quant us``: :func:`legato.kernels.quantized_matmul.quantized_matmul` with bf16
-  activations and its default :func:`launch_config` (CUDA-graph replays, L2 flushed
-  before each, CUDA-event median: ``roofline.time_call``);
-- ``bf16 us``: ``F.linear`` on the same weight dequantized to bf16 (cuBLAS), timed alike;
-- ``x bf16``: bf16 time / quantized time (above 1: the quantized kernel is faster);
+  (or ``--dtype fp32``) activations and its default :func:`launch_config` (CUDA-graph
+  replays, L2 flushed before each, CUDA-event median: ``roofline.time_call``);
+- ``dense us``: ``F.linear`` on the same weight dequantized to the activations' dtype
+  (cuBLAS), timed alike;
+- ``x dense``: dense time / quantized time (above 1: the quantized kernel is faster);
 - ``floor us`` and ``% floor``: the memory floor, i.e. the bytes the kernel must move
   (codes, fp32 scales and offsets, activations in, results out) over the device's
   measured copy bandwidth, and floor / measured. For large ``M`` the compute floor
@@ -18,12 +21,18 @@ Llama-3-8B's projection shapes, random blocks are repacked by the loader's own
 - ``max err``: the largest difference from "dequantize, then ``F.linear``" in fp32,
   relative to the reference's largest magnitude (bf16 operands: about 1e-2 is expected).
 
+``--dtype fp32`` gives the kernel fp32 activations (IEEE products; the default
+model runs so on a GPU) and compares with cuBLAS on the fp32 weight; with
+``--compare-dot``, a row whose default is ``gemv`` is timed a second time on the
+16-row ``tl.dot`` (same slices of K, 32 weight rows a tile: the tiling before).
 ``--sweep`` first times a grid of launch shapes (tile sizes, split K, warps,
-stages) for a 4-bit and an 8-bit layout per batch class, on the ``o`` and ``down``
-shapes, and prints the best ones: what :func:`launch_config`'s CUDA table was chosen
-from. ``--json PATH`` writes every row.
+stages) for a 4-bit and an 8-bit layout per batch class, on the shapes given,
+and prints the best ones: what :func:`launch_config`'s CUDA table was chosen
+from. ``--json PATH`` writes every row. The ``s_`` shapes are the default
+model's (SmolLM2-135M: hidden 576, intermediate 1536, 9 + 3 + 3 heads of 64).
 
     python benchmarks/gpu/quantized_matmul.py [--sweep] [--json out.json]
+    python benchmarks/gpu/quantized_matmul.py --shapes s_qkv s_down --dtype fp32 --compare-dot
     python benchmarks/gpu/quantized_matmul.py --device cpu --tiny   # interpreter smoke run
 """
 
@@ -44,12 +53,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import _graphed, _resolve_device, time_call  # noqa: E402
 
 KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-SHAPES = {  # Llama-3-8B: (out_features, in_features)
+SHAPES = {  # (out_features, in_features): Llama-3-8B's, then the default model's (s_)
     "qkv": (6144, 4096),
     "o": (4096, 4096),
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
+    "s_qkv": (960, 576),
+    "s_o": (576, 576),
+    "s_gate_up": (3072, 576),
+    "s_down": (576, 1536),
 }
+LARGE = ("qkv", "o", "gate_up", "down")
 TINY_SHAPES = {"o": (64, 256), "down": (96, 512)}
 BATCHES = (1, 16, 64, 256, 2048)
 
@@ -59,9 +73,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu (the interpreter)")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(LARGE), choices=list(SHAPES))
+    parser.add_argument(
+        "--dtype", default="bf16", choices=["bf16", "fp32"], help="the activations' dtype"
+    )
+    parser.add_argument(
+        "--compare-dot",
+        action="store_true",
+        help="fp32, one row: also time the 16-row tl.dot tiling the gemv default replaced",
+    )
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--sweep", action="store_true", help="time launch shapes first")
+    parser.add_argument("--sweep-kinds", nargs="+", default=["Q4_1", "Q8_0"], choices=KINDS)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
@@ -110,20 +133,32 @@ def weight_bytes(weight: Any) -> int:
     return int(total + (weight.offsets.numel() * 4 if weight.offsets is not None else 0))
 
 
-def activation_dtype(device: str) -> Any:
-    """bf16 on CUDA; fp16 in the interpreter, whose bf16 arithmetic is not the hardware's."""
+def activation_dtype(device: str, name: str = "bf16") -> Any:
+    """fp32 when asked; else bf16 on CUDA, fp16 in the interpreter (whose bf16 arithmetic
+    is not the hardware's)."""
     import torch
 
+    if name == "fp32":
+        return torch.float32
     return torch.bfloat16 if device == "cuda" else torch.float16
 
 
-def sweep_configs(m: int) -> list[Any]:
+def sweep_configs(m: int, fp32: bool = False) -> list[Any]:
     from legato.kernels.quantized_matmul import LaunchConfig
 
+    if fp32 and m <= 4:
+        return [
+            LaunchConfig(1 if m == 1 else 2 if m == 2 else 4, bn, bk, split, warps, 3, gemv=True)
+            for bn, bk, split, warps in itertools.product(
+                (16, 32, 64), (64, 128, 256), (1, 2, 3, 4, 8), (4,)
+            )
+        ]
     if m <= 16:
         return [
             LaunchConfig(16, bn, bk, split, 4, 3)
-            for bn, bk, split in itertools.product((16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8))
+            for bn, bk, split in itertools.product(
+                (16, 32, 64, 128), (32, 64, 128, 256), (1, 2, 3, 4, 6, 8, 9)
+            )
         ] + [LaunchConfig(16, bn, 128, split, 8, 2) for bn in (32, 64) for split in (1, 4)]
     return [
         LaunchConfig(bm, bn, 64, 1, warps, 3)
@@ -132,21 +167,22 @@ def sweep_configs(m: int) -> list[Any]:
 
 
 def sweep(args: argparse.Namespace, device: str, shapes: dict[str, tuple[int, int]]) -> list[dict]:
-    """Best launch shapes per (layout, batch), on the ``o`` and ``down`` shapes."""
+    """Best launch shapes per (layout, batch), on each shape given."""
     import torch
 
     from legato.kernels.quantized_matmul import launch_config, quantized_matmul
 
     rows: list[dict] = []
-    for kind in ("Q4_1", "Q8_0"):
-        for name in [s for s in ("o", "down") if s in shapes]:
+    for kind in args.sweep_kinds:
+        for name in shapes:
             n, k = shapes[name]
             weight, _ = make_weight(kind, n, k, device)
             for m in [b for b in args.batches if b in (1, 16, 256)]:
-                x = torch.randn(m, k, device=device, dtype=activation_dtype(device))
+                x = torch.randn(m, k, device=device, dtype=activation_dtype(device, args.dtype))
                 results = []
-                default = launch_config(m, n, k, weight.bits, device)
-                for config in dict.fromkeys([default, *sweep_configs(m)]):
+                fp32 = x.dtype == torch.float32
+                default = launch_config(m, n, k, weight.bits, device, fp32=fp32)
+                for config in dict.fromkeys([default, *sweep_configs(m, fp32)]):
                     if k % (config.block_k * config.split_k):
                         continue
                     try:
@@ -197,42 +233,54 @@ def main() -> None:
     if args.sweep:
         report["sweep"] = sweep(args, device, shapes)
     header = (
-        f"{'type':5} {'shape':8} {'M':>5} {'launch':>22} {'quant us':>9} {'bf16 us':>9} "
-        f"{'x bf16':>7} {'floor us':>9} {'% floor':>8} {'bound':>7} {'max err':>8}"
+        f"{'type':5} {'shape':9} {'M':>5} {'path':>4} {'launch':>24} {'quant us':>9} {'dense us':>9} "
+        f"{'x dense':>7} {'floor us':>9} {'% floor':>8} {'bound':>7} {'max err':>8}"
     )
     print(header, flush=True)
     rows = []
     for kind in args.kinds:
         for shape_name, (n, k) in shapes.items():
+            if k % (256 if kind.endswith("_K") else 32):
+                print(f"{kind:5} {shape_name:9} K = {k} does not fill {kind}'s blocks: skipped")
+                continue
             weight, reference = make_weight(kind, n, k, device)
-            dense = reference.to(activation_dtype(device))
+            dtype = activation_dtype(device, args.dtype)
+            dense = reference.to(dtype)
             for m in batches:
-                x = torch.randn(m, k, device=device, dtype=activation_dtype(device))
-                got = quantized_matmul(x, weight).float()
+                x = torch.randn(m, k, device=device, dtype=dtype)
                 want = F.linear(x.float(), reference)
-                err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-                quant_s = timed(partial(quantized_matmul, x, weight), device, args)
-                bf16_s = timed(partial(F.linear, x, dense), device, args)
-                moved = weight_bytes(weight) + 2 * m * k + 2 * m * n
+                dense_s = timed(partial(F.linear, x, dense), device, args)
+                size = x.element_size()
+                moved = weight_bytes(weight) + size * (m * k + m * n)
                 memory_floor = moved / copy_bw
                 compute_floor = 2 * m * n * k / mm_rate
                 floor = max(memory_floor, compute_floor)
-                config = launch_config(m, n, k, weight.bits, device)
-                row = {
-                    "kind": kind, "shape": shape_name, "n": n, "k": k, "m": m,
-                    "launch": list(config), "quant_us": quant_s * 1e6, "bf16_us": bf16_s * 1e6,
-                    "floor_us": floor * 1e6,
-                    "bound": "memory" if memory_floor >= compute_floor else "compute",
-                    "max_rel_err": err,
-                }  # fmt: skip
-                rows.append(row)
-                launch = "/".join(str(v) for v in config)
-                print(
-                    f"{kind:5} {shape_name:8} {m:>5} {launch:>22} {quant_s * 1e6:>9.1f} "
-                    f"{bf16_s * 1e6:>9.1f} {bf16_s / quant_s:>6.2f}x {floor * 1e6:>9.1f} "
-                    f"{100 * floor / quant_s:>7.1f}% {row['bound']:>7} {err:>8.1e}",
-                    flush=True,
-                )
+                default = launch_config(m, n, k, weight.bits, device, fp32=dtype == torch.float32)
+                configs = [default]
+                if args.compare_dot and default.gemv:
+                    configs.append(default._replace(block_m=16, block_n=32, gemv=False))
+                for config in configs:
+                    path = "gemv" if config.gemv else "dot"
+                    got = quantized_matmul(x, weight, config).float()
+                    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+                    quant_s = timed(partial(quantized_matmul, x, weight, config), device, args)
+                    row = {
+                        "kind": kind, "shape": shape_name, "n": n, "k": k, "m": m,
+                        "path": path, "launch": list(config)[:6], "dtype": args.dtype,
+                        "quant_us": quant_s * 1e6, "dense_us": dense_s * 1e6,
+                        "floor_us": floor * 1e6,
+                        "bound": "memory" if memory_floor >= compute_floor else "compute",
+                        "max_rel_err": err,
+                    }  # fmt: skip
+                    rows.append(row)
+                    launch = "/".join(str(v) for v in list(config)[:6])
+                    print(
+                        f"{kind:5} {shape_name:9} {m:>5} {path:>4} {launch:>24} "
+                        f"{quant_s * 1e6:>9.1f} {dense_s * 1e6:>9.1f} {dense_s / quant_s:>6.2f}x "
+                        f"{floor * 1e6:>9.1f} {100 * floor / quant_s:>7.1f}% {row['bound']:>7} "
+                        f"{err:>8.1e}",
+                        flush=True,
+                    )
     report["rows"] = rows
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
