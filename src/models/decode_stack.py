@@ -37,7 +37,7 @@ from .quantized import QuantizedLinear
 # module, and the import contract keeps models/ free of circles.
 LlamaForCausalLM = Any
 
-_MAX_PARTS = 4  # kMaxParts in native/decode_stack.h
+_MAX_PARTS = 4  # kMaxParts in native/decoder_layer.h
 
 
 class _Part(ctypes.Structure):
@@ -51,7 +51,10 @@ class _Part(ctypes.Structure):
     ]
 
 
-class _Projection(ctypes.Structure):
+class NativeProjection(ctypes.Structure):
+    """A quantized projection as the native calls read it (``QuantProjection`` in
+    native/decoder_layer.h): up to ``_MAX_PARTS`` row blocks of codes, scales, offsets."""
+
     _fields_ = [
         ("num_parts", ctypes.c_int32),
         ("pad", ctypes.c_int32),
@@ -65,15 +68,18 @@ class _Layer(ctypes.Structure):
         ("post_norm", ctypes.c_void_p),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
-        ("qkv", _Projection),
-        ("o", _Projection),
-        ("gate_up", _Projection),
-        ("down", _Projection),
+        ("qkv", NativeProjection),
+        ("o", NativeProjection),
+        ("gate_up", NativeProjection),
+        ("down", NativeProjection),
     ]
 
 
-def _projection(linear: QuantizedLinear) -> _Projection:
-    out = _Projection(num_parts=len(linear.parts))
+def native_projection(linear: QuantizedLinear) -> NativeProjection:
+    """``linear``'s parts as the native calls read them: pointers into its tensors, which
+    the caller keeps alive (and unmoved) while the struct is in use. Only for a
+    projection :func:`takes_native` accepts."""
+    out = NativeProjection(num_parts=len(linear.parts))
     for i, part in enumerate(linear.parts):
         offsets = part.offsets.data_ptr() if part.offsets is not None else None
         out.parts[i] = _Part(
@@ -95,7 +101,9 @@ def _first_qkv(model: LlamaForCausalLM) -> Any:
     return layer.self_attn.qkv_proj.quantized
 
 
-def _supported(linear: QuantizedLinear | None) -> bool:
+def takes_native(linear: QuantizedLinear | None) -> bool:
+    """Whether the native calls take this projection: quantized, on the CPU, in at most
+    ``_MAX_PARTS`` parts of layouts the kernels have."""
     return (
         linear is not None
         and len(linear.parts) <= _MAX_PARTS
@@ -144,7 +152,8 @@ class DecodeStack:
                 layer.post_attention_layernorm.weight.data_ptr(),
                 key_cache.data_ptr(),
                 value_cache.data_ptr(),
-                _projection(qkv), _projection(o), _projection(gate_up), _projection(down),
+                native_projection(qkv), native_projection(o), native_projection(gate_up),
+                native_projection(down),
             )  # fmt: skip
         self.layers = layers
         self.int8_max_rows: int = _first_qkv(model).int8_max_rows
@@ -191,7 +200,7 @@ class DecodeStack:
         ):
             return False
         for layer, pair in zip(model.model.layers, kv_caches, strict=True):
-            if not all(_supported(linear) for linear in _projections(layer)):
+            if not all(takes_native(linear) for linear in _projections(layer)):
                 return False
             if not all(
                 c.dtype == torch.float32

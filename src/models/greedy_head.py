@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import cpu_kernels
-from .decode_stack import _projection, _supported
+from .decode_stack import native_projection, takes_native
 from .quantized import QuantizedLinear
 
 
@@ -34,7 +34,7 @@ class GreedyHead:
         self.norm_weight = norm_weight  # held: its address is in the key
         self.eps = eps
         self.key = self._key(head, norm_weight)
-        self._projection = _projection(head)
+        self._projection = native_projection(head)
         self._projection_ref = ctypes.byref(self._projection)
         self.logits = torch.empty(head.out_features, dtype=torch.float32)  # reused scratch
 
@@ -49,7 +49,7 @@ class GreedyHead:
             head is not None
             and bias is None
             and head.int8_max_rows >= 1
-            and _supported(head)
+            and takes_native(head)
             and norm_weight.dtype == torch.float32
             and norm_weight.device.type == "cpu"
             and norm_weight.is_contiguous()
