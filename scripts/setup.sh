@@ -13,16 +13,17 @@ VENV=${LEGATO_VENV:-.venv}
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# The checkers are pinned everywhere (constraints/tools.txt); torch on a CPU machine too.
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     TORCH_SPEC="torch"
-    CONSTRAINTS=()
+    CONSTRAINTS=(-c constraints/tools.txt)
 else
     TORCH_SPEC="torch==2.13.0"
-    CONSTRAINTS=(-c constraints/cpu.txt)
+    CONSTRAINTS=(-c constraints/tools.txt -c constraints/cpu.txt)
 fi
 
 STAMP="$VENV/.legato-setup-stamp"
-WANT=$(cat pyproject.toml constraints/cpu.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)-$TORCH_SPEC
+WANT=$(cat pyproject.toml constraints/*.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)-$TORCH_SPEC
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
     exit 0
 fi
