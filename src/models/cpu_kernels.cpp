@@ -86,6 +86,11 @@ int legato_argmax_f32(const float* x, int64_t stride, int64_t rows, int64_t cols
   return argmax_rows(x, stride, rows, cols, out, num_threads);
 }
 
+int legato_argmax_bf16(const bf16* x, int64_t stride, int64_t rows, int64_t cols, int64_t* out,
+                       int num_threads) {
+  return argmax_rows(x, stride, rows, cols, out, num_threads);
+}
+
 int legato_quantized_matmul_f32(const float* x, int64_t ldx, int64_t M, int64_t K,
                                 const uint8_t* q, int bits, int group, int64_t N,
                                 const float* scales, const float* mins, float* y, int64_t ldy,

@@ -69,6 +69,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_rotary_neox_{t}": [_P, _L, _L, _L, _I, _I, _P, _P, _L, _I],
     "legato_write_kv": [_P, _L, _P, _L, _P, _P, _P, _L, _L, _L, _I],
     "legato_argmax_f32": [_P, _L, _L, _L, _P, _I],
+    "legato_argmax_bf16": [_P, _L, _L, _L, _P, _I],
     "legato_quantized_matmul_f32": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_isa": [_I],
@@ -413,18 +414,19 @@ def rotary_neox(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.T
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Per row of fp32 ``x`` ``[N, V]`` (unit column stride) the first index of its largest
-    value, as ``torch.argmax(x, dim=-1)`` (a NaN counts as largest); int64 ``[N]``."""
+    """Per row of fp32 or bf16 ``x`` ``[N, V]`` (unit column stride) the first index of its
+    largest value, as ``torch.argmax(x.float(), dim=-1)`` (a NaN counts as largest); int64
+    ``[N]``. bf16 rows are widened one at a time, never the whole batch."""
     rows, cols = x.shape
     _check(
-        _on_cpu(x) and x.dtype == torch.float32 and x.stride(1) == 1 and cols > 0,
+        _on_cpu(x) and x.dtype in _SUFFIX and x.stride(1) == 1 and cols > 0,
         "argmax",
         "unsupported layout",
     )
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
         _run(
-            "legato_argmax_f32",
+            _typed("argmax", x.dtype),
             x.data_ptr(),
             x.stride(0),
             rows,

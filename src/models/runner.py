@@ -396,8 +396,8 @@ class ModelRunner(RunnerMemory):
                 hidden.index_select(0, torch.from_numpy(last_rows).to(self.device)),
                 None if spec_lens is None else len(sampling),  # each row as a plain step's
             )
-            if argmax_only(rows[sampling]):  # take it now
-                greedy_tokens, logits = greedy(logits.float()), None
+            if argmax_only(rows[sampling]):  # take it now (bf16 logits as they are)
+                greedy_tokens, logits = greedy(logits), None
         return StepForward(
             out,
             order,

@@ -166,8 +166,10 @@ def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)``; on the CPU the native kernel (parallel over rows)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available():
+    """``logits.argmax(dim=-1)``; on the CPU the native kernel (parallel over rows; bf16
+    logits without an fp32 copy)."""
+    native = logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1
+    if logits.device.type == "cpu" and native and cpu_kernels.available():
         return cpu_kernels.argmax(logits)
     return logits.argmax(dim=-1)
 

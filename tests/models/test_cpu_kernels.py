@@ -169,12 +169,20 @@ def test_rotary_neox_in_place_matches_torch(dtype: torch.dtype) -> None:
         cpu_kernels.rotary_neox(qk, torch.full((9,), 64), cache)
 
 
-def test_argmax_matches_torch_including_ties_and_nan() -> None:
-    x = _randn(5, 1000, dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch_including_ties_and_nan(dtype: torch.dtype) -> None:
+    """fp32 rows, and bf16 rows (the logits of a bf16 model, argmaxed without an fp32 copy
+    of the batch) with the answer of their fp32 values; a column slice of a wider tensor."""
+    wide = _randn(6, 1100, dtype=torch.float32).to(dtype)
+    x = wide[:, 50:1050]
     x[1, 10] = x[1, 900] = 50.0  # a tie: the first wins
     x[2, 333] = float("nan")  # NaN counts as largest
     x[3] = float("-inf")
-    assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1))
+    x[4, 999] = 1e4  # the last column
+    x[5, 500] = 65.0  # bf16: 65 beside 64.5 and 64.0 in its own row, each exact there
+    x[5, 499], x[5, 501] = 64.5, 64.0
+    assert torch.equal(cpu_kernels.argmax(x), x.float().argmax(dim=-1))
+    assert cpu_kernels.argmax(x)[5] == 500
 
 
 @pytest.fixture

@@ -130,12 +130,25 @@ int rotary_neox(T* x, int64_t tok_stride, int64_t head_stride, int64_t tokens, i
 
 // ------------------------------------------------------------------ sampling
 
-// out[r] = the first index of the largest value of row r (a NaN counts as largest).
-int argmax_rows(const float* x, int64_t stride, int64_t rows, int64_t cols, int64_t* out,
+// out[r] = the first index of the largest value of row r (a NaN counts as largest). A bf16
+// row is first widened (exactly) into this thread's buffer: the answer is its fp32 values'.
+// bf16 logits then need no fp32 copy of the whole batch to be argmaxed.
+template <typename T>
+int argmax_rows(const T* x, int64_t stride, int64_t rows, int64_t cols, int64_t* out,
                 int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= 65536)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * stride;
+    const float* row;
+    if constexpr (std::is_same_v<T, float>) {
+      row = x + r * stride;
+    } else {
+      thread_local std::vector<float> wide;
+      wide.resize(cols);
+      const T* in = x + r * stride;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) wide[c] = to_float(in[c]);
+      row = wide.data();
+    }
     const int64_t first_nan = find_first(row, cols, [](float v) { return v != v; });
     if (first_nan < cols) {
       out[r] = first_nan;
