@@ -69,7 +69,7 @@ def _dot_acc(x, w, acc, FP32_DOT: tl.constexpr, GEMV: tl.constexpr):
     ``[BLOCK_N, K]``: in IEEE fp32 (as products summed in registers when ``GEMV``),
     or on ``w`` rounded to ``x``'s dtype."""
     if GEMV:
-        return acc + tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # fp32 x (checked)
     if FP32_DOT:
         return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
     return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
@@ -214,16 +214,16 @@ def launch_config(
     if device_type != "cuda":
         return LaunchConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, 64 if k % 64 == 0 else 32)
     if m <= 16:
-        block_n = 32
         block_k = next(b for b in ((64,) if fp32 else (256, 128, 64)) + (32,) if k % b == 0)
-        tiles = triton.cdiv(n, block_n)
-        split = 1
-        while split < 8 and tiles * split * 2 <= 264 and k % (block_k * split * 2) == 0:
-            split *= 2
         if fp32 and m == 1:
             tiles, steps = triton.cdiv(n, 16), k // block_k
             split = max(d for d in range(1, 9) if steps % d == 0 and (d == 1 or tiles * d <= 2048))
             return LaunchConfig(1, 16, block_k, split, gemv=True)
+        block_n = 32
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while split < 8 and tiles * split * 2 <= 264 and k % (block_k * split * 2) == 0:
+            split *= 2
         return LaunchConfig(16, block_n, block_k, split)
     block_k = 64 if k % 64 == 0 else 32
     return LaunchConfig(64 if m <= 64 else 128, 64, block_k)
