@@ -120,30 +120,43 @@ LEGATO_VNNI inline __m128 sums_of_4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 // A VNNI tile's results: with offsets, sum_g m_g * sum(x_g) added into each accumulator
-// (16 groups a vector), then each accumulator's lanes summed, four rows at a time (so a
-// row's sum is computed the same way whatever NR), and stored to y[m0 + j, n0 + i].
+// (16 groups a vector, in order), then each accumulator's lanes summed, four accumulators at
+// a time (sums_of_4 sums each of its four the same way whichever slot it takes, so a row's
+// sum does not depend on NR or MR), and stored to y[m0 + j, n0 + i]. Every index into acc is
+// a constant once the loops are unrolled, so the tile's accumulators can stay in registers.
 template <int NR, int MR, bool HAS_MIN>
 LEGATO_VNNI inline void finish_tile(__m512 (&acc)[NR][MR], const ActivationCodes& a,
                                     const float* mins, int64_t groups, int64_t n0, int64_t nr,
                                     int64_t m0, int64_t mr, float* y, int64_t ldy) {
-  if constexpr (HAS_MIN)
-    for (int i = 0; i < NR; ++i)
-      for (int j = 0; j < MR; ++j) {
-        const float* m = mins + (n0 + (i < nr ? i : 0)) * groups;
-        const float* sums = a.gsum.data() + (m0 + (j < mr ? j : 0)) * groups;
-        for (int64_t g = 0; g < groups; g += 16) {
-          const __mmask16 gmask = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
-          acc[i][j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gmask, m + g),
-                                      _mm512_maskz_loadu_ps(gmask, sums + g), acc[i][j]);
-        }
-      }
-  for (int j = 0; j < mr; ++j) {
-    float total[(NR + 3) / 4 * 4];
-    for (int i = 0; i < NR; i += 4)
-      _mm_storeu_ps(total + i, sums_of_4(acc[i][j], acc[std::min(i + 1, NR - 1)][j],
-                                         acc[std::min(i + 2, NR - 1)][j], acc[std::min(i + 3, NR - 1)][j]));
-    for (int i = 0; i < nr; ++i) y[(m0 + j) * ldy + n0 + i] = total[i];
+  if constexpr (HAS_MIN) {
+    const float* m[NR];
+    const float* sums[MR];
+    for (int i = 0; i < NR; ++i) m[i] = mins + (n0 + (i < nr ? i : 0)) * groups;
+    for (int j = 0; j < MR; ++j) sums[j] = a.gsum.data() + (m0 + (j < mr ? j : 0)) * groups;
+    for (int64_t g = 0; g < groups; g += 16) {
+      const __mmask16 gmask = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+      __m512 mv[NR], sv[MR];
+#pragma GCC unroll 8
+      for (int i = 0; i < NR; ++i) mv[i] = _mm512_maskz_loadu_ps(gmask, m[i] + g);
+#pragma GCC unroll 8
+      for (int j = 0; j < MR; ++j) sv[j] = _mm512_maskz_loadu_ps(gmask, sums[j] + g);
+#pragma GCC unroll 8
+      for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < MR; ++j) acc[i][j] = _mm512_fmadd_ps(mv[i], sv[j], acc[i][j]);
+    }
   }
+  constexpr int kCount = NR * MR;  // accumulator t is acc[t / MR][t % MR]
+  float total[(kCount + 3) / 4 * 4];
+#pragma GCC unroll 8
+  for (int t = 0; t < kCount; t += 4) {
+    constexpr int last = kCount - 1;
+    const int t1 = std::min(t + 1, last), t2 = std::min(t + 2, last), t3 = std::min(t + 3, last);
+    _mm_storeu_ps(total + t, sums_of_4(acc[t / MR][t % MR], acc[t1 / MR][t1 % MR],
+                                       acc[t2 / MR][t2 % MR], acc[t3 / MR][t3 % MR]));
+  }
+  for (int j = 0; j < mr; ++j)
+    for (int i = 0; i < nr; ++i) y[(m0 + j) * ldy + n0 + i] = total[i * MR + j];
 }
 
 // AVX-512 VNNI for 8-bit codes: 64 codes a step; lanes of 4 codes, so with G = 32 lanes 0-7 / 8-15 are the
