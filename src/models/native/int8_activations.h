@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "common.h"
@@ -23,33 +24,53 @@ namespace {
 // teacher-forced top-1 agreement on the default model: the normed hidden states have
 // outlier channels that coarsen whole blocks.
 
+// A std::vector allocator that aligns to a cache line (64 bytes): the VNNI tiles read the
+// codes in 64-byte loads, which cost two when they straddle two lines.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
+
 struct ActivationCodes {
   int64_t kp = 0;              // K rounded up to 64 (codes past K are 0)
-  std::vector<int8_t> q;       // [M, kp] high digits
-  std::vector<int8_t> r;       // [M, kp] low digits
-  std::vector<float> d;        // [M, kp / 32] block scales (of 256 q + r)
-  std::vector<float> lane_d;   // [M, kp / 4] d of the block each 4-code lane lies in
-  std::vector<int32_t> bias_q; // [M, kp / 4] -128 * the sum of the lane's 4 high digits
-  std::vector<int32_t> bias_r; // [M, kp / 4] -128 * the sum of the lane's 4 low digits
-  std::vector<float> gsum;     // [M, K / G] exact fp32 sum of x per weight group
+  LineVector<int8_t> q;       // [M, kp] high digits
+  LineVector<int8_t> r;       // [M, kp] low digits
+  LineVector<float> d;        // [M, kp / 32] block scales (of 256 q + r)
+  LineVector<float> lane_d;   // [M, kp / 4] d of the block each 4-code lane lies in
+  LineVector<int32_t> bias_q; // [M, kp / 4] -128 * the sum of the lane's 4 high digits
+  LineVector<int32_t> bias_r; // [M, kp / 4] -128 * the sum of the lane's 4 low digits
+  LineVector<float> gsum;     // [M, K / G] exact fp32 sum of x per weight group
   // The two digits as one int16, v = 256 q + r (|v| <= 127 * 257, exact), for the VNNI tile of
   // 8-bit codes over several input rows (vpdpwssd, tile_vnni): per 4-code lane (codes 4l ..
   // 4l + 3 of the plain order) two int16s in each, v_even codes 4l and 4l + 2, v_odd codes
   // 4l + 1 and 4l + 3. Filled with the plain order when asked (int16_pairs: the caller's tile
   // has several input rows; a one-row tile reads q .. bias_r only).
-  std::vector<int16_t> v_even;  // [M, kp / 2]
-  std::vector<int16_t> v_odd;   // [M, kp / 2]
+  LineVector<int16_t> v_even;  // [M, kp / 2]
+  LineVector<int16_t> v_odd;   // [M, kp / 2]
   // The same digits in the nibble order (filled instead of q .. bias_r when asked: the VNNI
   // tile for 4/5/6-bit codes, tile_vnni_nibbles). Per step of 128 codes (4 blocks of 32):
   // 64 "low" codes (codes 0-15 of each block, block after block), then the 64 "high" codes
   // (codes 16-31 of each block), i.e. the codes a 64-byte load of 4-bit weights holds in its
   // low and in its high nibbles.
   int64_t kn = 0;                // K rounded up to 128 (codes past K are 0)
-  std::vector<int8_t> nq;        // [M, kn] high digits, nibble order
-  std::vector<int8_t> nr;        // [M, kn] low digits, nibble order
-  std::vector<float> nlane_d;    // [M, kn / 8] per step: d of the block each 4-code lane lies in
-  std::vector<int32_t> nbias_q;  // [M, kn / 4] per step: -128 * lane sums, 16 low lanes then 16 high
-  std::vector<int32_t> nbias_r;  // [M, kn / 4] the same for the low digits
+  LineVector<int8_t> nq;        // [M, kn] high digits, nibble order
+  LineVector<int8_t> nr;        // [M, kn] low digits, nibble order
+  LineVector<float> nlane_d;    // [M, kn / 8] per step: d of the block each 4-code lane lies in
+  LineVector<int32_t> nbias_q;  // [M, kn / 4] per step: -128 * lane sums, 16 low lanes then 16 high
+  LineVector<int32_t> nbias_r;  // [M, kn / 4] the same for the low digits
 };
 
 // round half to even by the 1.5 * 2^23 trick (|v| <= 2^22), in plain arithmetic (vectorises)
