@@ -110,6 +110,10 @@ int legato_quantized_matmul_int8(const float* x, int64_t ldx, int64_t M, int64_t
 // min(request, the best this CPU runs); request < 0 only reads it. Returns the path in use.
 int legato_quantized_isa(int request) { return quantized_isa(request); }
 
+// How the int8 path computes its activations' digits: 1 on AVX-512, 0 one value at a time (the
+// same digits); request >= 0 picks min(request, what this CPU runs), < 0 only reads.
+int legato_activation_digits_path(int request) { return activation_digits_path(request); }
+
 // bf16 decode attention on vdpbf16ps (1) or widened to fp32 (0): request >= 0 picks
 // min(request, what this CPU runs); request < 0 only reads it. Returns the choice in use.
 int legato_attention_bf16_dot(int request) { return attention_bf16_dot(request); }

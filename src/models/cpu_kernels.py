@@ -73,6 +73,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_quantized_matmul_f32": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_isa": [_I],
+    "legato_activation_digits_path": [_I],
     "legato_attention_bf16_dot": [_I],
     "legato_decode_one_region": [_I],
     "legato_decode_verify_rows": [_I],
@@ -453,6 +454,15 @@ def quantized_isa(request: str | None = None) -> str:
         raise ValueError(f"quantized_isa: {request!r} is not one of {QUANTIZED_ISAS}")
     code = -1 if request is None else QUANTIZED_ISAS.index(request)
     return QUANTIZED_ISAS[int(_library().legato_quantized_isa(code))]
+
+
+def activation_digits_avx512(request: bool | None = None) -> bool:
+    """Whether the int8-activation kernel computes its activations' two digits on AVX-512
+    (16 values an instruction) rather than one value at a time: the CPU's best, or with
+    ``request`` the lower of it and that best (tests compare the two: the digits are the
+    same). Process-wide. Raises ``RuntimeError`` when the library is unavailable."""
+    code = -1 if request is None else int(request)
+    return bool(_library().legato_activation_digits_path(code))
 
 
 def attention_bf16_dot(request: bool | None = None) -> bool:

@@ -148,6 +148,38 @@ def test_int8_activation_matmul_matches_dequantize_then_linear(
     assert (out - exact).abs().max() <= 5e-4 * scale
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_0", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_activation_digits_on_avx512_are_the_scalar_digits(kind: str, rows: int) -> None:
+    """The int8-activation kernel's outputs, bit for bit, whether its activations' digits
+    are computed on AVX-512 or one value at a time (same tiles: only the digits differ).
+    Inputs that reach the rounding's edges: values exactly halfway between two codes of a
+    block, a zero block, one huge and one tiny value, and random rows; 8-bit codes read the
+    plain order (and int16 pairs beyond one row), the rest the nibble order."""
+    if not cpu_kernels.available() or not cpu_kernels.activation_digits_avx512():
+        pytest.skip("this CPU has no AVX-512 digits path")
+    in_features = 768 if kind.endswith("_K") else 608  # 608: a partial 128-code step
+    raw = random_blocks(kind, 11, in_features, seed=rows)
+    weight = from_gguf(raw, kind, 11, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = torch.arange(32) - 15.5  # max 16.5: y = v * 127 / 16.5 lands on halves
+    x[0, 32:64] = torch.linspace(-127, 127, 32) / 254  # ties of the low digit
+    x[rows - 1, 64:96] = 0.0
+    x[rows - 1, 96] = 3e4
+    x[rows - 1, 97] = 1e-30
+    outs = []
+    for avx512 in (True, False):
+        assert cpu_kernels.activation_digits_avx512(avx512) == avx512
+        out = torch.empty(rows, 11)
+        cpu_kernels.quantized_matmul(
+            x, weight.codes, weight.scales, weight.offsets, weight.bits, weight.group, out,
+            int8_activations=True,
+        )  # fmt: skip
+        outs.append(out)
+    cpu_kernels.activation_digits_avx512(True)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "Q6_K"])
 def test_int8_activation_odd_widths(isa: str, kind: str) -> None:
     """Widths that end the VNNI loops with a partial step: 32 * odd for the 64-code step of

@@ -10,6 +10,10 @@
 #include <new>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 namespace {
@@ -73,12 +77,144 @@ struct ActivationCodes {
   LineVector<int32_t> nbias_r;  // [M, kn / 4] the same for the low digits
 };
 
-// round half to even by the 1.5 * 2^23 trick (|v| <= 2^22), in plain arithmetic (vectorises)
-inline int32_t round_to_int(float v) {
-  const float shifted = v + 12582912.0f;
+// round(v * times) half to even by the 1.5 * 2^23 trick (|v * times| <= 2^22), the product
+// and the shift in one fused multiply-add
+inline int32_t round_to_int_fused(float v, float times) {
+  const float shifted = std::fma(v, times, 12582912.0f);
   int32_t bits;
   std::memcpy(&bits, &shifted, sizeof(bits));
   return bits - 0x4B400000;
+}
+
+// One block of 32 values as its two digits (see above) and its scale d (of 256 q + r). The
+// products and their rounding are written as fused multiply-adds: y = v * max|v| / 127 is
+// never rounded on its own, q = round(y) and r = round(256 (y - q)) each round once (the
+// arithmetic GCC contracted the plain expressions to before, kept whatever the compiler).
+inline void block_digits_scalar(const float* v, int32_t (&high)[32], int32_t (&low)[32],
+                                float& d) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  d = amax / 127.0f / 256.0f;
+  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23, as in round_to_int_fused
+  for (int j = 0; j < 32; ++j) {
+    const float shifted = std::fma(v[j], inv, kShift);
+    int32_t bits;
+    std::memcpy(&bits, &shifted, sizeof(bits));
+    high[j] = bits - 0x4B400000;
+    const float rest = std::fma(v[j], inv, -static_cast<float>(high[j]));
+    low[j] = std::min(127, std::max(-127, round_to_int_fused(rest, 256.0f)));
+  }
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define LEGATO_DIGITS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+// block_digits_scalar on AVX-512: the same operations, 16 values an instruction.
+LEGATO_DIGITS_AVX512 inline void block_digits_avx512(const float* v, int32_t (&high)[32],
+                                                     int32_t (&low)[32], float& d) {
+  const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  const float inv_s = amax > 0.0f ? 127.0f / amax : 0.0f;
+  d = amax / 127.0f / 256.0f;
+  const __m512 inv = _mm512_set1_ps(inv_s), shift = _mm512_set1_ps(12582912.0f);
+  const __m512 times = _mm512_set1_ps(256.0f);
+  const __m512i bias = _mm512_set1_epi32(0x4B400000);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  const __m512 halves[2] = {v0, v1};
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_sub_epi32(_mm512_castps_si512(_mm512_fmadd_ps(halves[h], inv, shift)), bias);
+    const __m512 rest = _mm512_fmsub_ps(halves[h], inv, _mm512_cvtepi32_ps(q));
+    __m512i r = _mm512_sub_epi32(_mm512_castps_si512(_mm512_fmadd_ps(rest, times, shift)), bias);
+    r = _mm512_min_epi32(hi, _mm512_max_epi32(lo, r));
+    _mm512_storeu_si512(high + 16 * h, q);
+    _mm512_storeu_si512(low + 16 * h, r);
+  }
+}
+
+// -128 * the sums of each 4 consecutive digits of `digits` (16 int32: 4 lanes), into out[0..3].
+LEGATO_DIGITS_AVX512 inline void lane_biases_avx512(__m512i digits, int32_t* out) {
+  const __m512i pairs = _mm512_add_epi32(digits, _mm512_shuffle_epi32(digits, _MM_PERM_CDAB));
+  const __m512i fours = _mm512_add_epi32(pairs, _mm512_shuffle_epi32(pairs, _MM_PERM_BADC));
+  const __m512i biased = _mm512_mullo_epi32(fours, _mm512_set1_epi32(-128));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_castsi512_si128(
+      _mm512_maskz_compress_epi32(0x1111, biased)));
+}
+
+// Block b of row m (its 32 digits in high, low; scale d) into the nibble order's arrays:
+// quantize_activations' stores, 16 values an instruction.
+LEGATO_DIGITS_AVX512 inline void store_nibble_block_avx512(const int32_t (&high)[32],
+                                                           const int32_t (&low)[32], float d,
+                                                           ActivationCodes& a, int64_t m,
+                                                           int64_t b) {
+  const int64_t kn = a.kn, step = m * kn + b / 4 * 128, c = b % 4;
+  const int64_t lanes = m * kn / 4 + b / 4 * 32 + c * 4;  // low lanes; high ones 16 on
+  for (int h = 0; h < 2; ++h) {  // codes 0-15 to the step's low half, 16-31 to its high half
+    const __m512i q = _mm512_loadu_si512(high + 16 * h), r = _mm512_loadu_si512(low + 16 * h);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.nq.data() + step + 64 * h + c * 16), _mm512_cvtepi32_epi8(q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.nr.data() + step + 64 * h + c * 16), _mm512_cvtepi32_epi8(r));
+    lane_biases_avx512(q, a.nbias_q.data() + lanes + 16 * h);
+    lane_biases_avx512(r, a.nbias_r.data() + lanes + 16 * h);
+  }
+  _mm_storeu_ps(a.nlane_d.data() + m * kn / 8 + b / 4 * 16 + c * 4, _mm_set1_ps(d));
+}
+
+// The same for the plain order's arrays (and the int16 pairs when `paired`).
+LEGATO_DIGITS_AVX512 inline void store_plain_block_avx512(const int32_t (&high)[32],
+                                                          const int32_t (&low)[32], float d,
+                                                          ActivationCodes& a, int64_t m,
+                                                          int64_t b, bool paired) {
+  const int64_t kp = a.kp, at = m * kp + b * 32, lanes = m * kp / 4 + b * 8;
+  a.d[m * kp / 32 + b] = d;
+  _mm256_storeu_ps(a.lane_d.data() + lanes, _mm256_set1_ps(d));
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_loadu_si512(high + 16 * h), r = _mm512_loadu_si512(low + 16 * h);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + at + 16 * h), _mm512_cvtepi32_epi8(q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.r.data() + at + 16 * h), _mm512_cvtepi32_epi8(r));
+    lane_biases_avx512(q, a.bias_q.data() + lanes + 4 * h);
+    lane_biases_avx512(r, a.bias_r.data() + lanes + 4 * h);
+    if (paired) {  // a lane's codes 0 and 2 to v_even, 1 and 3 to v_odd (8 of each a half)
+      const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(q, 8), r);
+      const int64_t pairs_at = m * kp / 2 + (b * 32 + 16 * h) / 2;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.v_even.data() + pairs_at),
+                       _mm256_castsi256_si128(_mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(0x5555, v))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.v_odd.data() + pairs_at),
+                       _mm256_castsi256_si128(_mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(0xAAAA, v))));
+    }
+  }
+}
+
+inline bool digits_avx512_available() {
+  static const bool available = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512dq");
+  return available;
+}
+#endif
+
+int digits_path = -1;  // activation_digits_path: -1 the best this CPU runs, 0 scalar, 1 AVX-512
+
+// Which block_digits quantize_activations uses: request 0 the scalar one, 1 AVX-512 where the
+// CPU has it, < 0 only reads. Returns the one in use (1 AVX-512, 0 scalar).
+int activation_digits_path(int request) {
+#if defined(__x86_64__) || defined(_M_X64)
+  const int best = digits_avx512_available() ? 1 : 0;
+#else
+  const int best = 0;
+#endif
+  if (request >= 0) digits_path = std::min(request, best);
+  else if (digits_path < 0) digits_path = best;
+  return digits_path;
+}
+
+inline void block_digits(const float* v, int32_t (&high)[32], int32_t (&low)[32], float& d) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (activation_digits_path(-1) == 1) {
+    block_digits_avx512(v, high, low, d);
+    return;
+  }
+#endif
+  block_digits_scalar(v, high, low, d);
 }
 
 // Every row's two digits (see above), in the plain order (q .. bias_r, and with int16_pairs
@@ -107,19 +243,16 @@ void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * ldx;
     for (int64_t b = 0; b < K / 32; ++b) {
-      const float* v = row + b * 32;
-      float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      const float d = amax / 127.0f / 256.0f;
       int32_t high[32], low[32];
-#pragma omp simd
-      for (int j = 0; j < 32; ++j) {
-        const float y = v[j] * inv;
-        high[j] = round_to_int(y);
-        low[j] = std::min(127, std::max(-127, round_to_int((y - static_cast<float>(high[j])) * 256.0f)));
+      float d;
+      block_digits(row + b * 32, high, low, d);
+#if defined(__x86_64__) || defined(_M_X64)
+      if (activation_digits_path(-1) == 1) {
+        if (nibble_order) store_nibble_block_avx512(high, low, d, a, m, b);
+        else store_plain_block_avx512(high, low, d, a, m, b, paired != 0);
+        continue;
       }
+#endif
       int32_t sum_q[8], sum_r[8];  // per 4-code lane of the block
       for (int l = 0; l < 8; ++l) {
         sum_q[l] = -128 * (high[4 * l] + high[4 * l + 1] + high[4 * l + 2] + high[4 * l + 3]);
