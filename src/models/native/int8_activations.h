@@ -93,10 +93,12 @@ inline int32_t round_to_int_fused(float v, float times) {
 inline void block_digits_scalar(const float* v, int32_t (&high)[32], int32_t (&low)[32],
                                 float& d) {
   float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
   d = amax / 127.0f / 256.0f;
   constexpr float kShift = 12582912.0f;  // 1.5 * 2^23, as in round_to_int_fused
+#pragma omp simd
   for (int j = 0; j < 32; ++j) {
     const float shifted = std::fma(v[j], inv, kShift);
     int32_t bits;
@@ -109,7 +111,8 @@ inline void block_digits_scalar(const float* v, int32_t (&high)[32], int32_t (&l
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define LEGATO_DIGITS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-// block_digits_scalar on AVX-512: the same operations, 16 values an instruction.
+// block_digits_scalar on AVX-512: the same operations, 16 values an instruction (the same
+// digits for finite values; a NaN in a block makes both paths' digits garbage).
 LEGATO_DIGITS_AVX512 inline void block_digits_avx512(const float* v, int32_t (&high)[32],
                                                      int32_t (&low)[32], float& d) {
   const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
