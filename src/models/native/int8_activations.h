@@ -97,13 +97,9 @@ inline void block_digits_scalar(const float* v, int32_t (&high)[32], int32_t (&l
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
   const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
   d = amax / 127.0f / 256.0f;
-  constexpr float kShift = 12582912.0f;  // 1.5 * 2^23, as in round_to_int_fused
 #pragma omp simd
   for (int j = 0; j < 32; ++j) {
-    const float shifted = std::fma(v[j], inv, kShift);
-    int32_t bits;
-    std::memcpy(&bits, &shifted, sizeof(bits));
-    high[j] = bits - 0x4B400000;
+    high[j] = round_to_int_fused(v[j], inv);
     const float rest = std::fma(v[j], inv, -static_cast<float>(high[j]));
     low[j] = std::min(127, std::max(-127, round_to_int_fused(rest, 256.0f)));
   }
