@@ -193,7 +193,7 @@ inline bool digits_avx512_available() {
 
 int digits_path = -1;  // activation_digits_path: -1 the best this CPU runs, 0 scalar, 1 AVX-512
 
-// Which block_digits quantize_activations uses: request 0 the scalar one, 1 AVX-512 where the
+// Which digits quantize_activations computes: request 0 the scalar one, 1 AVX-512 where the
 // CPU has it, < 0 only reads. Returns the one in use (1 AVX-512, 0 scalar).
 int activation_digits_path(int request) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -204,16 +204,6 @@ int activation_digits_path(int request) {
   if (request >= 0) digits_path = std::min(request, best);
   else if (digits_path < 0) digits_path = best;
   return digits_path;
-}
-
-inline void block_digits(const float* v, int32_t (&high)[32], int32_t (&low)[32], float& d) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if (activation_digits_path(-1) == 1) {
-    block_digits_avx512(v, high, low, d);
-    return;
-  }
-#endif
-  block_digits_scalar(v, high, low, d);
 }
 
 // Every row's two digits (see above), in the plain order (q .. bias_r, and with int16_pairs
@@ -239,19 +229,21 @@ void quantize_activations(const float* x, int64_t ldx, int64_t M, int64_t K, int
   a.nbias_q.assign(nibbled * kn / 4, 0);
   a.nbias_r.assign(nibbled * kn / 4, 0);
   a.gsum.assign(M * (K / G), 0.0f);
+  [[maybe_unused]] const bool avx512 = activation_digits_path(-1) == 1;  // once a call
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * ldx;
     for (int64_t b = 0; b < K / 32; ++b) {
       int32_t high[32], low[32];
       float d;
-      block_digits(row + b * 32, high, low, d);
 #if defined(__x86_64__) || defined(_M_X64)
-      if (activation_digits_path(-1) == 1) {
+      if (avx512) {
+        block_digits_avx512(row + b * 32, high, low, d);
         if (nibble_order) store_nibble_block_avx512(high, low, d, a, m, b);
         else store_plain_block_avx512(high, low, d, a, m, b, paired != 0);
         continue;
       }
 #endif
+      block_digits_scalar(row + b * 32, high, low, d);
       int32_t sum_q[8], sum_r[8];  // per 4-code lane of the block
       for (int l = 0; l < 8; ++l) {
         sum_q[l] = -128 * (high[4 * l] + high[4 * l + 1] + high[4 * l + 2] + high[4 * l + 3]);
