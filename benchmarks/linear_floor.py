@@ -10,6 +10,8 @@ each way of computing a linear layer that torch offers on this CPU:
   the weights reordered once for the batch size;
 - ``onednn-packed``: oneDNN with the weights reordered once
   (``torch.ops.mkldnn._linear_pointwise``);
+- ``panels``: what legato runs in fp32 on AVX-512 CPUs (``legato.models.cpu_linear.PanelLinear``):
+  the weights in column panels, multiplied by the native ``cpu_kernels.dense_matmul``;
 - ``fp32-compute``: bf16 only; weights held as fp32 and the bf16 activations
   widened, computed in fp32 and rounded back to bf16 (what a CPU without
   native bf16 does inside any bf16 GEMM, minus re-widening the weights).
@@ -19,6 +21,9 @@ prints the whole step beside this floor. Prints a table; never asserted.
 Example::
 
     python benchmarks/linear_floor.py --batch-sizes 1 16 64 --dtypes float32 bfloat16
+
+The default model's shapes (fp32 serving): ``--hidden 576 --intermediate 1536 --layers 30
+--heads 9 --kv-heads 3 --vocab 49152 --dtypes float32 --batch-sizes 1 32 64 256``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from legato.models.cpu_linear import PanelLinear, panels_preferred
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -72,6 +79,10 @@ def make_linears(method: str, weights: list[torch.Tensor], batch: int) -> list[L
             lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
             for p in packed
         ]
+    if method == "panels":
+        if dtype != torch.float32 or not panels_preferred():
+            return None
+        return [PanelLinear.pack(w, None) for w in weights]
     if method == "fp32-compute":
         if dtype != torch.bfloat16:
             return None
@@ -80,7 +91,7 @@ def make_linears(method: str, weights: list[torch.Tensor], batch: int) -> list[L
     raise ValueError(method)
 
 
-METHODS = ("F.linear", "mkl-packed", "onednn-packed", "fp32-compute")
+METHODS = ("F.linear", "mkl-packed", "onednn-packed", "panels", "fp32-compute")
 
 
 def time_step(

@@ -24,6 +24,7 @@
 //   native/one_sequence.h      one sequence's decode or verification step in one parallel region
 //   native/decode_stack.h      every decoder layer of a decode step in one call
 //   native/lm_head.h           a greedy one-row step's last norm, LM head and argmax in one call
+//   native/dense_matmul.h      dense fp32 matmul over weights held in column panels
 // This file holds the C entry points only.
 
 #include <cstdint>
@@ -39,6 +40,7 @@
 #include "native/one_sequence.h"
 #include "native/decode_stack.h"
 #include "native/lm_head.h"
+#include "native/dense_matmul.h"
 
 extern "C" {
 
@@ -153,5 +155,16 @@ int legato_greedy_head_f32(const float* hidden, float* residual, const float* no
   return greedy_head(hidden, residual, norm_weight, normed, *head, H, N, eps, logits, token,
                      num_threads);
 }
+
+// y [M, N] = x [M, K] W^T (+ bias) with W held in column panels (dense_matmul.h).
+int legato_dense_matmul_f32(const float* x, int64_t ldx, int64_t M, int64_t K,
+                            const float* panels, int64_t N, const float* bias, float* y,
+                            int64_t ldy, int num_threads) {
+  return dense_matmul(x, ldx, M, K, panels, N, bias, y, ldy, num_threads);
+}
+
+// The dense matmul's loop: 1 AVX-512, 0 portable (the same bits); request >= 0 picks
+// min(request, what this CPU runs), request < 0 only reads. Returns the one in use.
+int legato_dense_matmul_path(int request) { return dense_matmul_path(request); }
 
 }  // extern "C"

@@ -24,7 +24,10 @@ Kernels (fp32 and bf16, each checked against its plain-torch twin in the tests):
   per-group scales (:mod:`legato.models.quantized`, GGUF types kept quantized): fp32
   activations (the fidelity path), or activations quantized to int8 per block of 32
   (llama.cpp's scheme, the fast path) with an AVX-512 VNNI, an AVX2 or a portable loop
-  chosen at run time (:func:`quantized_isa`).
+  chosen at run time (:func:`quantized_isa`);
+- :func:`dense_matmul`: fp32 activations times an fp32 weight held in column panels
+  (:mod:`legato.models.cpu_linear`), for the few rows of a decode step; AVX-512 or
+  portable loops with the same bits (:func:`dense_matmul_avx512`).
 
 Never imports trio. Blocks while compiling (first call only).
 """
@@ -72,6 +75,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_argmax_bf16": [_P, _L, _L, _L, _P, _I],
     "legato_quantized_matmul_f32": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
+    "legato_dense_matmul_f32": [_P, _L, _L, _L, _P, _L, _P, _P, _L, _I],
+    "legato_dense_matmul_path": [_I],
     "legato_quantized_isa": [_I],
     "legato_activation_digits_path": [_I],
     "legato_attention_bf16_dot": [_I],
@@ -560,6 +565,79 @@ def quantized_matmul(
             torch.get_num_threads(),
         )
     return out
+
+
+DENSE_PANEL = 48  # columns of W a panel holds (native/dense_matmul.h: kPanel)
+
+
+def dense_matmul(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for fp32 ``x`` ``[M, K]`` (unit column stride) and ``W``
+    ``[n, K]`` held as ``panels`` ``[ceil(n / 48), K, 48]`` (``panels[p, k, j] = W[48 p +
+    j, k]``, zeros past ``n``; :func:`legato.models.cpu_linear.weight_panels`). Writes
+    ``out`` (``[M, n]``, unit column stride; allocated when None) and returns it. Raises
+    ``ValueError`` for a layout or size it does not take (checked first)."""
+    name = "dense_matmul"
+    rows, width = x.shape
+    count = -(-n // DENSE_PANEL)
+    if out is None:
+        out = x.new_empty(rows, n)
+    _check(
+        _on_cpu(x, panels, out)
+        and x.dtype == panels.dtype == out.dtype == torch.float32
+        and n > 0
+        and width > 0
+        and x.stride(1) == 1
+        and out.stride(1) == 1
+        and out.shape == (rows, n)
+        and panels.is_contiguous()
+        and panels.shape == (count, width, DENSE_PANEL)
+        and (
+            bias is None
+            or (
+                _on_cpu(bias)
+                and bias.dtype == torch.float32
+                and bias.is_contiguous()
+                and bias.shape == (n,)
+            )
+        ),
+        name,
+        "unsupported layout",
+    )
+    _run(
+        "legato_dense_matmul_f32",
+        x.data_ptr(),
+        x.stride(0),
+        rows,
+        width,
+        panels.data_ptr(),
+        n,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def dense_matmul_kernel() -> Any:
+    """The raw ctypes entry point of :func:`dense_matmul`, for a caller that checked its
+    panels once (:class:`legato.models.cpu_linear.PanelLinear`) and passes pointers itself.
+    Raises ``RuntimeError`` when the library is unavailable."""
+    return _library().legato_dense_matmul_f32
+
+
+def dense_matmul_avx512(request: bool | None = None) -> bool:
+    """Whether :func:`dense_matmul` runs its AVX-512 tiles rather than the portable loop (the
+    same bits): the CPU's best, or with ``request`` the lower of it and that best.
+    Process-wide. Raises ``RuntimeError`` when the library is unavailable."""
+    code = -1 if request is None else int(request)
+    return bool(_library().legato_dense_matmul_path(code))
 
 
 def quantized_matmul_kernel(int8_activations: bool = False) -> Any:
