@@ -107,9 +107,11 @@ def weight_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     width = cpu_kernels.DENSE_PANEL
     count = -(-n // width)
-    padded = torch.zeros(count * width, k, dtype=torch.float32)
-    padded[:n] = weight.detach()
-    return padded.view(count, width, k).transpose(1, 2).contiguous()
+    padded = weight.detach().float()
+    if n % width:  # only a partial last panel needs a padded copy first
+        padded = torch.zeros(count * width, k, dtype=torch.float32)
+        padded[:n] = weight.detach()
+    return padded.reshape(count, width, k).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True, slots=True)
