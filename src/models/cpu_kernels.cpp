@@ -25,6 +25,7 @@
 //   native/decode_stack.h      every decoder layer of a decode step in one call
 //   native/lm_head.h           a greedy one-row step's last norm, LM head and argmax in one call
 //   native/dense_matmul.h      dense fp32 matmul over weights held in column panels
+//   native/prefill_attention.h causal attention of a fresh prompt over its own keys
 // This file holds the C entry points only.
 
 #include <cstdint>
@@ -41,6 +42,7 @@
 #include "native/decode_stack.h"
 #include "native/lm_head.h"
 #include "native/dense_matmul.h"
+#include "native/prefill_attention.h"
 
 extern "C" {
 
@@ -166,5 +168,20 @@ int legato_dense_matmul_f32(const float* x, int64_t ldx, int64_t M, int64_t K,
 // The dense matmul's loop: 1 AVX-512, 0 portable (the same bits); request >= 0 picks
 // min(request, what this CPU runs), request < 0 only reads. Returns the one in use.
 int legato_dense_matmul_path(int request) { return dense_matmul_path(request); }
+
+// Causal attention of one fresh prompt (prefill_attention.h): query [L, H, D], key and
+// value [L, Hkv, D] (token and head strides given, unit stride within a head), out [L, H, D]
+// contiguous.
+int legato_prefill_attention_f32(const float* query, int64_t q_tok, int64_t q_head,
+                                 const float* key, int64_t k_tok, int64_t k_head,
+                                 const float* value, int64_t v_tok, int64_t v_head, int64_t L,
+                                 int num_heads, int num_kv_heads, int head_dim, float scale,
+                                 float* out, int num_threads) {
+  return prefill_attention(query, q_tok, q_head, key, k_tok, k_head, value, v_tok, v_head, L,
+                           num_heads, num_kv_heads, head_dim, scale, out, num_threads);
+}
+
+// Whether legato_prefill_attention_f32 runs on this CPU (1: AVX-512) or refuses (0).
+int legato_prefill_attention_path(int) { return prefill_attention_path(); }
 
 }  // extern "C"

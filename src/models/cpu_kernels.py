@@ -27,7 +27,9 @@ Kernels (fp32 and bf16, each checked against its plain-torch twin in the tests):
   chosen at run time (:func:`quantized_isa`);
 - :func:`dense_matmul`: fp32 activations times an fp32 weight held in column panels
   (:mod:`legato.models.cpu_linear`), for the few rows of a decode step; AVX-512 or
-  portable loops with the same bits (:func:`dense_matmul_avx512`).
+  portable loops with the same bits (:func:`dense_matmul_avx512`);
+- :func:`prefill_attention`: causal attention of a fresh prompt over its own keys, fp32,
+  head_dim 64 or 128, on AVX-512 (:func:`prefill_attention_available`).
 
 Never imports trio. Blocks while compiling (first call only).
 """
@@ -77,6 +79,9 @@ _SIGNATURES: dict[str, list[Any]] = {
     "legato_quantized_matmul_int8": [_P, _L, _L, _L, _P, _I, _I, _L, _P, _P, _P, _L, _I],
     "legato_dense_matmul_f32": [_P, _L, _L, _L, _P, _L, _P, _P, _L, _I],
     "legato_dense_matmul_path": [_I],
+    "legato_prefill_attention_f32": [_P, _L, _L, _P, _L, _L, _P, _L, _L, _L, _I, _I, _I, _F]
+    + [_P, _I],
+    "legato_prefill_attention_path": [_I],
     "legato_quantized_isa": [_I],
     "legato_activation_digits_path": [_I],
     "legato_attention_bf16_dot": [_I],
@@ -620,6 +625,56 @@ def dense_matmul(
         bias.data_ptr() if bias is not None else None,
         out.data_ptr(),
         out.stride(0),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def prefill_attention_available() -> bool:
+    """Whether :func:`prefill_attention` runs on this CPU (it needs AVX-512). Raises
+    ``RuntimeError`` when the library is unavailable."""
+    return bool(_library().legato_prefill_attention_path(0))
+
+
+def prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of one fresh prompt over its own keys: row ``i`` of ``query``
+    ``[L, H, D]`` attends rows ``0..i`` of ``key`` / ``value`` ``[L, Hkv, D]`` (``H`` a
+    multiple of ``Hkv``, query heads grouped as in ``enable_gqa``), scores times ``scale``.
+    fp32, ``D`` 64 or 128, strided over the first two dimensions. Returns a new contiguous
+    ``[L, H, D]``. Raises ``ValueError`` for what it does not take, a CPU without AVX-512
+    included (:func:`prefill_attention_available`)."""
+    name = "prefill_attention"
+    length, heads, head_dim = query.shape
+    _check(
+        _on_cpu(query, key, value)
+        and query.dtype == key.dtype == value.dtype == torch.float32
+        and key.shape == value.shape
+        and key.shape[0] == length
+        and key.shape[2] == head_dim
+        and query.stride(2) == key.stride(2) == value.stride(2) == 1,
+        name,
+        "unsupported layout",
+    )
+    out = query.new_empty(query.shape)
+    _run(
+        "legato_prefill_attention_f32",
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        length,
+        heads,
+        key.shape[1],
+        head_dim,
+        scale,
+        out.data_ptr(),
         torch.get_num_threads(),
     )
     return out

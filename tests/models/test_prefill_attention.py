@@ -1,0 +1,111 @@
+"""The native causal attention of a fresh prompt (cpu_kernels.prefill_attention) against
+torch's SDPA in fp64, over the shapes that leave partial blocks, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from legato.models import cpu_kernels, torch_ops
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.available() or not cpu_kernels.prefill_attention_available(),
+    reason="the native prefill attention needs the kernels and AVX-512",
+)
+
+
+def _qkv(length: int, heads: int, kv_heads: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v as a fused projection's views (strided over tokens and heads), as models
+    hand them over; k is then normed into a tensor of its own (Qwen3's strides)."""
+    fused = torch.randn(
+        length, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(seed)
+    )
+    q = fused[:, : heads * dim].view(length, heads, dim)
+    k = fused[:, heads * dim : (heads + kv_heads) * dim].view(length, kv_heads, dim) * 1.5
+    v = fused[:, (heads + kv_heads) * dim :].view(length, kv_heads, dim)
+    return q, k, v
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.double().transpose(0, 1).unsqueeze(0)
+
+    out = F.scaled_dot_product_attention(
+        heads_first(q), heads_first(k), heads_first(v), is_causal=True, scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.squeeze(0).transpose(0, 1).float()
+
+
+# Lengths around the 16-position blocks and the 48-key score tiles.
+LENGTHS = [1, 15, 16, 17, 47, 48, 49, 100, 300]
+HEADS = [(9, 3, 64), (8, 8, 128), (4, 1, 64)]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), HEADS, ids=[f"{h}-{k}-{d}" for h, k, d in HEADS]
+)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_matches_causal_sdpa(length: int, heads: int, kv_heads: int, dim: int) -> None:
+    q, k, v = _qkv(length, heads, kv_heads, dim, seed=length + dim)
+    scale = dim**-0.5
+    got = cpu_kernels.prefill_attention(q, k, v, scale)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, _reference(q, k, v, scale), atol=2e-5, rtol=2e-5)
+
+
+def test_a_row_sees_no_later_key() -> None:
+    """Changing the last token's key and value changes the last row only."""
+    q, k, v = _qkv(40, 9, 3, 64, seed=1)
+    before = cpu_kernels.prefill_attention(q, k, v, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1] += 3.0
+    v2[-1] -= 2.0
+    after = cpu_kernels.prefill_attention(q, k2, v2, 0.125)
+    assert torch.equal(after[:-1], before[:-1]) and not torch.equal(after[-1], before[-1])
+
+
+def test_refuses_what_it_does_not_take() -> None:
+    q, k, v = _qkv(8, 4, 2, 32, seed=2)  # head_dim 32
+    with pytest.raises(ValueError, match="prefill_attention"):
+        cpu_kernels.prefill_attention(q, k, v, 0.2)
+    q, k, v = _qkv(8, 4, 2, 64, seed=3)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        cpu_kernels.prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.2)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        cpu_kernels.prefill_attention(q, k[:7], v[:7], 0.2)
+
+
+def test_attend_sends_fresh_fp32_prompts_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_ops.attend runs a native plan's fresh fp32 prompts through the kernel, with the
+    output of SDPA; a bf16 step keeps SDPA."""
+    calls = []
+    kernel = cpu_kernels.prefill_attention
+
+    def counted(*args: torch.Tensor | float) -> torch.Tensor:
+        calls.append(args)
+        return kernel(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_kernels, "prefill_attention", counted)
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    lengths = [20, 33]
+    for dtype in (torch.float32, torch.bfloat16):
+        calls.clear()
+        rows = sum(lengths)
+        q, k, v = (x.to(dtype) for x in _qkv(rows, heads, kv_heads, dim, seed=4))
+        k = k.contiguous()
+        cache = torch.zeros(8, block, kv_heads, dim, dtype=dtype)
+        tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+        slots = torch.cat([torch.arange(20), 48 + torch.arange(33)])
+        plan = torch_ops.plan_attention(
+            tables, lengths, [0, 20, rows], slots, block, dtype, num_decodes=0, native=True
+        )
+        out = torch_ops.attend(q, k, v, cache, cache.clone(), plan, dim**-0.5)
+        assert len(calls) == (2 if dtype == torch.float32 else 0)
+        for start, end in ((0, 20), (20, rows)):
+            want = _reference(
+                q[start:end].float(), k[start:end].float(), v[start:end].float(), dim**-0.5
+            )
+            tol = 2e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out[start:end].float(), want, atol=tol, rtol=tol)
