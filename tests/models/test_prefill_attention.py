@@ -77,9 +77,20 @@ def test_refuses_what_it_does_not_take() -> None:
         cpu_kernels.prefill_attention(q, k[:7], v[:7], 0.2)
 
 
-def test_attend_sends_fresh_fp32_prompts_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch_ops.attend runs a native plan's fresh fp32 prompts through the kernel, with the
-    output of SDPA; a bf16 step keeps SDPA."""
+@pytest.mark.parametrize(
+    ("dtype", "lengths", "kernel_calls"),
+    [
+        (torch.float32, [64, 70], 2),  # from torch_ops.NATIVE_PREFILL_MIN_TOKENS on
+        (torch.bfloat16, [64, 70], 0),  # bf16: SDPA (measured faster there)
+        (torch.float32, [20, 33], 0),  # short prompts: SDPA
+    ],
+    ids=["fp32", "bf16", "fp32-short"],
+)
+def test_attend_sends_fresh_fp32_prompts_to_it(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, lengths: list[int], kernel_calls: int
+) -> None:
+    """torch_ops.attend runs a native plan's fresh fp32 prompts of 64 tokens or more through
+    the kernel, one call a prompt, with SDPA's output; bf16 and short prompts keep SDPA."""
     calls = []
     kernel = cpu_kernels.prefill_attention
 
@@ -89,23 +100,21 @@ def test_attend_sends_fresh_fp32_prompts_to_it(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(cpu_kernels, "prefill_attention", counted)
     heads, kv_heads, dim, block = 9, 3, 64, 16
-    lengths = [20, 33]
-    for dtype in (torch.float32, torch.bfloat16):
-        calls.clear()
-        rows = sum(lengths)
-        q, k, v = (x.to(dtype) for x in _qkv(rows, heads, kv_heads, dim, seed=4))
-        k = k.contiguous()
-        cache = torch.zeros(8, block, kv_heads, dim, dtype=dtype)
-        tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
-        slots = torch.cat([torch.arange(20), 48 + torch.arange(33)])
-        plan = torch_ops.plan_attention(
-            tables, lengths, [0, 20, rows], slots, block, dtype, num_decodes=0, native=True
+    rows = sum(lengths)
+    q, k, v = (x.to(dtype) for x in _qkv(rows, heads, kv_heads, dim, seed=4))
+    k = k.contiguous()
+    cache = torch.zeros(10, block, kv_heads, dim, dtype=dtype)
+    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
+    slots = torch.cat([torch.arange(lengths[0]), 80 + torch.arange(lengths[1])])
+    starts = [0, lengths[0], rows]
+    plan = torch_ops.plan_attention(
+        tables, lengths, starts, slots, block, dtype, num_decodes=0, native=True
+    )
+    out = torch_ops.attend(q, k, v, cache, cache.clone(), plan, dim**-0.5)
+    assert len(calls) == kernel_calls
+    for start, end in zip(starts, starts[1:], strict=False):
+        want = _reference(
+            q[start:end].float(), k[start:end].float(), v[start:end].float(), dim**-0.5
         )
-        out = torch_ops.attend(q, k, v, cache, cache.clone(), plan, dim**-0.5)
-        assert len(calls) == (2 if dtype == torch.float32 else 0)
-        for start, end in ((0, 20), (20, rows)):
-            want = _reference(
-                q[start:end].float(), k[start:end].float(), v[start:end].float(), dim**-0.5
-            )
-            tol = 2e-5 if dtype == torch.float32 else 3e-2
-            torch.testing.assert_close(out[start:end].float(), want, atol=tol, rtol=tol)
+        tol = 2e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out[start:end].float(), want, atol=tol, rtol=tol)
