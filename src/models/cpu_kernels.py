@@ -26,8 +26,8 @@ Kernels (fp32 and bf16, each checked against its plain-torch twin in the tests):
   (llama.cpp's scheme, the fast path) with an AVX-512 VNNI, an AVX2 or a portable loop
   chosen at run time (:func:`quantized_isa`);
 - :func:`dense_matmul`: fp32 activations times an fp32 weight held in column panels
-  (:mod:`legato.models.cpu_linear`), for the few rows of a decode step; AVX-512 or
-  portable loops with the same bits (:func:`dense_matmul_avx512`);
+  (:mod:`legato.models.cpu_linear`), at any number of rows; AVX-512 or portable loops
+  with the same bits (:func:`dense_matmul_avx512`);
 - :func:`prefill_attention`: causal attention of a fresh prompt over its own keys, fp32,
   head_dim 64 or 128, on AVX-512 (:func:`prefill_attention_available`).
 
@@ -630,6 +630,21 @@ def dense_matmul(
     return out
 
 
+def dense_matmul_kernel() -> Any:
+    """The raw ctypes entry point of :func:`dense_matmul`, for a caller that checked its
+    panels once (:class:`legato.models.cpu_linear.PanelLinear`) and passes pointers itself.
+    Raises ``RuntimeError`` when the library is unavailable."""
+    return _library().legato_dense_matmul_f32
+
+
+def dense_matmul_avx512(request: bool | None = None) -> bool:
+    """Whether :func:`dense_matmul` runs its AVX-512 tiles rather than the portable loop (the
+    same bits): the CPU's best, or with ``request`` the lower of it and that best.
+    Process-wide. Raises ``RuntimeError`` when the library is unavailable."""
+    code = -1 if request is None else int(request)
+    return bool(_library().legato_dense_matmul_path(code))
+
+
 def prefill_attention_available() -> bool:
     """Whether :func:`prefill_attention` runs on this CPU (it needs AVX-512). Raises
     ``RuntimeError`` when the library is unavailable."""
@@ -678,21 +693,6 @@ def prefill_attention(
         torch.get_num_threads(),
     )
     return out
-
-
-def dense_matmul_kernel() -> Any:
-    """The raw ctypes entry point of :func:`dense_matmul`, for a caller that checked its
-    panels once (:class:`legato.models.cpu_linear.PanelLinear`) and passes pointers itself.
-    Raises ``RuntimeError`` when the library is unavailable."""
-    return _library().legato_dense_matmul_f32
-
-
-def dense_matmul_avx512(request: bool | None = None) -> bool:
-    """Whether :func:`dense_matmul` runs its AVX-512 tiles rather than the portable loop (the
-    same bits): the CPU's best, or with ``request`` the lower of it and that best.
-    Process-wide. Raises ``RuntimeError`` when the library is unavailable."""
-    code = -1 if request is None else int(request)
-    return bool(_library().legato_dense_matmul_path(code))
 
 
 def quantized_matmul_kernel(int8_activations: bool = False) -> Any:
