@@ -11,7 +11,7 @@ but vectorised over the batch and with per-step work hoisted out of the layers:
   device or dtype) by one gather of their KV blocks and one batched attention.
   Prefill sequences, which carry enough work to amortise a Python call, run
   one ``scaled_dot_product_attention`` each; on the CPU a fresh fp32 prompt
-  (no cached context) of 64 tokens or more runs the native causal kernel instead
+  (no cached context) of 96 tokens or more runs the native causal kernel instead
   (``cpu_kernels.prefill_attention``: 1.3-1.8x SDPA's speed from 128 to 1024 tokens).
 - :func:`rotary_tables` gathers cos/sin for the step's positions once;
   :func:`rotate_neox` applies them to queries and keys in one pass.
@@ -146,10 +146,11 @@ def native_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in cpu_kernels.DTYPES and cpu_kernels.available()
 
 
-# Shorter fresh prompts keep SDPA: below about 64 tokens the native kernel's fixed cost (its
-# parallel region, the keys' transposition) outweighs its saving (32 tokens: 0.05 against
-# 0.035 ms a call; 128 tokens: 0.18 against 0.25).
-NATIVE_PREFILL_MIN_TOKENS = 64
+# Shorter fresh prompts keep SDPA: there the native kernel's fixed cost (its parallel region,
+# the keys' transposition) eats its saving (9 heads, head_dim 64, ms a call against SDPA's:
+# 32 tokens 0.05 against 0.035, 64 tokens 0.085-0.093 against 0.078-0.090, 96 tokens
+# 0.13-0.14 against 0.17-0.18, 128 tokens 0.18 against 0.25).
+NATIVE_PREFILL_MIN_TOKENS = 96
 
 
 @functools.cache

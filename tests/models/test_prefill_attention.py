@@ -80,8 +80,8 @@ def test_refuses_what_it_does_not_take() -> None:
 @pytest.mark.parametrize(
     ("dtype", "lengths", "kernel_calls"),
     [
-        (torch.float32, [64, 70], 2),  # from torch_ops.NATIVE_PREFILL_MIN_TOKENS on
-        (torch.bfloat16, [64, 70], 0),  # bf16: SDPA (measured faster there)
+        (torch.float32, [96, 70], 1),  # from torch_ops.NATIVE_PREFILL_MIN_TOKENS on
+        (torch.bfloat16, [96, 100], 0),  # bf16: SDPA (measured faster there)
         (torch.float32, [20, 33], 0),  # short prompts: SDPA
     ],
     ids=["fp32", "bf16", "fp32-short"],
@@ -89,8 +89,8 @@ def test_refuses_what_it_does_not_take() -> None:
 def test_attend_sends_fresh_fp32_prompts_to_it(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, lengths: list[int], kernel_calls: int
 ) -> None:
-    """torch_ops.attend runs a native plan's fresh fp32 prompts of 64 tokens or more through
-    the kernel, one call a prompt, with SDPA's output; bf16 and short prompts keep SDPA."""
+    """torch_ops.attend runs a native plan's fresh fp32 prompts of 96 tokens or more through
+    the kernel, one call a prompt, with SDPA's output; bf16 and shorter prompts keep SDPA."""
     calls = []
     kernel = cpu_kernels.prefill_attention
 
@@ -103,9 +103,9 @@ def test_attend_sends_fresh_fp32_prompts_to_it(
     rows = sum(lengths)
     q, k, v = (x.to(dtype) for x in _qkv(rows, heads, kv_heads, dim, seed=4))
     k = k.contiguous()
-    cache = torch.zeros(10, block, kv_heads, dim, dtype=dtype)
-    tables = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], dtype=torch.int32)
-    slots = torch.cat([torch.arange(lengths[0]), 80 + torch.arange(lengths[1])])
+    cache = torch.zeros(14, block, kv_heads, dim, dtype=dtype)
+    tables = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]], dtype=torch.int32)
+    slots = torch.cat([torch.arange(lengths[0]), 7 * block + torch.arange(lengths[1])])
     starts = [0, lengths[0], rows]
     plan = torch_ops.plan_attention(
         tables, lengths, starts, slots, block, dtype, num_decodes=0, native=True
