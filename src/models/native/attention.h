@@ -292,10 +292,7 @@ int bf16_dot_choice = -1;  // set once (attention_bf16_dot), read by every bf16 
 // Whether bf16 decode attention runs on vdpbf16ps (1) or widens to fp32 (0): the CPU's best,
 // or with request >= 0 the lower of request and that best (tests pin the fallback so).
 int attention_bf16_dot(int request) {
-  const int best = cpu_has_bf16_dot() ? 1 : 0;
-  if (request >= 0) bf16_dot_choice = std::min(request, best);
-  else if (bf16_dot_choice < 0) bf16_dot_choice = best;
-  return bf16_dot_choice;
+  return choose_path(bf16_dot_choice, request, cpu_has_bf16_dot() ? 1 : 0);
 }
 
 // The same two passes for any head_dim, one dot / axpy per token and head.

@@ -36,6 +36,23 @@ inline bf16 round_bf16(float x) {  // round to nearest even; NaN stays NaN (bran
   return static_cast<bf16>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+// A kernel family's run-time path, kept in `choice` (-1 until first asked): request >= 0 picks
+// the lower of request and `best` (what this CPU runs; a test pins a lower path so), request
+// < 0 only reads, the first read taking `best`. Returns the path in use.
+inline int choose_path(int& choice, int request, int best) {
+  if (request >= 0) choice = std::min(request, best);
+  else if (choice < 0) choice = best;
+  return choice;
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+// Whether this CPU runs AVX-512F (the dense matmul's and the prefill attention's tiles).
+inline bool cpu_has_avx512f() {
+  static const bool available = __builtin_cpu_supports("avx512f");
+  return available;
+}
+#endif
+
 inline void store(float x, float* dst) { *dst = x; }
 inline void store(float x, bf16* dst) { *dst = round_bf16(x); }
 

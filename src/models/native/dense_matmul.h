@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #endif
 
+#include "common.h"
+
 namespace {
 
 // ------------------------------------------------ dense fp32 matmul, weights in panels
@@ -162,10 +164,6 @@ void dense_panel_avx512(const float* x, int64_t ldx, int64_t rows, int64_t K,
   }
 }
 
-inline bool dense_avx512_available() {
-  static const bool available = __builtin_cpu_supports("avx512f");
-  return available;
-}
 #endif
 
 int dense_path = -1;  // dense_matmul_path: -1 the best this CPU runs, 0 portable, 1 AVX-512
@@ -174,13 +172,11 @@ int dense_path = -1;  // dense_matmul_path: -1 the best this CPU runs, 0 portabl
 // < 0 only reads. Returns the one in use (1 AVX-512, 0 portable).
 int dense_matmul_path(int request) {
 #if defined(__x86_64__) || defined(_M_X64)
-  const int best = dense_avx512_available() ? 1 : 0;
+  const int best = cpu_has_avx512f() ? 1 : 0;
 #else
   const int best = 0;
 #endif
-  if (request >= 0) dense_path = std::min(request, best);
-  else if (dense_path < 0) dense_path = best;
-  return dense_path;
+  return choose_path(dense_path, request, best);
 }
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T + bias (bias [N] or null), W held

@@ -201,9 +201,7 @@ int activation_digits_path(int request) {
 #else
   const int best = 0;
 #endif
-  if (request >= 0) digits_path = std::min(request, best);
-  else if (digits_path < 0) digits_path = best;
-  return digits_path;
+  return choose_path(digits_path, request, best);
 }
 
 // Every row's two digits (see above), in the plain order (q .. bias_r, and with int16_pairs

@@ -126,11 +126,6 @@ LEGATO_PREFILL_AVX512 float softmax_numerators_row(float* row, int valid, int ke
   return total;
 }
 
-inline bool prefill_avx512_available() {
-  static const bool available = __builtin_cpu_supports("avx512f");
-  return available;
-}
-
 // One work item: positions i0 .. i1 - 1 against one kv head (its key panels kt, its values
 // v, a row every kv_tok floats). qb: the rows' queries, scaled ([rows][head_dim], rows (position,
 // head) in order); s: [rows][lds] scratch; o: [rows][head_dim] out, unnormalised, with each
@@ -158,7 +153,7 @@ void prefill_item(const float* kt, int64_t panel_stride, const float* v, int64_t
 // Whether prefill_attention runs here (1: AVX-512) or refuses every call (0).
 int prefill_attention_path() {
 #if defined(__x86_64__) || defined(_M_X64)
-  return prefill_avx512_available() ? 1 : 0;
+  return cpu_has_avx512f() ? 1 : 0;
 #else
   return 0;
 #endif

@@ -531,10 +531,7 @@ int best_quantized_isa() {
 int chosen_isa = -1;  // set once (quantized_isa), read by every call
 
 int quantized_isa(int request) {
-  const int best = best_quantized_isa();
-  if (request >= 0) chosen_isa = std::min(request, best);
-  else if (chosen_isa < 0) chosen_isa = best;
-  return chosen_isa;
+  return choose_path(chosen_isa, request, best_quantized_isa());
 }
 
 // Weight tiles of NR rows over the input in tiles of MR rows (the weight tile is read from
