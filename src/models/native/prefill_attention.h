@@ -17,6 +17,7 @@
 #endif
 
 #include "common.h"
+#include "dense_matmul.h"
 
 namespace {
 
@@ -27,9 +28,9 @@ namespace {
 // heads that share the kv head (rows (position, head), the positions in order). It computes
 // the rows' scores against keys 0 .. its last position, exactly as two small matmuls:
 //
-// - scores = q k^T from the kv head's keys transposed once per call into panels of 16 keys
-//   ([panel][d][16]), in tiles of 8 rows x 48 keys (24 accumulators; the layout and the loop
-//   of dense_matmul.h), the keys past the last panel zero;
+// - scores = q k^T from the kv head's keys held once per call as dense_matmul.h's panels
+//   (48 keys a panel: [panel][d][48], the keys past the last one zero), by its tiles of 8 rows
+//   x 48 keys;
 // - softmax per row over its own keys (exp_approx, as the decode kernel), the rest zeroed;
 // - p v in tiles of a few rows x head_dim, from the kv head's values copied into rows.
 //
@@ -39,35 +40,10 @@ namespace {
 // (in benchmarks/prefill_step.py the 256-token prefill's attention: 20 against 32-35 ms).
 // head_dim 64 or 128 only.
 
-constexpr int kKeyPanel = 16;     // keys a panel of transposed keys holds: one vector
-constexpr int kScoreKeys = 48;    // keys a score tile covers: three panels
-constexpr int kScoreRows = 8;     // rows a score tile covers
 constexpr int kPrefillBlock = 16;  // query positions a work item takes
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define LEGATO_PREFILL_AVX512 __attribute__((target("avx512f")))
-
-// s[i][0..48) = q[i] . keys of three consecutive panels (panel_stride floats apart), i < R.
-template <int R>
-LEGATO_PREFILL_AVX512 void score_tile(const float* q, int head_dim, const float* kt,
-                                      int64_t panel_stride, float* s, int64_t lds) {
-  __m512 acc[R][3];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int d = 0; d < head_dim; ++d) {
-    const __m512 k0 = _mm512_loadu_ps(kt + d * kKeyPanel);
-    const __m512 k1 = _mm512_loadu_ps(kt + panel_stride + d * kKeyPanel);
-    const __m512 k2 = _mm512_loadu_ps(kt + 2 * panel_stride + d * kKeyPanel);
-    for (int i = 0; i < R; ++i) {
-      const __m512 x = _mm512_set1_ps(q[i * head_dim + d]);
-      acc[i][0] = _mm512_fmadd_ps(k0, x, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(k1, x, acc[i][1]);
-      acc[i][2] = _mm512_fmadd_ps(k2, x, acc[i][2]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(s + i * lds + j * 16, acc[i][j]);
-}
 
 // o[i][0..16 V) = sum over j < keys of p[i][j] v_j (v_j at v + j ldv), i < R.
 template <int R, int V>
@@ -86,15 +62,6 @@ LEGATO_PREFILL_AVX512 void value_tile(const float* p, int64_t ldp, const float* 
   }
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + i * V * 16 + c * 16, acc[i][c]);
-}
-
-// R rows' scores against key_tiles tiles of 48 keys.
-template <int R>
-LEGATO_PREFILL_AVX512 void score_rows(const float* q, int head_dim, const float* kt,
-                                      int64_t panel_stride, int key_tiles, float* s,
-                                      int64_t lds) {
-  for (int t = 0; t < key_tiles; ++t)
-    score_tile<R>(q, head_dim, kt + t * 3 * panel_stride, panel_stride, s + t * kScoreKeys, lds);
 }
 
 // `rows` rows of p times v, in tiles of R rows (then single rows).
@@ -126,22 +93,20 @@ LEGATO_PREFILL_AVX512 float softmax_numerators_row(float* row, int valid, int ke
   return total;
 }
 
-// One work item: positions i0 .. i1 - 1 against one kv head (its key panels kt, its values
-// v, a row every kv_tok floats). qb: the rows' queries, scaled ([rows][head_dim], rows (position,
+// One work item: positions i0 .. i1 - 1 against one kv head (its key panels kt, kPanel keys
+// and panel_stride floats each; its values v, a row every kv_tok floats). qb: the rows' queries, scaled ([rows][head_dim], rows (position,
 // head) in order); s: [rows][lds] scratch; o: [rows][head_dim] out, unnormalised, with each
 // row's softmax total in totals.
 void prefill_item(const float* kt, int64_t panel_stride, const float* v, int64_t kv_tok,
                   int group, int head_dim, int i0, int i1, const float* qb, float* s,
                   int64_t lds, float* o, float* totals) {
   const int rows = (i1 - i0) * group, keys = i1;
-  const int key_tiles = (keys + kScoreKeys - 1) / kScoreKeys;
-  using ScoreRows = void (*)(const float*, int, const float*, int64_t, int, float*, int64_t);
-  static const ScoreRows by_rows[kScoreRows + 1] = {nullptr,        score_rows<1>, score_rows<2>,
-                                                    score_rows<3>,  score_rows<4>, score_rows<5>,
-                                                    score_rows<6>,  score_rows<7>, score_rows<8>};
-  for (int r = 0; r < rows; r += kScoreRows) {
-    const int n = std::min(kScoreRows, rows - r);
-    by_rows[n](qb + r * head_dim, head_dim, kt, panel_stride, key_tiles, s + r * lds, lds);
+  const int panels = (keys + kPanel - 1) / kPanel;
+  for (int r = 0; r < rows; r += kTileRows) {  // dense tiles: no bias, no prefetch
+    const DenseTile tile = dense_tiles_avx512[0][std::min(kTileRows, rows - r)];
+    for (int p = 0; p < panels; ++p)
+      tile(qb + r * head_dim, head_dim, kt + p * panel_stride, head_dim, s + r * lds + p * kPanel,
+           lds, nullptr, kPanel, true, nullptr);
   }
   for (int r = 0; r < rows; ++r)  // row r: position i0 + r / group sees keys 0 .. that
     totals[r] = softmax_numerators_row(s + r * lds, i0 + r / group + 1, keys);
@@ -176,9 +141,9 @@ int prefill_attention(const float* query, int64_t q_tok, int64_t q_head, const f
   if (L == 0) return 0;
 #if defined(__x86_64__) || defined(_M_X64)
   const int group = num_heads / num_kv_heads;
-  const int64_t padded = (L + kScoreKeys - 1) / kScoreKeys * kScoreKeys;
-  const int64_t panel_stride = static_cast<int64_t>(head_dim) * kKeyPanel;
-  const int64_t head_panels = padded / kKeyPanel * panel_stride;  // floats a kv head's panels take
+  const int64_t padded = (L + kPanel - 1) / kPanel * kPanel;
+  const int64_t panel_stride = static_cast<int64_t>(head_dim) * kPanel;
+  const int64_t head_panels = padded / kPanel * panel_stride;  // floats a kv head's panels take
   static thread_local std::vector<float> kt, vt;  // grown, never shrunk: no map and unmap a call
   kt.resize(std::max(kt.size(), static_cast<size_t>(head_panels) * num_kv_heads));
   vt.resize(std::max(vt.size(), static_cast<size_t>(L) * head_dim * num_kv_heads));
@@ -188,17 +153,17 @@ int prefill_attention(const float* query, int64_t q_tok, int64_t q_head, const f
 #pragma omp parallel num_threads(num_threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < num_kv_heads * (padded / kKeyPanel); ++item) {
-      const int64_t g = item / (padded / kKeyPanel), p = item % (padded / kKeyPanel);
+    for (int64_t item = 0; item < num_kv_heads * (padded / kPanel); ++item) {
+      const int64_t g = item / (padded / kPanel), p = item % (padded / kPanel);
       float* panel = panels + g * head_panels + p * panel_stride;
-      for (int j = 0; j < kKeyPanel; ++j) {
-        const int64_t t = p * kKeyPanel + j;
+      for (int j = 0; j < kPanel; ++j) {
+        const int64_t t = p * kPanel + j;
         if (t >= L) {
-          for (int d = 0; d < head_dim; ++d) panel[d * kKeyPanel + j] = 0.f;
+          for (int d = 0; d < head_dim; ++d) panel[d * kPanel + j] = 0.f;
           continue;
         }
         const float* k = key + t * k_tok + g * k_head;
-        for (int d = 0; d < head_dim; ++d) panel[d * kKeyPanel + j] = k[d];
+        for (int d = 0; d < head_dim; ++d) panel[d * kPanel + j] = k[d];
         std::memcpy(values + (g * L + t) * head_dim, value + t * v_tok + g * v_head,
                     sizeof(float) * head_dim);
       }
