@@ -20,11 +20,11 @@
 //   native/int8_activations.h  input rows as two int8 digits, for the int8 matmul
 //   native/quantized_int8.h    the same with int8 activations (AVX-512 VNNI, AVX2, portable)
 //   native/quantized_share.h   one thread's share of an int8 matmul over one sequence's rows
-//   native/decoder_layer.h     a decoder layer's quantized weights; one projection, op by op
+//   native/dense_matmul.h      dense fp32 matmul over weights held in column panels
+//   native/decoder_layer.h     a decoder layer's weights (quantized or panels); one projection
 //   native/one_sequence.h      one sequence's decode or verification step in one parallel region
 //   native/decode_stack.h      every decoder layer of a decode step in one call
 //   native/lm_head.h           a greedy one-row step's last norm, LM head and argmax in one call
-//   native/dense_matmul.h      dense fp32 matmul over weights held in column panels
 //   native/prefill_attention.h causal attention of a fresh prompt over its own keys
 // This file holds the C entry points only.
 
@@ -37,11 +37,11 @@
 #include "native/int8_activations.h"
 #include "native/quantized_int8.h"
 #include "native/quantized_share.h"
+#include "native/dense_matmul.h"
 #include "native/decoder_layer.h"
 #include "native/one_sequence.h"
 #include "native/decode_stack.h"
 #include "native/lm_head.h"
-#include "native/dense_matmul.h"
 #include "native/prefill_attention.h"
 
 extern "C" {

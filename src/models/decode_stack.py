@@ -4,9 +4,11 @@ The layer-by-layer forward of a 30-layer model makes about 15 kernel calls a lay
 each with Python dispatch and argument checks around it; at batch 1 that overhead is
 as large as the math. For a batch of decode rows (one query token per sequence) of an
 fp32 Llama-family model whose projections are all kept quantized
-(:mod:`legato.models.quantized`), without biases, q/k norms or sliding windows, this
-module hands the whole stack to :mod:`legato.models.cpu_kernels` at once: the same
-kernels in the same order, so the numbers are the layer-by-layer path's.
+(:mod:`legato.models.quantized`) or held in column panels for the dense fp32 kernel
+(:class:`legato.models.cpu_linear.PanelLinear`, an fp32 checkpoint on an AVX-512 CPU),
+without biases, q/k norms or sliding windows, this module hands the whole stack to
+:mod:`legato.models.cpu_kernels` at once: the same kernels in the same order, so the
+numbers are the layer-by-layer path's.
 
 A speculative verification step (``AttentionMetadata.rows_as_decodes``: a sequence's
 last token and its drafts) runs here too: each row gets its sequence's block-table row
@@ -31,6 +33,8 @@ import torch
 
 from . import cpu_kernels
 from .attention_backend import AttentionMetadata
+from .cpu_linear import PanelLinear
+from .layers import Linear
 from .quantized import QuantizedLinear
 
 # The model is a legato.models.llama.LlamaForCausalLM, typed Any here: llama imports this
@@ -38,6 +42,7 @@ from .quantized import QuantizedLinear
 LlamaForCausalLM = Any
 
 _MAX_PARTS = 4  # kMaxParts in native/decoder_layer.h
+_DENSE_BITS = 32  # kDenseBits there: a part of fp32 weights in column panels
 
 
 class _Part(ctypes.Structure):
@@ -52,8 +57,9 @@ class _Part(ctypes.Structure):
 
 
 class NativeProjection(ctypes.Structure):
-    """A quantized projection as the native calls read it (``QuantProjection`` in
-    native/decoder_layer.h): up to ``_MAX_PARTS`` row blocks of codes, scales, offsets."""
+    """A projection as the native calls read it (``QuantProjection`` in
+    native/decoder_layer.h): up to ``_MAX_PARTS`` row blocks of codes, scales, offsets, or
+    one part of dense panels (``bits`` 32)."""
 
     _fields_ = [
         ("num_parts", ctypes.c_int32),
@@ -75,10 +81,15 @@ class _Layer(ctypes.Structure):
     ]
 
 
-def native_projection(linear: QuantizedLinear) -> NativeProjection:
+def native_projection(linear: QuantizedLinear | PanelLinear) -> NativeProjection:
     """``linear``'s parts as the native calls read them: pointers into its tensors, which
     the caller keeps alive (and unmoved) while the struct is in use. Only for a
-    projection :func:`takes_native` accepts."""
+    projection :func:`takes_native` (or, dense, :func:`takes_native_dense`) accepts."""
+    if isinstance(linear, PanelLinear):
+        out = NativeProjection(num_parts=1)
+        out.parts[0] = _Part(linear.panels.data_ptr(), None, None, linear.out_features,
+                             _DENSE_BITS, 0)  # fmt: skip
+        return out
     out = NativeProjection(num_parts=len(linear.parts))
     for i, part in enumerate(linear.parts):
         offsets = part.offsets.data_ptr() if part.offsets is not None else None
@@ -89,16 +100,41 @@ def native_projection(linear: QuantizedLinear) -> NativeProjection:
     return out
 
 
-def _projections(layer: Any) -> tuple[QuantizedLinear | None, ...]:
-    """A decoder layer's (qkv, o, gate_up, down) quantized projections (None: not quantized)."""
+def _native_weight(linear: Any) -> QuantizedLinear | PanelLinear | None:
+    """What a projection's product runs on, where the stack can read it: its quantized
+    weights, or its column panels. None for anything else: plain or oneDNN weights, a
+    subclass (tensor parallelism's row-parallel layers reduce across ranks) or a module with
+    hooks (LoRA adds its deltas in forward hooks, which the native stack would skip)."""
+    if type(linear) is not Linear or linear._forward_hooks or linear._forward_pre_hooks:
+        return None
+    if linear.quantized is not None:
+        return linear.quantized
+    return linear.packed if isinstance(linear.packed, PanelLinear) else None
+
+
+def _projections(layer: Any) -> tuple[QuantizedLinear | PanelLinear | None, ...]:
+    """A decoder layer's (qkv, o, gate_up, down) weights as :func:`_native_weight` finds them."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return tuple(linear.quantized for linear in linears)
+    return tuple(_native_weight(linear) for linear in linears)
 
 
-def _first_qkv(model: LlamaForCausalLM) -> Any:
+def _int8_max_rows(model: LlamaForCausalLM) -> int:
+    """Up to how many sequences a step takes the int8 path (the first qkv's setting; 0 for
+    dense panels, which have none)."""
     layer: Any = model.model.layers[0]
-    return layer.self_attn.qkv_proj.quantized
+    qkv = _native_weight(layer.self_attn.qkv_proj)
+    return qkv.int8_max_rows if isinstance(qkv, QuantizedLinear) else 0
+
+
+def takes_native_dense(linear: PanelLinear) -> bool:
+    """Whether the native stack takes these panels: fp32 on the CPU, without a bias."""
+    return (
+        linear.dtype == torch.float32
+        and linear.bias is None
+        and linear.panels.dtype == torch.float32
+        and linear.panels.device.type == "cpu"
+    )
 
 
 def takes_native(linear: QuantizedLinear | None) -> bool:
@@ -156,7 +192,7 @@ class DecodeStack:
                 native_projection(down),
             )  # fmt: skip
         self.layers = layers
-        self.int8_max_rows: int = _first_qkv(model).int8_max_rows
+        self.int8_max_rows = _int8_max_rows(model)
         self.num_blocks, self.block_size = kv_caches[0][0].shape[:2]
 
     @staticmethod
@@ -173,7 +209,7 @@ class DecodeStack:
             mods = layer._modules
             attn, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
             for linear in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
-                key.append(id(linear.quantized))
+                key.append(id(_native_weight(linear)))
             for norm in (mods["input_layernorm"], mods["post_attention_layernorm"]):
                 weight = norm._parameters.get("weight")
                 key.append((weight if weight is not None else norm.weight).data_ptr())
@@ -200,8 +236,10 @@ class DecodeStack:
         ):
             return False
         for layer, pair in zip(model.model.layers, kv_caches, strict=True):
-            if not all(takes_native(linear) for linear in _projections(layer)):
-                return False
+            for linear in _projections(layer):
+                dense = isinstance(linear, PanelLinear) and takes_native_dense(linear)
+                if not (dense or (not isinstance(linear, PanelLinear) and takes_native(linear))):
+                    return False
             if not all(
                 c.dtype == torch.float32
                 and c.is_contiguous()
@@ -215,10 +253,8 @@ class DecodeStack:
 
     def matches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether these are still the caches (and weights' row limit) it was built for."""
-        qkv = _first_qkv(self.model)
         return (
-            qkv is not None
-            and qkv.int8_max_rows == self.int8_max_rows
+            _int8_max_rows(self.model) == self.int8_max_rows
             and self._key(self.model, kv_caches) == self.key
         )
 

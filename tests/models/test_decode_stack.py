@@ -1,7 +1,8 @@
 """The one-call decoder stack (legato.models.decode_stack) against the layer-by-layer forward
-it replaces, on the default model's kept-quantized GGUF weights: decode steps of 1 and of 3
-sequences give the same logits, greedy tokens and KV cache; one sequence's steps (one row,
-or a verification step's several) run in one parallel region bit for bit as op by op."""
+it replaces, on the default model's kept-quantized GGUF weights and on an fp32 checkpoint's
+dense weights in column panels: decode steps of 1 and of 3 sequences give the same logits,
+greedy tokens and KV cache; one sequence's steps (one row, or a verification step's several)
+run in one parallel region bit for bit as op by op."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from legato.config import EngineConfig
-from legato.models import cpu_kernels
+from legato.models import cpu_kernels, cpu_linear
+from legato.models.lora_layers import LoRALayers
 from legato.models.runner import ModelRunner
 from legato.models.step_metadata import build_metadata
 from legato.protocol.params import SamplingParams
@@ -67,6 +69,45 @@ def test_fused_decode_equals_the_layer_by_layer_path(
         for (k, v), (pk, pv) in zip(runner.kv_caches, plain_cache, strict=True):
             torch.testing.assert_close(k, pk, atol=1e-5, rtol=0)
             torch.testing.assert_close(v, pv, atol=1e-5, rtol=0)
+
+
+def test_dense_panels_run_in_the_stack_bit_for_bit(
+    llama: Any,
+    make_runner: Callable[..., ModelRunner],
+    mini_scheduler: Any,
+    decode_stack_calls: Callable[[], AbstractContextManager[list[tuple[int, int]]]],
+) -> None:
+    """An fp32 checkpoint on an AVX-512 CPU holds its linears in column panels; its decode
+    steps (1 and 3 sequences, two threads) run the native stack, whose dense projections call
+    the same kernel with the same rows: tokens, logprobs and the KV cache equal the
+    layer-by-layer path's bit for bit. A LoRA layer's hooks keep the model off the stack."""
+    if not (cpu_kernels.available() and cpu_linear.panels_preferred()):
+        pytest.skip("dense panels are for AVX-512 CPUs")
+    runner = make_runner(llama)
+    torch.set_num_threads(2)  # the dense kernel splits its panels between threads
+    for prompts in ([[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7], [100, 200, 300, 301, 5], [42]]):
+        plain = _run(runner, mini_scheduler, False, prompts)
+        plain_cache = [tuple(c.clone() for c in pair) for pair in runner.kv_caches]
+        with decode_stack_calls() as calls:
+            fused = _run(runner, mini_scheduler, True, prompts)
+        assert calls and {rows for rows, _ in calls} == {len(prompts)}
+        for rid, req in plain.done.items():
+            assert fused.done[rid].outputs == req.outputs
+            for a, b in zip(fused.done[rid].logprobs, req.logprobs, strict=True):
+                assert a.token_ids == b.token_ids
+                assert a.logprobs == b.logprobs
+        for (k, v), (pk, pv) in zip(runner.kv_caches, plain_cache, strict=True):
+            assert torch.equal(k, pk) and torch.equal(v, pv)
+    lora = LoRALayers(
+        runner.model, runner.model.config, max_loras=1, max_lora_rank=8, dtype=torch.float32,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    try:
+        with decode_stack_calls() as calls:
+            _run(runner, mini_scheduler, True, [[1, 2, 3]])
+        assert not calls
+    finally:
+        lora.detach()
 
 
 @pytest.mark.parametrize("kind", [None, "Q8_0", "Q5_0"])

@@ -1,5 +1,5 @@
-// A decoder layer's quantized weights as the native stack reads them, and how a step's
-// rows go through one projection.
+// A decoder layer's weights as the native stack reads them (quantized, or dense fp32 in
+// column panels), and how a step's rows go through one projection.
 // One part of the CPU kernels (cpu_kernels.cpp includes every part, in one translation
 // unit; the conventions are stated there).
 
@@ -7,19 +7,22 @@
 
 #include <cstdint>
 
+#include "dense_matmul.h"
 #include "quantized_int8.h"
 #include "quantized_matmul.h"
 
 namespace {
 
-struct QuantPart {  // one row block of a quantized projection (QuantizedWeight)
-  const uint8_t* codes;
+struct QuantPart {  // one row block of a quantized projection (QuantizedWeight), or dense
+  const uint8_t* codes;  // kDenseBits: fp32 column panels (dense_matmul.h), no bias
   const float* scales;
   const float* offsets;  // null: none
   int64_t rows;
   int32_t bits;
   int32_t group;
 };
+
+constexpr int32_t kDenseBits = 32;  // a part of dense fp32 weights in column panels
 
 constexpr int kMaxParts = 4;
 
@@ -51,14 +54,18 @@ RowMode row_mode(int64_t sequences, int int8_max_rows) {
   return sequences == 1 ? RowMode::kFp32RowByRow : RowMode::kFp32Tile;
 }
 
-// y[T, N] = x[T, K] @ W^T over the projection's row blocks (each writes its columns).
+// y[T, N] = x[T, K] @ W^T over the projection's row blocks (each writes its columns). A
+// dense part computes every row alike whatever the mode (dense_matmul's rows are independent).
 int project(const QuantProjection& w, const float* x, int64_t T, int64_t K, float* y, int64_t N,
             RowMode mode, int num_threads) {
   int64_t column = 0;
   for (int p = 0; p < w.num_parts; ++p) {
     const QuantPart& part = w.parts[p];
     int code = 0;
-    if (mode == RowMode::kInteger) {
+    if (part.bits == kDenseBits) {
+      code = dense_matmul(x, K, T, K, reinterpret_cast<const float*>(part.codes), part.rows,
+                          nullptr, y + column, N, num_threads);
+    } else if (mode == RowMode::kInteger) {
       code = quantized_matmul_int8(x, K, T, K, part.codes, part.bits, part.group, part.rows,
                                    part.scales, part.offsets, y + column, N, num_threads);
     } else if (mode == RowMode::kFp32Tile || T == 1) {
