@@ -235,11 +235,18 @@ class DecodeStack:
             and len(kv_caches) == cfg.num_layers
         ):
             return False
-        for layer, pair in zip(model.model.layers, kv_caches, strict=True):
-            for linear in _projections(layer):
-                dense = isinstance(linear, PanelLinear) and takes_native_dense(linear)
-                if not (dense or (not isinstance(linear, PanelLinear) and takes_native(linear))):
-                    return False
+        # Every projection quantized, or every one in panels: a model of both kinds (a GGUF
+        # file with some matrices stored unquantized) keeps the layer-by-layer path, whose
+        # quantized matmuls take the int8 path by their own setting (_int8_max_rows reads it
+        # from the first qkv projection only).
+        weights = [w for layer in model.model.layers for w in _projections(layer)]
+        panels = [w for w in weights if isinstance(w, PanelLinear)]
+        if len(panels) == len(weights):
+            if not all(takes_native_dense(w) for w in panels):
+                return False
+        elif not all(isinstance(w, QuantizedLinear) and takes_native(w) for w in weights):
+            return False
+        for pair in kv_caches:
             if not all(
                 c.dtype == torch.float32
                 and c.is_contiguous()

@@ -15,10 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from legato.config import EngineConfig
 from legato.models import cpu_kernels, cpu_linear
 from legato.models.lora_layers import LoRALayers
+from legato.models.quantized import QuantizedLinear, from_gguf
 from legato.models.runner import ModelRunner
 from legato.models.step_metadata import build_metadata
 from legato.protocol.params import SamplingParams
@@ -80,7 +83,8 @@ def test_dense_panels_run_in_the_stack_bit_for_bit(
     """An fp32 checkpoint on an AVX-512 CPU holds its linears in column panels; its decode
     steps (1 and 3 sequences, two threads) run the native stack, whose dense projections call
     the same kernel with the same rows: tokens, logprobs and the KV cache equal the
-    layer-by-layer path's bit for bit. A LoRA layer's hooks keep the model off the stack."""
+    layer-by-layer path's bit for bit. A LoRA layer's hooks keep the model off the stack, and
+    so does one projection quantized among the panels."""
     if not (cpu_kernels.available() and cpu_linear.panels_preferred()):
         pytest.skip("dense panels are for AVX-512 CPUs")
     runner = make_runner(llama)
@@ -108,6 +112,21 @@ def test_dense_panels_run_in_the_stack_bit_for_bit(
         assert not calls
     finally:
         lora.detach()
+    # One projection quantized among panels: a model of both kinds keeps the layer path.
+    o_proj = runner.model.model.layers[0].self_attn.o_proj
+    panels = o_proj.packed.panels
+    dense = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])[: o_proj.packed.out_features]
+    raw = quantize(dense.numpy(), GGMLQuantizationType.Q8_0)
+    o_proj.quantized = QuantizedLinear([from_gguf(raw, "Q8_0", *dense.shape)])
+    try:
+        with decode_stack_calls() as calls:
+            _run(runner, mini_scheduler, True, [[1, 2, 3]])
+        assert not calls
+    finally:
+        o_proj.quantized = None
+    with decode_stack_calls() as calls:
+        _run(runner, mini_scheduler, True, [[1, 2, 3]])
+    assert calls
 
 
 @pytest.mark.parametrize("kind", [None, "Q8_0", "Q5_0"])
