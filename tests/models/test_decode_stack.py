@@ -41,6 +41,38 @@ def _run(runner: ModelRunner, mini_scheduler: Any, fused: bool, prompts: list[li
     return sched
 
 
+def _assert_stack_equals_layer_path(
+    runner: ModelRunner,
+    mini_scheduler: Any,
+    decode_stack_calls: Callable[[], AbstractContextManager[list[tuple[int, int]]]],
+    middle: list[int],
+    exact: bool,
+) -> None:
+    """Decode steps of one sequence, then of three (``middle`` the second's prompt): the stack
+    runs (its one call is seen, a row a sequence), and tokens, logprobs and the KV cache equal
+    the per-layer path's, bit for bit if ``exact``, else to fp32 rounding."""
+    for prompts in ([[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7], middle, [42]]):
+        plain = _run(runner, mini_scheduler, False, prompts)
+        plain_cache = [tuple(c.clone() for c in pair) for pair in runner.kv_caches]
+        with decode_stack_calls() as calls:
+            fused = _run(runner, mini_scheduler, True, prompts)
+        assert calls and {rows for rows, _ in calls} == {len(prompts)}
+        for rid, req in plain.done.items():
+            assert fused.done[rid].outputs == req.outputs
+            for a, b in zip(fused.done[rid].logprobs, req.logprobs, strict=True):
+                assert a.token_ids == b.token_ids
+                if exact:
+                    assert a.logprobs == b.logprobs
+                else:
+                    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        for (k, v), (pk, pv) in zip(runner.kv_caches, plain_cache, strict=True):
+            if exact:
+                assert torch.equal(k, pk) and torch.equal(v, pv)
+            else:
+                torch.testing.assert_close(k, pk, atol=1e-5, rtol=0)
+                torch.testing.assert_close(v, pv, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("gguf_activations", ["int8", "fp32"])
 def test_fused_decode_equals_the_layer_by_layer_path(
     smollm2_gguf: Path,
@@ -58,20 +90,9 @@ def test_fused_decode_equals_the_layer_by_layer_path(
         gguf_activations=gguf_activations,
     )  # fmt: skip
     runner = ModelRunner(config)
-    for prompts in ([[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7], [100, 200, 300, 400, 500], [42]]):
-        plain = _run(runner, mini_scheduler, False, prompts)
-        plain_cache = [tuple(c.clone() for c in pair) for pair in runner.kv_caches]
-        with decode_stack_calls() as calls:
-            fused = _run(runner, mini_scheduler, True, prompts)
-        assert calls and {rows for rows, _ in calls} == {len(prompts)}
-        for rid, req in plain.done.items():
-            assert fused.done[rid].outputs == req.outputs
-            for a, b in zip(fused.done[rid].logprobs, req.logprobs, strict=True):
-                assert a.token_ids == b.token_ids
-                torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
-        for (k, v), (pk, pv) in zip(runner.kv_caches, plain_cache, strict=True):
-            torch.testing.assert_close(k, pk, atol=1e-5, rtol=0)
-            torch.testing.assert_close(v, pv, atol=1e-5, rtol=0)
+    _assert_stack_equals_layer_path(
+        runner, mini_scheduler, decode_stack_calls, [100, 200, 300, 400, 500], exact=False
+    )
 
 
 def test_dense_panels_run_in_the_stack_bit_for_bit(
@@ -89,19 +110,9 @@ def test_dense_panels_run_in_the_stack_bit_for_bit(
         pytest.skip("dense panels are for AVX-512 CPUs")
     runner = make_runner(llama)
     torch.set_num_threads(2)  # the dense kernel splits its panels between threads
-    for prompts in ([[1, 2, 3, 4, 5, 6, 7]], [[9, 8, 7], [100, 200, 300, 301, 5], [42]]):
-        plain = _run(runner, mini_scheduler, False, prompts)
-        plain_cache = [tuple(c.clone() for c in pair) for pair in runner.kv_caches]
-        with decode_stack_calls() as calls:
-            fused = _run(runner, mini_scheduler, True, prompts)
-        assert calls and {rows for rows, _ in calls} == {len(prompts)}
-        for rid, req in plain.done.items():
-            assert fused.done[rid].outputs == req.outputs
-            for a, b in zip(fused.done[rid].logprobs, req.logprobs, strict=True):
-                assert a.token_ids == b.token_ids
-                assert a.logprobs == b.logprobs
-        for (k, v), (pk, pv) in zip(runner.kv_caches, plain_cache, strict=True):
-            assert torch.equal(k, pk) and torch.equal(v, pv)
+    _assert_stack_equals_layer_path(
+        runner, mini_scheduler, decode_stack_calls, [100, 200, 300, 301, 5], exact=True
+    )
     lora = LoRALayers(
         runner.model, runner.model.config, max_loras=1, max_lora_rank=8, dtype=torch.float32,
         device=torch.device("cpu"),
