@@ -4,7 +4,7 @@ The layer-by-layer forward of a 30-layer model makes about 15 kernel calls a lay
 each with Python dispatch and argument checks around it; at batch 1 that overhead is
 as large as the math. For a batch of decode rows (one query token per sequence) of an
 fp32 Llama-family model whose projections are all kept quantized
-(:mod:`legato.models.quantized`) or held in column panels for the dense fp32 kernel
+(:mod:`legato.models.quantized`) or all held in column panels for the dense fp32 kernel
 (:class:`legato.models.cpu_linear.PanelLinear`, an fp32 checkpoint on an AVX-512 CPU),
 without biases, q/k norms or sliding windows, this module hands the whole stack to
 :mod:`legato.models.cpu_kernels` at once: the same kernels in the same order, so the

@@ -35,7 +35,7 @@ namespace {
 // row per sequence; a speculative verification step several rows of one sequence (its last
 // token, then its drafts, each attending up to itself: their K/V are all written before the
 // attention reads), computed as a plain decode step of `sequences` rows computes each row
-// (row_mode). For fp32 models whose projections are all kept quantized or held dense in
+// (row_mode). For fp32 models whose projections are all kept quantized or all held dense in
 // column panels (kDenseBits), without biases, q/k norms or sliding windows; the caller checks
 // that (legato.models.decode_stack).
 // Rows of one sequence on the VNNI integer path take one parallel region instead
