@@ -54,9 +54,10 @@ def test_weight_panels_hold_48_columns_a_panel_k_major_zero_padded() -> None:
 
 
 # Sizes that leave partial panels, partial vector masks (N - 48 p < 16, < 32), partial row
-# tiles (8 rows), partial k blocks (128), and several row passes (K = 2048: 64 rows a pass).
+# tiles (8 rows), partial k blocks (128), and several row passes (K = 2048: an x of over 1 MB,
+# 150 rows, takes three passes of 56, 56 and 38 rows; 70 rows one pass).
 SHAPES = [(29, 37), (48, 64), (97, 200), (130, 129), (50, 2048), (576, 576)]
-ROWS = [1, 3, 8, 9, 17, 70]
+ROWS = [1, 3, 8, 9, 17, 70, 150]
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
