@@ -130,14 +130,53 @@ int rotary_neox(T* x, int64_t tok_stride, int64_t head_stride, int64_t tokens, i
 
 // ------------------------------------------------------------------ sampling
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LEGATO_ARGMAX_BF16X16 1
+// 16 bf16 values from p (the first `n` of them when n < 16), widened exactly; lanes past n
+// hold -inf, which never wins an argmax.
+inline __m512 argmax_lanes_bf16(const bf16* p, int64_t n) {
+  const __mmask16 keep = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  const __m256i bits = _mm256_maskz_loadu_epi16(keep, p);
+  const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), wide);
+}
+
+// argmax_rows' answer for one bf16 row, read in place 16 values at a time: one pass for the
+// largest value (and whether a NaN is there), one to the first lane holding it (or the NaN).
+inline int64_t argmax_row_bf16x16(const bf16* row, int64_t cols) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __m512 v = argmax_lanes_bf16(row + c, cols - c);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(top, v);
+  }
+  const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __m512 v = argmax_lanes_bf16(row + c, cols - c);
+    const __mmask16 hit =
+        nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ);
+    if (hit) return c + __builtin_ctz(hit);
+  }
+  return 0;  // unreachable: the largest value is in some lane
+}
+#endif
+
 // out[r] = the first index of the largest value of row r (a NaN counts as largest). A bf16
-// row is first widened (exactly) into this thread's buffer: the answer is its fp32 values'.
-// bf16 logits then need no fp32 copy of the whole batch to be argmaxed.
+// row is read in place on AVX-512 (argmax_row_bf16x16), else first widened (exactly) into
+// this thread's buffer: the answer is its fp32 values'. bf16 logits then need no fp32 copy
+// of the whole batch to be argmaxed.
 template <typename T>
 int argmax_rows(const T* x, int64_t stride, int64_t rows, int64_t cols, int64_t* out,
                 int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= 65536)
   for (int64_t r = 0; r < rows; ++r) {
+#if defined(LEGATO_ARGMAX_BF16X16)
+    if constexpr (std::is_same_v<T, bf16>) {
+      out[r] = argmax_row_bf16x16(x + r * stride, cols);
+      continue;
+    }
+#endif
     const float* row;
     if constexpr (std::is_same_v<T, float>) {
       row = x + r * stride;
