@@ -652,27 +652,35 @@ def prefill_attention_available() -> bool:
 
 
 def prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one fresh prompt over its own keys: row ``i`` of ``query``
     ``[L, H, D]`` attends rows ``0..i`` of ``key`` / ``value`` ``[L, Hkv, D]`` (``H`` a
     multiple of ``Hkv``, query heads grouped as in ``enable_gqa``), scores times ``scale``.
-    fp32, ``D`` 64 or 128, strided over the first two dimensions. Returns a new contiguous
-    ``[L, H, D]``. Raises ``ValueError`` for what it does not take, a CPU without AVX-512
-    included (:func:`prefill_attention_available`)."""
+    fp32, ``D`` 64 or 128, strided over the first two dimensions. Writes ``out`` (a
+    contiguous fp32 ``[L, H, D]``; allocated when None) and returns it. Raises
+    ``ValueError`` for what it does not take, a CPU without AVX-512 included
+    (:func:`prefill_attention_available`)."""
     name = "prefill_attention"
     length, heads, head_dim = query.shape
+    if out is None:
+        out = query.new_empty(query.shape)
     _check(
-        _on_cpu(query, key, value)
-        and query.dtype == key.dtype == value.dtype == torch.float32
+        _on_cpu(query, key, value, out)
+        and query.dtype == key.dtype == value.dtype == out.dtype == torch.float32
         and key.shape == value.shape
         and key.shape[0] == length
         and key.shape[2] == head_dim
-        and query.stride(2) == key.stride(2) == value.stride(2) == 1,
+        and query.stride(2) == key.stride(2) == value.stride(2) == 1
+        and out.shape == query.shape
+        and out.is_contiguous(),
         name,
         "unsupported layout",
     )
-    out = query.new_empty(query.shape)
     _run(
         "legato_prefill_attention_f32",
         query.data_ptr(),

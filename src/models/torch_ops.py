@@ -330,8 +330,8 @@ def attend(
         if native and fresh and run[0].end - run[0].start >= NATIVE_PREFILL_MIN_TOKENS:
             for seg in run:
                 rows = slice(seg.start, seg.end)
-                out[rows] = cpu_kernels.prefill_attention(
-                    query[rows], key[rows], value[rows], scale
+                cpu_kernels.prefill_attention(
+                    query[rows], key[rows], value[rows], scale, out=out[rows]
                 )
         elif len(run) == 1:
             seg = run[0]

@@ -75,6 +75,19 @@ def test_refuses_what_it_does_not_take() -> None:
         cpu_kernels.prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.2)
     with pytest.raises(ValueError, match="prefill_attention"):
         cpu_kernels.prefill_attention(q, k[:7], v[:7], 0.2)
+    with pytest.raises(ValueError, match="prefill_attention"):  # an out it cannot write
+        cpu_kernels.prefill_attention(q, k, v, 0.2, out=torch.empty(8, 64, 4).transpose(1, 2))
+
+
+def test_writes_the_rows_of_a_given_out() -> None:
+    """``out`` given (a slice of a wider step's output): the answer lands there, the rows
+    around it untouched."""
+    q, k, v = _qkv(100, 9, 3, 64, seed=5)
+    step = torch.full((130, 9, 64), 7.0)
+    got = cpu_kernels.prefill_attention(q, k, v, 0.125, out=step[20:120])
+    assert got.data_ptr() == step[20:120].data_ptr()
+    torch.testing.assert_close(step[20:120], _reference(q, k, v, 0.125), atol=2e-5, rtol=2e-5)
+    assert (step[:20] == 7.0).all() and (step[120:] == 7.0).all()
 
 
 @pytest.mark.parametrize(
@@ -94,9 +107,10 @@ def test_attend_sends_fresh_fp32_prompts_to_it(
     calls = []
     kernel = cpu_kernels.prefill_attention
 
-    def counted(*args: torch.Tensor | float) -> torch.Tensor:
+    def counted(*args: torch.Tensor | float, **kwargs: torch.Tensor) -> torch.Tensor:
         calls.append(args)
-        return kernel(*args)  # type: ignore[arg-type]
+        result: torch.Tensor = kernel(*args, **kwargs)
+        return result
 
     monkeypatch.setattr(cpu_kernels, "prefill_attention", counted)
     heads, kv_heads, dim, block = 9, 3, 64, 16
