@@ -12,7 +12,7 @@ but vectorised over the batch and with per-step work hoisted out of the layers:
   Prefill sequences, which carry enough work to amortise a Python call, run
   one ``scaled_dot_product_attention`` each; on the CPU a fresh fp32 prompt
   (no cached context) of 96 tokens or more runs the native causal kernel instead
-  (``cpu_kernels.prefill_attention``: 1.3-1.8x SDPA's speed from 128 to 1024 tokens).
+  (``cpu_kernels.prefill_attention``: 1.3-1.8x SDPA's speed from 96 to 1024 tokens).
 - :func:`rotary_tables` gathers cos/sin for the step's positions once;
   :func:`rotate_neox` applies them to queries and keys in one pass.
 
