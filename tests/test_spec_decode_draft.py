@@ -226,3 +226,31 @@ async def test_a_dead_worker_mid_verification_ends_every_stream(
 ) -> None:
     """The chaos harness with the draft model on (see ``assert_chaos_ends_every_stream``)."""
     await assert_chaos_ends_every_stream(toy_model_dir, draft_spec(toy_draft_dir), fault)
+
+
+def test_a_draft_model_proposes_no_more_than_the_scheduler_lets_verify(
+    toy_draft_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each draft costs the draft model a forward: the runner proposes only what each
+    request's draft length and the step cost can let it verify (SchedulerOutput's
+    draft_limits), so a request backed off or left out costs no draft forward. Counted
+    at the proposer (the real one, wrapped): the drafts proposed beyond those verified are
+    at most one a verification (all accepted may raise a limit by one, at the time of the
+    proposal unknown) and one a request (its last sample's)."""
+    from legato.models.draft_proposer import DraftModelProposer
+
+    proposed: list[int] = []
+    propose = DraftModelProposer.propose
+
+    def counted(self: DraftModelProposer, *args: Any) -> dict[int, list[int]]:
+        drafts = propose(self, *args)
+        proposed.append(sum(len(d) for d in drafts.values()))
+        return drafts
+
+    monkeypatch.setattr(DraftModelProposer, "propose", counted)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    outs, counts = run("toy", PROMPTS, params, draft_spec(toy_draft_dir))
+    assert all(len(t) == 60 for t in tokens(outs))
+    assert counts.accepted < counts.draft_tokens  # rejections: draft lengths shrank
+    unverified = sum(proposed) - counts.draft_tokens
+    assert unverified <= counts.drafts + 4 * len(PROMPTS), (sum(proposed), counts)

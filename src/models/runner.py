@@ -87,6 +87,8 @@ class StepForward:
     # drafted entry's logits are its last ``spec_lens[i] + 1`` rows.
     spec_lens: np.ndarray | None = None
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # The most drafts to propose per request after sampling (SchedulerOutput.draft_limits).
+    draft_limits: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner(RunnerMemory):
@@ -372,6 +374,7 @@ class ModelRunner(RunnerMemory):
                     return StepForward(
                         out, order, rows, starts, ends, meta.query_start_loc_host, hidden,
                         np.zeros(1, dtype=np.int64), None, greedy_tokens,
+                        draft_limits=step.draft_limits,
                     )  # fmt: skip
             else:
                 hidden = self.model(input_ids, self.kv_caches, meta)
@@ -411,6 +414,7 @@ class ModelRunner(RunnerMemory):
             greedy_tokens,
             spec_lens,
             drafts,
+            step.draft_limits,
         )
 
     @torch.inference_mode()
@@ -459,7 +463,7 @@ class ModelRunner(RunnerMemory):
         if forward.spec_lens is None:
             batch.num_computed[rows] = ends
         if self.spec_decoder is not None and len(sampling):
-            self._propose(out, rows[sampling])
+            self._propose(out, rows[sampling], forward.draft_limits)
             out.step_seconds = time.perf_counter() - self._step_started
         return out
 
@@ -491,18 +495,22 @@ class ModelRunner(RunnerMemory):
         out.num_sampled = counts.tolist()
         out.sampled_token_ids = [t for k in sorted(by_request) for t in by_request[k]]
 
-    def _propose(self, out: ModelRunnerOutput, rows: np.ndarray) -> None:
+    def _propose(self, out: ModelRunnerOutput, rows: np.ndarray, limits: dict[str, int]) -> None:
         """Drafts for the next step of the requests at ``rows`` (those that sampled), up to
-        what fits before ``max_model_len``, into ``out.spec_token_ids``."""
+        what fits before ``max_model_len`` and their ``limits`` (a request not in it: up to
+        ``num_speculative_tokens``), into ``out.spec_token_ids``."""
         assert self.spec_decoder is not None
         batch = self.input_batch
+        rooms = self.max_model_len - batch.num_tokens[rows] - 1
+        if limits:
+            ids = [batch.state(row).req_id for row in rows.tolist()]
+            caps = [limits.get(rid, room) for rid, room in zip(ids, rooms.tolist(), strict=True)]
+            rooms = np.minimum(rooms, np.asarray(caps, dtype=rooms.dtype))
         if self.draft is not None:
-            rooms = self.max_model_len - batch.num_tokens[rows] - 1
             for row, drafts in self.draft.propose(batch, rows, rooms).items():
                 out.spec_token_ids[batch.state(row).req_id] = drafts
             return
-        for row in rows.tolist():
-            room = self.max_model_len - int(batch.num_tokens[row]) - 1
+        for row, room in zip(rows.tolist(), rooms.tolist(), strict=True):
             if room > 0:
                 drafts = self.spec_decoder.propose(batch, row, room)
                 if drafts:

@@ -218,6 +218,10 @@ class SchedulerOutput(Message):
     # with k drafts computes k + 1 tokens); the runner's answer holds the drafts it
     # accepted and one more token.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: request id -> the most drafts the runner proposes for it after
+    # this step's sample (0: none), where its draft length would discard more (a request
+    # backing off); a request not listed gets up to ``num_speculative_tokens``.
+    draft_limits: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -114,6 +114,12 @@ class Scheduler(RequestBook):
             else None
         )
         self._draft_allowance: dict[str, int] | None = None
+        # A draft model's proposal costs a draft forward per draft: a request whose drafts
+        # the latest decision left out gets none proposed (_proposal_limit), and still
+        # counts in the next decision as holding its draft length's drafts (_next_drafts),
+        # so that a probe brings its proposals back. An n-gram lookup costs next to
+        # nothing: its proposals are always made.
+        self._costly_proposals = spec is not None and spec.method == "draft_model"
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
@@ -150,18 +156,46 @@ class Scheduler(RequestBook):
         if rows == len(step.num_scheduled_tokens) + sum(len(d) for d in drafts.values()):
             # decode rows only: no prefill chunk in the step
             cost.observe(len(step.num_scheduled_tokens), rows, seconds)
-        k = self.num_speculative_tokens
-        holders = [req for req in self.running if req.spec_token_ids]
+        holders = [(req, n) for req in self.running if (n := self._next_drafts(req))]
         prior = cost.prior()
         allowed = cost.allowances(
-            len(self.running),
-            [(min(len(req.spec_token_ids), k), _acceptance(req, prior)) for req in holders],
+            len(self.running), [(n, _acceptance(req, prior)) for req, n in holders]
         )
         self._draft_allowance = (
             None
             if allowed is None
-            else {req.request_id: n for req, n in zip(holders, allowed, strict=True)}
+            else {req.request_id: n for (req, _), n in zip(holders, allowed, strict=True)}
         )
+
+    def _next_drafts(self, req: Request) -> int:
+        """The drafts ``req`` holds for its next step; with a draft model, also those its
+        withheld proposal would have held (its draft length's limit; none while it backs
+        off or before its first proposal)."""
+        if req.spec_token_ids:
+            return min(len(req.spec_token_ids), self.num_speculative_tokens)
+        policy = req.draft_length
+        if not self._costly_proposals or policy is None or policy.skip:
+            return 0
+        return policy.limit
+
+    def _proposal_limit(self, req: Request, samples_ahead: int, num_drafts: int) -> int:
+        """The most drafts ``req``'s draft length can admit of the proposal the runner
+        makes after the sample being planned (``SchedulerOutput.draft_limits``): 0 while
+        that sample still falls in a back-off (the ``samples_ahead`` samples in flight
+        before it count the back-off down first), else its limit, one more when the step
+        verifies ``num_drafts`` drafts (all of them accepted raises the limit). With a draft
+        model, also 0 while the latest decision leaves its drafts out (measured step times
+        say they do not pay): a draft model's proposal costs a forward per draft."""
+        policy = req.draft_length
+        k = self.num_speculative_tokens
+        if policy is None:
+            return k
+        if policy.skip > samples_ahead:
+            return 0
+        allowance = self._draft_allowance
+        if self._costly_proposals and allowance is not None and not allowance.get(req.request_id):
+            return 0
+        return min(k, policy.limit + (1 if num_drafts else 0))
 
     def _take_proposal(self, req: Request, proposal: list[int]) -> None:
         """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with
@@ -300,6 +334,10 @@ class Scheduler(RequestBook):
             sampling = computed + num_new >= num_known
             if sampling:
                 req.num_output_placeholders = placeholders + 1
+                if self.num_speculative_tokens:
+                    limit = self._proposal_limit(req, placeholders, num_drafts)
+                    if limit < self.num_speculative_tokens:
+                        plan.draft_limits[req.request_id] = limit
                 if num_new - num_drafts == 1 and (placeholders or req.output_token_ids):
                     num_decode += num_new
             samples.append(sampling)

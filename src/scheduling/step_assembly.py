@@ -93,4 +93,5 @@ def assemble_step(
         preempted_ids,
         sampling_params=params_table,
         scheduled_spec_decode_tokens=plan.spec_tokens,
+        draft_limits=plan.draft_limits,
     )

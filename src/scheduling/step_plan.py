@@ -33,6 +33,7 @@ class StepPlan:
         "new_block_ids",
         "new_token_ids",
         "spec_tokens",
+        "draft_limits",
     )
 
     def __init__(self, budget: int) -> None:
@@ -47,6 +48,7 @@ class StepPlan:
         self.new_block_ids: dict[str, list[int]] = {}
         self.new_token_ids: dict[str, list[int]] = {}
         self.spec_tokens: dict[str, list[int]] = {}  # drafts verified (in num_scheduled)
+        self.draft_limits: dict[str, int] = {}  # SchedulerOutput.draft_limits
 
     def drop(self, req: Request) -> int:
         """Take back a running request planned earlier this step (it is being preempted,
@@ -55,6 +57,7 @@ class StepPlan:
         k = self.running.index(req)
         n = self.num_scheduled.pop(request_id)
         drafts = self.spec_tokens.pop(request_id, ())
+        self.draft_limits.pop(request_id, None)
         # As counted when planned: a placeholder was added if it samples.
         if (
             n - len(drafts) == 1

@@ -39,7 +39,7 @@ class _Mirror:
 @dataclass
 class FakeRunner:
     """Keeps the runner's copy of each request from the scheduler's messages and its own
-    samples, and checks it, as ModelRunner does."""
+    samples, and checks it, as ModelRunner does. It rejects every draft it verifies."""
 
     block_size: int
     sampler: Sampler = default_sampler
@@ -69,6 +69,9 @@ class FakeRunner:
         sampled: list[list[int]] = []
         for request_id, n in out.num_scheduled_tokens.items():
             mirror = self.reqs[request_id]
+            # Drafts (speculative decoding) are all rejected: their slots are rewritten by
+            # the next step, and the request samples one token past its known ones.
+            n -= len(out.scheduled_spec_decode_tokens.get(request_id, ()))
             assert n > 0 and mirror.num_computed + n <= len(mirror.tokens)
             mirror.num_computed += n
             assert len(mirror.block_ids) * self.block_size >= mirror.num_computed

@@ -204,16 +204,20 @@ def test_step_cost_verifies_the_drafts_that_fill_the_last_row_tile() -> None:
     assert cost.allowances(8, [(2, 0.2)]) == [2]
 
 
-def _eight_decoding() -> Any:
-    """A harness whose real scheduler (n-gram, k=4) runs eight requests past their prompts
-    and one plain decode step."""
+def _eight_decoding(draft_model: str | None = None, max_tokens: int = 64, **settings: Any) -> Any:
+    """A harness whose real scheduler (n-gram, k=4; with ``draft_model``, a draft model's;
+    ``settings``: more speculative_config keys) runs eight requests past their prompts and
+    one plain decode step."""
     from legato.config import SpeculativeConfig
 
     from .harness import Harness, make_config, make_request
 
-    spec = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 4})
+    spec = SpeculativeConfig.of(
+        {"num_speculative_tokens": 4, **settings}
+        | ({"model": draft_model} if draft_model else {"method": "ngram"})
+    )
     h = Harness(make_config(speculative_config=spec, max_num_seqs=8))
-    h.add(*(make_request(f"r{i}", 5, max_tokens=64) for i in range(8)))
+    h.add(*(make_request(f"r{i}", 5, max_tokens=max_tokens) for i in range(8)))
     for _ in range(2):  # the prompts, then one plain decode step
         h.step()
     return h
@@ -241,6 +245,77 @@ def test_the_scheduler_verifies_only_the_drafts_its_step_cost_allows() -> None:
     assert set(plan.scheduled_spec_decode_tokens) == copiers
     assert all(d == PROPOSAL for d in plan.scheduled_spec_decode_tokens.values())
     assert len(plan.num_scheduled_tokens) == 8
+
+
+def test_a_backed_off_request_asks_the_runner_for_no_proposal() -> None:
+    """The step tells the runner how many drafts each request's draft length can admit of
+    the proposal made after its sample: none while it backs off, its limit (one more if the
+    step verifies its drafts: all accepted raises it) once shortened, and a request at full
+    length is not listed (the runner proposes up to num_speculative_tokens)."""
+    h = _eight_decoding(disable_by_batch_size=9)  # no step cost: the draft lengths decide
+    sched = h.sched
+    lengths = {f"r{i}": DraftLength(4) for i in range(8)}
+    lengths["r0"].skip = 2  # backing off for two more samples
+    lengths["r1"].skip = 1  # for one more: the one this step takes
+    lengths["r2"].limit = 2
+    lengths["r3"].limit = 3
+    for rid, req in sched.requests.items():
+        req.draft_length = lengths[rid]
+    plan = sched.schedule()
+    # r0's and r1's proposals fall in their back-offs; r2 and r3 admit 2 and 3 drafts.
+    assert plan.draft_limits == {"r0": 0, "r1": 0, "r2": 2, "r3": 3}
+    runner_output = h.runner.execute(plan)
+    runner_output.spec_token_ids = {rid: list(PROPOSAL) for rid in runner_output.req_ids}
+    sched.update_from_output(plan, runner_output)
+    assert (lengths["r0"].skip, lengths["r1"].skip) == (1, 0)
+    assert sched.requests["r1"].spec_token_ids == []  # proposed anyway: still discarded
+    plan = sched.schedule()
+    # r2 and r3 verify 2 and 3 drafts: all accepted would raise their limits by one.
+    assert plan.draft_limits == {"r0": 0, "r2": 3}
+
+
+def _decide(h: Any, steps: int) -> list[dict[str, int]]:
+    """``steps`` steps of ``h`` whose runner proposes what each step's draft limits allow
+    (all rejected) in a step of MEASURED_SECONDS[8]; each step's draft limits."""
+    sched, limits = h.sched, []
+    for _ in range(steps):
+        plan = sched.schedule()
+        limits.append(plan.draft_limits)
+        runner_output = h.runner.execute(plan)
+        runner_output.spec_token_ids = {
+            rid: PROPOSAL[: plan.draft_limits.get(rid, 4)]
+            for rid in runner_output.req_ids
+            if plan.draft_limits.get(rid, 4)
+        }
+        runner_output.step_seconds = MEASURED_SECONDS[8]
+        sched.update_from_output(plan, runner_output)
+    return limits
+
+
+def test_a_draft_models_proposals_follow_the_step_cost_decision(tmp_path: Any) -> None:
+    """With a draft model (a forward per draft), a request whose drafts the step cost leaves
+    out gets none proposed; it still counts in the next decision as holding its draft
+    length's drafts, so that a probe brings its proposals back. An n-gram lookup costs
+    next to nothing: its proposals are always made."""
+    for draft_model in (str(tmp_path), None):
+        h = _eight_decoding(draft_model, max_tokens=2 * PROBE_EVERY)
+        sched = h.sched
+        ids = set(sched.requests)
+        assert sched.step_cost is not None
+        for rows, seconds in MEASURED_SECONDS.items():
+            sched.step_cost.observe(1 if rows <= 5 else 8, rows, seconds)
+        for req in sched.requests.values():
+            req.draft_length = DraftLength(4)
+            req.draft_length.drafted, req.draft_length.accepted = 10.0, 1.0  # 10% accepted
+        limits = _decide(h, 2 + PROBE_EVERY + PROBE_DECISIONS)
+        if draft_model is None:
+            assert limits == [{}] * len(limits)
+            continue
+        assert limits[0] == {}  # no decision yet: every request proposes
+        left_out = [{rid for rid, n in lim.items() if n == 0} for lim in limits[1:]]
+        assert left_out[0] == ids  # none of them pays at 8 streams
+        # A probe lets one of them propose again; never more than one at a time.
+        assert min(len(out) for out in left_out) == len(ids) - 1
 
 
 def test_step_cost_probes_the_next_request_left_out_not_the_whole_batch() -> None:
