@@ -254,3 +254,32 @@ def test_a_draft_model_proposes_no_more_than_the_scheduler_lets_verify(
     assert counts.accepted < counts.draft_tokens  # rejections: draft lengths shrank
     unverified = sum(proposed) - counts.draft_tokens
     assert unverified <= counts.drafts + 4 * len(PROMPTS), (sum(proposed), counts)
+
+
+def test_a_draft_skipped_while_drafts_are_off_catches_up_exactly(
+    toy_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While more requests run than ``disable_by_batch_size``, no request proposes, so the
+    runner skips the draft's forwards; once two requests are left, the draft first computes
+    the positions it skipped, then proposes. A draft equal to the target then still has
+    every draft accepted: its KV after the catch-up is the target's."""
+    from legato.models.draft_proposer import DraftModelProposer
+
+    observed: list[int] = []  # positions the draft computed alongside the target
+    observe = DraftModelProposer.observe
+
+    def counted(self: DraftModelProposer, *args: Any) -> None:
+        observed.extend(end - start for _, start, end in args[-1])
+        observe(self, *args)
+
+    monkeypatch.setattr(DraftModelProposer, "observe", counted)
+    whole = cut_layers(toy_model_dir, tmp_path / "whole", 4)
+    spec = {**draft_spec(whole), "disable_by_batch_size": 2}
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (25, 50, 70)]
+    plain, _ = run("toy", PROMPTS[:3], params, None)
+    observed.clear()
+    outs, counts = run("toy", PROMPTS[:3], params, spec)
+    assert tokens(outs) == tokens(plain)
+    computed = sum(len(o.prompt_token_ids or ()) + len(t) - 1 for o, t in zip(outs, tokens(outs)))
+    assert sum(observed) <= computed - 3 * 20  # skipped while three requests ran
+    assert counts.draft_tokens > 20 and counts.accepted == counts.draft_tokens, counts

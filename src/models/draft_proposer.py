@@ -3,14 +3,25 @@ each step's drafts (``speculative_config={"model": path, ...}``).
 
 **Its KV cache**: its own cache tensors (its own layers, heads and head size) over the
 target's block ids: block ``b`` of the draft cache holds the draft's KV of the tokens
-whose target KV block ``b`` holds. The draft runs on every target forward, over the
+whose target KV block ``b`` holds. The draft runs on the target's forwards, over the
 same tokens at the same slots (:meth:`DraftModelProposer.observe`), so its KV is
-valid exactly where the target's is. Everything the scheduler does to blocks then
-holds for both caches without a second block manager or a scheduler change:
-allocation, prefix-cache hits, preemption, freeing, and the rollback of rejected
-drafts (their slots are rewritten by the next step). The price: the draft cache has
-as many blocks as the target's (the runner sizes both together, adding
+valid where the target's is. Everything the scheduler does to blocks then holds for
+both caches without a second block manager or a scheduler change: allocation,
+prefix-cache hits, preemption, freeing, and the rollback of rejected drafts (their
+slots are rewritten by the next step). The price: the draft cache has as many blocks
+as the target's (the runner sizes both together, adding
 :meth:`~DraftModelProposer.kv_block_bytes` to the target's per-block bytes).
+
+**Skipped forwards**: the runner skips the draft on a step of decode rows none of
+which proposes after it (each request's ``SchedulerOutput.draft_limits`` entry 0: it
+backs off, or the step cost leaves its drafts out), so a draft that does not pay
+costs next to nothing. The proposer keeps, per request, how many of its leading
+positions its KV holds (``_valid``: a span observed right after them extends it; a
+request's first span counts its prefix-cache hit as held); :meth:`propose` first
+computes the draft over the positions after that (one forward, the rows as a chunk
+of a prompt), then proposes. A block filled while its request skipped the draft and
+then shared as a prefix-cache hit holds stale draft KV for its new reader: only its
+drafts' acceptance suffers, never an output (verification decides every token).
 
 **Proposing** ``k`` tokens computes the draft at the ``k`` positions from the
 request's last token on, which its blocks may not cover yet (the scheduler
@@ -62,7 +73,11 @@ class ModelProposer(Protocol):
     verifying and :meth:`forget` when a request leaves the batch."""
 
     def observe(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, target_hidden: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        target_hidden: torch.Tensor,
+        spans: list[tuple[str, int, int]],
     ) -> None: ...
 
     def propose(
@@ -156,6 +171,7 @@ class DraftModelProposer:
         self.scratch_per_row = 0
         self.num_rows = 0
         self._proposals: dict[str, _Proposal] = {}
+        self._valid: dict[str, int] = {}  # per request: its leading positions the KV holds
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes of one block of the draft's KV cache."""
@@ -181,12 +197,21 @@ class DraftModelProposer:
         ]
 
     def observe(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, target_hidden: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        target_hidden: torch.Tensor,
+        spans: list[tuple[str, int, int]],
     ) -> None:
         """Compute the draft over a target forward's tokens (``meta``: its slots), so the
-        draft's KV stays valid wherever the target's is. The draft reads no target state."""
+        draft's KV is valid where the target's is; ``spans``: each request's positions
+        ``[start, end)`` in the forward. The draft reads no target state."""
         del target_hidden
         self.model(input_ids, self.kv_caches, meta)
+        valid = self._valid
+        for req_id, start, end in spans:
+            if valid.get(req_id, start) >= start:  # no gap before it
+                valid[req_id] = end
 
     @torch.inference_mode()
     def propose(
@@ -205,6 +230,7 @@ class DraftModelProposer:
         positions = batch.num_tokens[rows] - 1
         ids = batch.token_ids[rows, positions].astype(np.int64)
         table = self._block_table(batch, rows)
+        self._catch_up(batch, rows, positions, table)
         temperature = batch.temperature[rows]
         n_out = batch.num_tokens[rows] - batch.num_prompt[rows]
         tokens = np.zeros((n, int(limits.max())), dtype=np.int64)
@@ -267,8 +293,30 @@ class DraftModelProposer:
         return torch.cat(pieces)
 
     def forget(self, req_id: str) -> None:
-        """Drop a request's last proposal (it finished or was preempted)."""
+        """Drop a request's last proposal and KV extent (it finished or was preempted)."""
         self._proposals.pop(req_id, None)
+        self._valid.pop(req_id, None)
+
+    def _catch_up(
+        self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray, table: np.ndarray
+    ) -> None:
+        """Compute the draft's KV of each row's positions from what it holds up to
+        ``positions`` (each row's last token, computed by the proposal), all rows behind in
+        one forward; a rejected draft's position is not held (the extent stops at the last
+        token)."""
+        req_ids = [batch.state(row).req_id for row in rows.tolist()]
+        held = np.minimum([self._valid.get(r, 0) for r in req_ids], positions)
+        behind = np.flatnonzero(held < positions)
+        behind = behind[np.argsort(positions[behind] - held[behind] > 1, kind="stable")]
+        if len(behind):  # one-token rows first, as build_metadata takes them
+            starts, lens = held[behind], positions[behind] - held[behind]
+            meta, seq_of_token, at = build_metadata(
+                starts, lens, table[behind], self.block_size, self.device
+            )
+            ids = batch.token_ids[rows[behind][seq_of_token], at].astype(np.int64)
+            self.model(torch.from_numpy(ids).to(self.device), self.kv_caches, meta)
+        for r, position in zip(req_ids, positions.tolist(), strict=True):
+            self._valid[r] = position
 
     def _block_table(self, batch: InputBatch, rows: np.ndarray) -> np.ndarray:
         """``rows``' block tables with each row's scratch blocks after its own."""

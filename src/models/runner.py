@@ -326,6 +326,12 @@ class ModelRunner(RunnerMemory):
         uses_lora = self.lora is not None and self.lora.begin_step(
             [req_ids[int(k)] for k in order], q_lens
         )
+        # A draft model computes its KV over the step's tokens unless every row is a decode
+        # row proposing nothing after it (draft_limits 0): it catches up when it next proposes.
+        observe = self.draft is not None and not (
+            bool(np.all(q_lens == 1))
+            and all(step.draft_limits.get(req_ids[int(k)], 1) == 0 for k in order)
+        )
         graphs = self.decode_graphs
         query_start_loc: list[int]
         if (
@@ -364,7 +370,7 @@ class ModelRunner(RunnerMemory):
                 len(rows) == 1  # one decode row that samples, its argmax and nothing else
                 and q_lens[0] == 1
                 and ends[0] == known[0]
-                and self.draft is None
+                and not observe
                 and not uses_lora
                 and not len(self.pooler)
                 and argmax_only(rows)
@@ -378,8 +384,10 @@ class ModelRunner(RunnerMemory):
                     )  # fmt: skip
             else:
                 hidden = self.model(input_ids, self.kv_caches, meta)
-            if self.draft is not None:  # its KV over the same tokens and slots
-                self.draft.observe(input_ids, meta, hidden)
+            if observe:  # its KV over the same tokens and slots
+                assert self.draft is not None
+                spans = [(req_ids[int(k)], int(s), int(e)) for k, s, e in zip(order, starts, ends)]
+                self.draft.observe(input_ids, meta, hidden, spans)
             query_start_loc = meta.query_start_loc_host
 
         sampling = np.flatnonzero(ends == known)

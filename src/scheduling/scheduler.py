@@ -183,11 +183,14 @@ class Scheduler(RequestBook):
         makes after the sample being planned (``SchedulerOutput.draft_limits``): 0 while
         that sample still falls in a back-off (the ``samples_ahead`` samples in flight
         before it count the back-off down first), else its limit, one more when the step
-        verifies ``num_drafts`` drafts (all of them accepted raises the limit). With a draft
-        model, also 0 while the latest decision leaves its drafts out (measured step times
+        verifies ``num_drafts`` drafts (all of them accepted raises the limit). 0 while the
+        running batch verifies no drafts (vLLM's ``disable_by_batch_size``); with a draft
+        model, also while the latest decision leaves its drafts out (measured step times
         say they do not pay): a draft model's proposal costs a forward per draft."""
         policy = req.draft_length
         k = self.num_speculative_tokens
+        if not self._max_drafts():
+            return 0
         if policy is None:
             return k
         if policy.skip > samples_ahead:
