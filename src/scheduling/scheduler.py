@@ -186,17 +186,22 @@ class Scheduler(RequestBook):
         verifies ``num_drafts`` drafts (all of them accepted raises the limit). 0 while the
         running batch verifies no drafts (vLLM's ``disable_by_batch_size``); with a draft
         model, also while the latest decision leaves its drafts out (measured step times
-        say they do not pay): a draft model's proposal costs a forward per draft."""
+        say they do not pay; a request not decided on yet, while that decision let none
+        verify): a draft model's proposal costs a forward per draft."""
         policy = req.draft_length
         k = self.num_speculative_tokens
         if not self._max_drafts():
             return 0
+        allowance = self._draft_allowance
+        if self._costly_proposals and allowance is not None:
+            if req.request_id in allowance:
+                if not allowance[req.request_id]:
+                    return 0
+            elif policy is not None or not any(allowance.values()):
+                return 0
         if policy is None:
             return k
         if policy.skip > samples_ahead:
-            return 0
-        allowance = self._draft_allowance
-        if self._costly_proposals and allowance is not None and not allowance.get(req.request_id):
             return 0
         return min(k, policy.limit + (1 if num_drafts else 0))
 
@@ -419,6 +424,10 @@ class Scheduler(RequestBook):
         plan.new.append(req)
         plan.num_scheduled[req.request_id] = num_new
         plan.budget -= num_new
+        if self.num_speculative_tokens and num_hit + num_new >= req.num_tokens:  # it samples
+            limit = self._proposal_limit(req, 0, 0)
+            if limit < self.num_speculative_tokens:
+                plan.draft_limits[req.request_id] = limit
         return True
 
     def _emit(self, plan: StepPlan) -> SchedulerOutput:

@@ -216,7 +216,7 @@ def _eight_decoding(draft_model: str | None = None, max_tokens: int = 64, **sett
         {"num_speculative_tokens": 4, **settings}
         | ({"model": draft_model} if draft_model else {"method": "ngram"})
     )
-    h = Harness(make_config(speculative_config=spec, max_num_seqs=8))
+    h = Harness(make_config(speculative_config=spec, max_num_seqs=9))
     h.add(*(make_request(f"r{i}", 5, max_tokens=max_tokens) for i in range(8)))
     for _ in range(2):  # the prompts, then one plain decode step
         h.step()
@@ -276,7 +276,7 @@ def test_a_backed_off_request_asks_the_runner_for_no_proposal() -> None:
 
 def _decide(h: Any, steps: int) -> list[dict[str, int]]:
     """``steps`` steps of ``h`` whose runner proposes what each step's draft limits allow
-    (all rejected) in a step of MEASURED_SECONDS[8]; each step's draft limits."""
+    (all rejected) in MEASURED_SECONDS' time for its rows; each step's draft limits."""
     sched, limits = h.sched, []
     for _ in range(steps):
         plan = sched.schedule()
@@ -287,7 +287,10 @@ def _decide(h: Any, steps: int) -> list[dict[str, int]]:
             for rid in runner_output.req_ids
             if plan.draft_limits.get(rid, 4)
         }
-        runner_output.step_seconds = MEASURED_SECONDS[8]
+        # eight rows as measured, each draft row as the 16-row step's rows on average
+        per_row = (MEASURED_SECONDS[16] - MEASURED_SECONDS[8]) / 8
+        rows = plan.total_num_scheduled_tokens
+        runner_output.step_seconds = MEASURED_SECONDS[8] + per_row * max(0, rows - 8)
         sched.update_from_output(plan, runner_output)
     return limits
 
@@ -297,6 +300,8 @@ def test_a_draft_models_proposals_follow_the_step_cost_decision(tmp_path: Any) -
     out gets none proposed; it still counts in the next decision as holding its draft
     length's drafts, so that a probe brings its proposals back. An n-gram lookup costs
     next to nothing: its proposals are always made."""
+    from .harness import make_request
+
     for draft_model in (str(tmp_path), None):
         h = _eight_decoding(draft_model, max_tokens=2 * PROBE_EVERY)
         sched = h.sched
@@ -316,6 +321,11 @@ def test_a_draft_models_proposals_follow_the_step_cost_decision(tmp_path: Any) -
         assert left_out[0] == ids  # none of them pays at 8 streams
         # A probe lets one of them propose again; never more than one at a time.
         assert min(len(out) for out in left_out) == len(ids) - 1
+        # A new request proposes nothing either while none verifies (added after a probe).
+        last_probe = max(i for i, out in enumerate(left_out) if len(out) < len(ids))
+        assert len(left_out[-1]) == len(ids) and last_probe < len(left_out) - 1
+        h.add(make_request("late", 5, max_tokens=8))
+        assert _decide(h, 1)[0].get("late") == 0
 
 
 def test_step_cost_probes_the_next_request_left_out_not_the_whole_batch() -> None:
