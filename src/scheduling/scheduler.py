@@ -187,7 +187,9 @@ class Scheduler(RequestBook):
         running batch verifies no drafts (vLLM's ``disable_by_batch_size``); with a draft
         model, also while the latest decision leaves its drafts out (measured step times
         say they do not pay; a request not decided on yet, while that decision let none
-        verify): a draft model's proposal costs a forward per draft."""
+        verify), and one draft where it lets a request verify that this step verifies none
+        (a probe, or drafts paying again: one draft says whether they are accepted): a
+        draft model's proposal costs a forward per draft."""
         policy = req.draft_length
         k = self.num_speculative_tokens
         if not self._max_drafts():
@@ -197,6 +199,8 @@ class Scheduler(RequestBook):
             if req.request_id in allowance:
                 if not allowance[req.request_id]:
                     return 0
+                if not num_drafts:
+                    return 1
             elif policy is not None or not any(allowance.values()):
                 return 0
         if policy is None:
