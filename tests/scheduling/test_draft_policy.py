@@ -319,8 +319,9 @@ def test_a_draft_models_proposals_follow_the_step_cost_decision(tmp_path: Any) -
         assert limits[0] == {}  # no decision yet: every request proposes
         left_out = [{rid for rid, n in lim.items() if n == 0} for lim in limits[1:]]
         assert left_out[0] == ids  # none of them pays at 8 streams
-        # A probe lets one of them propose again; never more than one at a time.
+        # A probe lets one of them propose again, one draft; never more than one at a time.
         assert min(len(out) for out in left_out) == len(ids) - 1
+        assert {n for lim in limits[1:] for rid, n in lim.items() if rid in ids} == {0, 1}
         # A new request proposes nothing either while none verifies (added after a probe).
         last_probe = max(i for i, out in enumerate(left_out) if len(out) < len(ids))
         assert len(left_out[-1]) == len(ids) and last_probe < len(left_out) - 1
