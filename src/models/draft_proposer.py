@@ -307,8 +307,9 @@ class DraftModelProposer:
         req_ids = [batch.state(row).req_id for row in rows.tolist()]
         held = np.minimum([self._valid.get(r, 0) for r in req_ids], positions)
         behind = np.flatnonzero(held < positions)
+        # one-token rows first, as build_metadata takes them
         behind = behind[np.argsort(positions[behind] - held[behind] > 1, kind="stable")]
-        if len(behind):  # one-token rows first, as build_metadata takes them
+        if len(behind):
             starts, lens = held[behind], positions[behind] - held[behind]
             meta, seq_of_token, at = build_metadata(
                 starts, lens, table[behind], self.block_size, self.device

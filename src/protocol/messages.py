@@ -219,8 +219,10 @@ class SchedulerOutput(Message):
     # accepted and one more token.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Speculative decoding: request id -> the most drafts the runner proposes for it after
-    # this step's sample (0: none), where its draft length would discard more (a request
-    # backing off); a request not listed gets up to ``num_speculative_tokens``.
+    # this step's sample (0: none), where fewer could be verified (it backs off or its
+    # draft length is shorter, drafts are off at this batch size, or with a draft model
+    # the step cost leaves them out); a request not listed gets up to
+    # ``num_speculative_tokens``.
     draft_limits: dict[str, int] = field(default_factory=dict)
 
     @property
