@@ -178,6 +178,18 @@ class Scheduler(RequestBook):
             return 0
         return policy.limit
 
+    def _cap_proposal(
+        self, plan: StepPlan, req: Request, samples_ahead: int, num_drafts: int
+    ) -> None:
+        """Put ``req``'s proposal limit (:meth:`_proposal_limit`) in ``plan.draft_limits``
+        where it is below ``num_speculative_tokens``, the runner's default for a request not
+        listed; nothing without speculative decoding."""
+        k = self.num_speculative_tokens
+        if k:
+            limit = self._proposal_limit(req, samples_ahead, num_drafts)
+            if limit < k:
+                plan.draft_limits[req.request_id] = limit
+
     def _proposal_limit(self, req: Request, samples_ahead: int, num_drafts: int) -> int:
         """The most drafts ``req``'s draft length can admit of the proposal the runner
         makes after the sample being planned (``SchedulerOutput.draft_limits``): 0 while
@@ -346,10 +358,7 @@ class Scheduler(RequestBook):
             sampling = computed + num_new >= num_known
             if sampling:
                 req.num_output_placeholders = placeholders + 1
-                if self.num_speculative_tokens:
-                    limit = self._proposal_limit(req, placeholders, num_drafts)
-                    if limit < self.num_speculative_tokens:
-                        plan.draft_limits[req.request_id] = limit
+                self._cap_proposal(plan, req, placeholders, num_drafts)
                 if num_new - num_drafts == 1 and (placeholders or req.output_token_ids):
                     num_decode += num_new
             samples.append(sampling)
@@ -428,10 +437,8 @@ class Scheduler(RequestBook):
         plan.new.append(req)
         plan.num_scheduled[req.request_id] = num_new
         plan.budget -= num_new
-        if self.num_speculative_tokens and num_hit + num_new >= req.num_tokens:  # it samples
-            limit = self._proposal_limit(req, 0, 0)
-            if limit < self.num_speculative_tokens:
-                plan.draft_limits[req.request_id] = limit
+        if num_hit + num_new >= req.num_tokens:  # it samples
+            self._cap_proposal(plan, req, 0, 0)
         return True
 
     def _emit(self, plan: StepPlan) -> SchedulerOutput:
