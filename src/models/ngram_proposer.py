@@ -31,30 +31,26 @@ class NgramProposer:
         self.max_n = config.prompt_lookup_max
 
     def propose(self, tokens: np.ndarray, limit: int | None = None) -> list[int]:
-        """Drafts following ``tokens`` (a 1-D int array, prompt then output): the tokens
+        """Drafts following ``tokens`` (a 1-D integer array, prompt then output): the tokens
         after the latest earlier match of its longest matching suffix (``[]`` if none
         matches). At most ``limit`` (default ``num_speculative_tokens``) tokens.
 
-        One vectorised pass finds the earlier positions holding the last token; each
-        longer suffix then only filters those candidates, so a call costs O(len) plus
-        O(candidates * max_n) (a few microseconds, where comparing every window cost
-        tens: it runs for every sampling request at every step)."""
+        Each suffix, longest first, is searched for as bytes (``bytes.rfind``, a C loop over
+        the array's bytes; a hit not aligned to a token is skipped). It runs for every
+        sampling request at every step, in the worker between a step's sample and the next
+        forward: about 2 us a call where NumPy's candidate filtering took 4-12."""
         k = self.k if limit is None else min(limit, self.k)
         length = len(tokens)
         if k <= 0 or length < self.min_n + 1:
             return []
-        # ends: positions i < length - 1 where tokens[i - n + 1 : i + 1] equals the last n
-        # tokens, for growing n; the drafts would start at i + 1.
-        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
-        best = ends if self.min_n <= 1 else ends[:0]
-        for n in range(2, min(self.max_n, length - 1) + 1):
-            ends = ends[ends >= n - 1]
-            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
-            if not len(ends):
-                break
-            if n >= self.min_n:
-                best = ends
-        if not len(best):
-            return []
-        start = int(best[-1]) + 1
-        return [int(t) for t in tokens[start : start + k]]
+        data, size = tokens.tobytes(), tokens.itemsize
+        last = (length - 1) * size  # a match ends before the last token
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = data[(length - n) * size :]
+            end = last
+            while (at := data.rfind(suffix, 0, end)) >= 0:
+                if at % size == 0:
+                    start = at // size + n
+                    return [int(t) for t in tokens[start : start + k]]
+                end = at + len(suffix) - 1  # misaligned: look further back
+        return []

@@ -42,6 +42,15 @@ def test_ngram_proposes_the_continuation_of_the_longest_latest_match() -> None:
     assert p.propose(np.array([3, 4, 3])) == [4, 3]
 
 
+def test_ngram_lookup_skips_byte_matches_that_straddle_tokens() -> None:
+    """256's bytes (00 01 00 00) occur inside 2**24 followed by 0 (00 00 00 01 00 00 00 00),
+    two bytes in: not a token of the array, so no draft; an aligned 256 earlier is found."""
+    straddling = np.array([2**24, 0, 7, 256], dtype=np.int32)
+    assert proposer(k=2, lo=1, hi=1).propose(straddling) == []
+    aligned = np.array([256, 9, 2**24, 0, 7, 256], dtype=np.int32)
+    assert proposer(k=2, lo=1, hi=1).propose(aligned) == [9, 2**24]
+
+
 def _md(rows: int, temperature: float = 1.0, seed: int = 0) -> SamplingMetadata:
     return SamplingMetadata(
         temperature=torch.full((rows,), temperature),
@@ -127,11 +136,12 @@ def _reference_propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> list[int
     st.integers(1, 5),
     st.integers(1, 4),
     st.integers(0, 3),
+    st.sampled_from([np.int32, np.int64]),  # the runner holds int32 tokens
 )
 def test_ngram_proposals_match_the_window_by_window_reference(
-    tokens: list[int], k: int, lo: int, extra: int
+    tokens: list[int], k: int, lo: int, extra: int, dtype: type
 ) -> None:
-    array = np.array(tokens, dtype=np.int64)
+    array = np.array(tokens, dtype=dtype)
     got = proposer(k=k, lo=lo, hi=lo + extra).propose(array)
     assert got == _reference_propose(array, k, lo, lo + extra)
 
