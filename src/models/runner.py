@@ -515,6 +515,8 @@ class ModelRunner(RunnerMemory):
             caps = [limits.get(rid, room) for rid, room in zip(ids, rooms.tolist(), strict=True)]
             rooms = np.minimum(rooms, np.asarray(caps, dtype=rooms.dtype))
         if self.draft is not None:
+            if not bool((rooms > 0).any()):  # nobody proposes: not even the call (~60 us)
+                return
             for row, drafts in self.draft.propose(batch, rows, rooms).items():
                 out.spec_token_ids[batch.state(row).req_id] = drafts
             return

@@ -105,6 +105,7 @@ class DraftLength:
 
 
 PROBE_EVERY = 64  # steps that leave a request's drafts out between two probes
+MAX_PROBE_EVERY = 512  # the longest such interval, where failed probes back off
 PROBE_DECISIONS = 2  # a probe holds this many decisions: one more than steps in flight
 _RECENT = 9  # measurements per row count the step time is the lower median of
 _PRIOR_DECAY = 0.9  # weight of the past in the engine's share of drafts accepted, a verification
@@ -114,10 +115,16 @@ class StepCost:
     """Measured step times by number of computed rows, and the drafting decision."""
 
     __slots__ = (
-        "seconds", "recent", "declined", "probing", "drafted", "accepted", "overlap", "gaps"
+        "seconds", "recent", "declined", "probing", "drafted", "accepted", "overlap", "gaps",
+        "probe_every", "probes_back_off",
     )  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(self, probes_back_off: bool = False) -> None:
+        """``probes_back_off``: each probe after which drafts still do not pay doubles the
+        decisions until the next one (up to ``MAX_PROBE_EVERY``), for a proposer whose
+        proposals cost (a draft model: a probe's proposal, the draft's catch-up over the
+        tokens it skipped and the verification cost about 40 ms beside 6 ms steps of the
+        default model); a decision that verifies every draft held resets it."""
         # (sequences, rows) -> the step time, the lower median of the latest measurements:
         # a row of a one-sequence step costs other than one of an eight-sequence step (the
         # activation path follows the number of sequences)
@@ -132,6 +139,8 @@ class StepCost:
         # until measured, and never measured without async scheduling (every step pays it).
         self.overlap = 0.0
         self.gaps: collections.deque[float] = collections.deque(maxlen=_RECENT)
+        self.probe_every = PROBE_EVERY
+        self.probes_back_off = probes_back_off
 
     def observe_overlap(self, seconds: float) -> None:
         """A step planned with no step ahead (it had drafts to verify) left the worker idle
@@ -195,7 +204,7 @@ class StepCost:
         request's share, and the step verifies the best ``D`` of them, for the ``D`` (0
         included) with the most tokens a second, ``(S + expected) / t(S, S + D)``, with
         ``t`` measured where it was, interpolated where not, plus the overlap a drafted step
-        gives up under async scheduling (:meth:`observe_overlap`). Once every ``PROBE_EVERY``
+        gives up under async scheduling (:meth:`observe_overlap`). Once every ``probe_every``
         decisions that leave a request's drafts out, the next request's drafts verify too
         (a probe: its share went stale while it was left out), for ``PROBE_DECISIONS``
         decisions in a row: with async scheduling the step after a decision is often
@@ -223,13 +232,16 @@ class StepCost:
                     best_rate, best = (sequences + expected) / seconds, num
         if best == total:
             self.declined = self.probing = 0
+            self.probe_every = PROBE_EVERY
         else:
             self.declined += 1
-            if self.declined >= PROBE_EVERY:
+            if self.declined >= self.probe_every:
                 self.declined -= 1  # held for PROBE_DECISIONS decisions in a row
                 self.probing += 1
                 if self.probing >= PROBE_DECISIONS:
                     self.declined = self.probing = 0
+                    if self.probes_back_off:
+                        self.probe_every = min(MAX_PROBE_EVERY, 2 * self.probe_every)
                 reach = 0
                 for i in ranked:  # up to the end of the first request not fully in
                     reach += drafts[i][0]

@@ -106,20 +106,20 @@ class Scheduler(RequestBook):
         # Without vLLM's batch-size settings, drafts are verified only while measured step
         # times say they pay (.draft_policy.StepCost), as many of each request's as its
         # allowance says (None: all); decided once per answered step.
+        # A draft model's proposal costs a draft forward per draft: a request whose drafts
+        # the latest decision left out gets none proposed (_proposal_limit), and still
+        # counts in the next decision as holding its draft length's drafts (_next_drafts),
+        # so that a probe brings its proposals back; failed probes back off. An n-gram
+        # lookup costs next to nothing: its proposals are always made.
+        self._costly_proposals = spec is not None and spec.method == "draft_model"
         self.step_cost: StepCost | None = (
-            StepCost()
+            StepCost(probes_back_off=self._costly_proposals)
             if spec is not None
             and spec.disable_by_batch_size is None
             and spec.num_speculative_tokens_per_batch_size is None
             else None
         )
         self._draft_allowance: dict[str, int] | None = None
-        # A draft model's proposal costs a draft forward per draft: a request whose drafts
-        # the latest decision left out gets none proposed (_proposal_limit), and still
-        # counts in the next decision as holding its draft length's drafts (_next_drafts),
-        # so that a probe brings its proposals back. An n-gram lookup costs next to
-        # nothing: its proposals are always made.
-        self._costly_proposals = spec is not None and spec.method == "draft_model"
 
     def has_drafts_to_verify(self) -> bool:
         """Whether a running request holds drafts (speculative decoding) for its next step.
@@ -199,27 +199,29 @@ class Scheduler(RequestBook):
         running batch verifies no drafts (vLLM's ``disable_by_batch_size``); with a draft
         model, also while the latest decision leaves its drafts out (measured step times
         say they do not pay; a request not decided on yet, while that decision let none
-        verify), and one draft where it lets a request verify that this step verifies none
-        (a probe, or drafts paying again: one draft says whether they are accepted): a
-        draft model's proposal costs a forward per draft."""
+        verify), one draft where it lets a request verify that this step verifies none
+        (a probe, or drafts paying again: one draft says whether they are accepted), and
+        at most one more than the step verifies (a probe's one draft, accepted, is followed
+        by two, not by the draft length the request had before it was left out): a draft
+        model's proposal costs a forward and a pass of its LM head per draft."""
         policy = req.draft_length
         k = self.num_speculative_tokens
         if not self._max_drafts():
             return 0
         allowance = self._draft_allowance
+        cap = k
         if self._costly_proposals and allowance is not None:
             if req.request_id in allowance:
                 if not allowance[req.request_id]:
                     return 0
-                if not num_drafts:
-                    return 1
+                cap = num_drafts + 1
             elif policy is not None or not any(allowance.values()):
                 return 0
         if policy is None:
-            return k
+            return cap
         if policy.skip > samples_ahead:
             return 0
-        return min(k, policy.limit + (1 if num_drafts else 0))
+        return min(cap, policy.limit + (1 if num_drafts else 0))
 
     def _take_proposal(self, req: Request, proposal: list[int]) -> None:
         """Keep the drafts ``req`` verifies next out of the runner's ``proposal`` (made with

@@ -8,6 +8,7 @@ from typing import Any
 from legato.scheduling.draft_policy import (
     FIRST_BACKOFF,
     MAX_BACKOFF,
+    MAX_PROBE_EVERY,
     PROBE_DECISIONS,
     PROBE_EVERY,
     DraftLength,
@@ -79,9 +80,9 @@ def _expected(p: float, drafts: int) -> float:
     return p * drafts  # as the scheduler estimates it
 
 
-def _measured(without: int | None = None) -> StepCost:
+def _measured(without: int | None = None, probes_back_off: bool = False) -> StepCost:
     """The step times above observed once each (``without`` one row count)."""
-    cost = StepCost()
+    cost = StepCost(probes_back_off)
     for rows, seconds in MEASURED_SECONDS.items():
         if rows != without:
             cost.observe(1 if rows <= 5 else 8, rows, seconds)
@@ -175,6 +176,27 @@ def test_a_probe_holds_for_the_decision_after_it() -> None:
     cost.observe(1, 5, MEASURED_SECONDS[5])  # the probe runs, and measures a normal step
     for _ in range(PROBE_EVERY):
         assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))  # now on its merits
+
+
+def test_a_costly_proposers_failed_probes_back_off_until_drafts_pay() -> None:
+    """With ``probes_back_off`` (a draft model: a probe costs a proposal, the draft's
+    catch-up and a verification), each probe after which eight chat streams' drafts still
+    do not pay doubles the decisions before the next, up to MAX_PROBE_EVERY; a decision
+    that verifies every draft held puts it back to PROBE_EVERY. n-gram probes (lookups
+    cost nothing) stay PROBE_EVERY apart."""
+    chat = 8 * _expected(CHAT_ACCEPTANCE, 4)
+    for back_off in (True, False):
+        cost = _measured(probes_back_off=back_off)
+        gaps, gap = [], PROBE_EVERY
+        while len(gaps) < 5:
+            gaps.append(gap)
+            gap = min(MAX_PROBE_EVERY, 2 * gap) if back_off else gap
+        want = [d for g in gaps for d in [False] * (g - 1) + [True] * PROBE_DECISIONS]
+        assert [cost.drafts_pay(8, 32, chat) for _ in want] == want
+        assert gaps[-1] == (MAX_PROBE_EVERY if back_off else PROBE_EVERY)
+        assert cost.drafts_pay(1, 4, _expected(EDIT_ACCEPTANCE, 4))  # drafts pay: reset
+        again = [False] * (PROBE_EVERY - 1) + [True] * PROBE_DECISIONS
+        assert [cost.drafts_pay(8, 32, chat) for _ in again] == again
 
 
 def test_step_cost_lets_only_the_requests_whose_drafts_pay_verify_them() -> None:
@@ -321,7 +343,10 @@ def test_a_draft_models_proposals_follow_the_step_cost_decision(tmp_path: Any) -
         assert left_out[0] == ids  # none of them pays at 8 streams
         # A probe lets one of them propose again, one draft; never more than one at a time.
         assert min(len(out) for out in left_out) == len(ids) - 1
-        assert {n for lim in limits[1:] for rid, n in lim.items() if rid in ids} == {0, 1}
+        # The step verifying that draft lets it propose two, not its old draft length: every
+        # request stays listed (a request not listed proposes k).
+        assert all(ids <= set(lim) for lim in limits[1:])
+        assert {n for lim in limits[1:] for rid, n in lim.items() if rid in ids} == {0, 1, 2}
         # A new request proposes nothing either while none verifies (added after a probe).
         last_probe = max(i for i, out in enumerate(left_out) if len(out) < len(ids))
         assert len(left_out[-1]) == len(ids) and last_probe < len(left_out) - 1
