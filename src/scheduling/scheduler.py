@@ -103,15 +103,15 @@ class Scheduler(RequestBook):
         spec = config.speculative_config
         self.spec_config = spec
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
-        # Without vLLM's batch-size settings, drafts are verified only while measured step
-        # times say they pay (.draft_policy.StepCost), as many of each request's as its
-        # allowance says (None: all); decided once per answered step.
         # A draft model's proposal costs a draft forward per draft: a request whose drafts
         # the latest decision left out gets none proposed (_proposal_limit), and still
         # counts in the next decision as holding its draft length's drafts (_next_drafts),
         # so that a probe brings its proposals back; failed probes back off. An n-gram
         # lookup costs next to nothing: its proposals are always made.
         self._costly_proposals = spec is not None and spec.method == "draft_model"
+        # Without vLLM's batch-size settings, drafts are verified only while measured step
+        # times say they pay (.draft_policy.StepCost), as many of each request's as its
+        # allowance says (None: all); decided once per answered step.
         self.step_cost: StepCost | None = (
             StepCost(probes_back_off=self._costly_proposals)
             if spec is not None
@@ -214,7 +214,7 @@ class Scheduler(RequestBook):
             if req.request_id in allowance:
                 if not allowance[req.request_id]:
                     return 0
-                cap = num_drafts + 1
+                cap = min(k, num_drafts + 1)
             elif policy is not None or not any(allowance.values()):
                 return 0
         if policy is None:
