@@ -509,22 +509,24 @@ class ModelRunner(RunnerMemory):
         ``num_speculative_tokens``), into ``out.spec_token_ids``."""
         assert self.spec_decoder is not None
         batch = self.input_batch
+        row_list = rows.tolist()
+        ids = [batch.state(row).req_id for row in row_list]
         rooms = self.max_model_len - batch.num_tokens[rows] - 1
         if limits:
-            ids = [batch.state(row).req_id for row in rows.tolist()]
             caps = [limits.get(rid, room) for rid, room in zip(ids, rooms.tolist(), strict=True)]
             rooms = np.minimum(rooms, np.asarray(caps, dtype=rooms.dtype))
         if self.draft is not None:
             if not bool((rooms > 0).any()):  # nobody proposes: not even the call (~60 us)
                 return
+            id_of = dict(zip(row_list, ids, strict=True))
             for row, drafts in self.draft.propose(batch, rows, rooms).items():
-                out.spec_token_ids[batch.state(row).req_id] = drafts
+                out.spec_token_ids[id_of[row]] = drafts
             return
-        for row, room in zip(rows.tolist(), rooms.tolist(), strict=True):
+        for row, rid, room in zip(row_list, ids, rooms.tolist(), strict=True):
             if room > 0:
                 drafts = self.spec_decoder.propose(batch, row, room)
                 if drafts:
-                    out.spec_token_ids[batch.state(row).req_id] = drafts
+                    out.spec_token_ids[rid] = drafts
 
     def _admit(self, new: NewRequestData, params: RunnerSamplingParams) -> None:
         """Hold a new request's state (its adapter and pooling included)."""
